@@ -1,0 +1,95 @@
+"""The `model` section of the JSON config, as a frozen dataclass.
+
+Field names are the JSON keys. ``engine.config`` parses the section into this class;
+the reference model (``engine.models``) is built from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+from engine.errors import ConfigError
+
+__all__ = ["ModelConfig"]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    seq_len: int
+    # SwiGLU inner size; None -> 8/3 * hidden rounded up to a multiple of 64 (Llama's rule,
+    # and divisible by every TP degree up to 64).
+    ffn_hidden_size: Optional[int] = None
+    # Grouped-query attention; None -> num_heads (plain multi-head attention).
+    num_kv_heads: Optional[int] = None
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_len"):
+            _positive_int(name, getattr(self, name))
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", _round_up(8 * self.hidden_size // 3, 64))
+        _positive_int("ffn_hidden_size", self.ffn_hidden_size)
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                              f"model.num_heads ({self.num_heads})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ConfigError(f"model head size hidden_size/num_heads = {self.hidden_size // self.num_heads} "
+                              "must be even for rotary embeddings: change model.num_heads or hidden_size")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_heads ({self.num_heads}) must be divisible by "
+                              f"model.num_kv_heads ({self.num_kv_heads})")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"model.{name} must be a positive number, got {v!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Errors for a (tp, pp) this model cannot be split into, naming the key and the fix."""
+        for name in ("num_heads", "num_kv_heads", "hidden_size", "ffn_hidden_size"):
+            v = getattr(self, name)
+            if v % tp:
+                raise ConfigError(f"the tensor-parallel degree {tp} (tensor_parallel.autotp_size) does not "
+                                  f"divide model.{name} = {v}: pick a TP degree that divides it")
+        if pp > self.num_layers:
+            raise ConfigError(f"pipeline.stages = {pp} is greater than model.num_layers = {self.num_layers}: "
+                              "every stage needs at least one layer")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown key(s) in model: {unknown}; accepted: {sorted(known)}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required key is missing
+            raise ConfigError(f"model section: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"model.{name} must be a positive integer, got {v!r}")
