@@ -1,0 +1,44 @@
+import json
+import math
+
+import pytest
+import torch
+
+from engine.metrics import MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, summarize_times
+
+
+def test_mfu_formula():
+    # 6 GFLOP/token at 1000 tok/s over 12 TFLOP/s total is 0.5
+    assert mfu(6e9, 1000.0, 12e12) == pytest.approx(0.5)
+    assert mfu(6e9, 1000.0, None) is None
+
+
+def test_peak_override_and_cpu_unknown():
+    cpu = torch.device("cpu")
+    assert device_peak_flops(cpu) is None
+    assert device_peak_flops(cpu, override_tflops=2.5) == pytest.approx(2.5e12)
+
+
+def test_summarize_times():
+    s = summarize_times([0.010, 0.030, 0.020, 0.040])
+    assert s["median_ms"] == pytest.approx(25.0)
+    assert s["min_ms"] == pytest.approx(10.0) and s["max_ms"] == pytest.approx(40.0)
+    with pytest.raises(ValueError):
+        summarize_times([])
+
+
+def test_peak_memory_positive_on_cpu():
+    assert peak_memory_bytes(torch.device("cpu")) > 1 << 20
+
+
+def test_metrics_jsonl_lines_parse_and_nonwriter_writes_nothing(tmp_path):
+    w = MetricsWriter(str(tmp_path / "a"), is_writer=True, tensorboard=False)
+    w.write({"step": 1, "loss": 2.5, "grad_norm": float("nan")})
+    w.write({"step": 2, "loss": float("inf")})
+    w.close()
+    lines = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": 2.5, "grad_norm": None}, {"step": 2, "loss": None}]
+    w2 = MetricsWriter(str(tmp_path / "b"), is_writer=False)
+    w2.write({"step": 1})
+    w2.close()
+    assert not (tmp_path / "b").exists()
