@@ -1,0 +1,24 @@
+"""Strict loading of DeepSpeed-format JSON configs into nested frozen dataclasses.
+
+    from engine.config import load_config
+    cfg = load_config("configs/default.json", world_size=8)
+    cfg.zero.stage, cfg.pp, cfg.optimizer.params.lr, cfg.to_dict()
+
+Every accepted key, default, rejected DeepSpeed key and no-op is listed in docs/config.md.
+"""
+
+from engine.config.loader import load_config, resolve_batch_sizes
+from engine.config.schema import (
+    ActivationCheckpointingConfig, AdamParams, BF16Config, CheckpointConfig, Config, CosineParams, DataConfig,
+    FP8Config, FP16Config, LionParams, OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig,
+    WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, WSDParams, ZeroConfig,
+)
+from engine.errors import ConfigError
+
+__all__ = [
+    "load_config", "resolve_batch_sizes", "Config", "ConfigError",
+    "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "CheckpointConfig", "CosineParams", "DataConfig",
+    "FP8Config", "FP16Config", "LionParams", "OptimizerConfig", "PipelineConfig", "SchedulerConfig",
+    "TensorParallelConfig", "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "WSDParams",
+    "ZeroConfig",
+]

@@ -1,0 +1,219 @@
+"""``load_config``: DeepSpeed-format JSON (a path or a dict) -> a validated, resolved :class:`Config`.
+
+Stricter than DeepSpeed: an unknown key anywhere is an error with a suggestion, types are
+checked (``true`` is not ``1``, ``"8"`` is not ``8``), and inconsistent settings are errors
+that name the key path and the fix. Pure: no device, environment or process-group access,
+so every rank (and a CLI on a laptop) resolves the same config.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Union
+
+from engine.config.optim import parse_optimizer, parse_scheduler
+from engine.config.reader import Section, read_json_file
+from engine.config.schema import Config, PipelineConfig
+from engine.config.sections import (
+    parse_activation_checkpointing, parse_bf16, parse_checkpoint, parse_data, parse_fp8, parse_fp16,
+    parse_model, parse_pipeline, parse_tensor_parallel, parse_zero,
+)
+from engine.errors import ConfigError
+from engine.models.config import ModelConfig
+from engine.topology import Topology
+
+__all__ = ["load_config", "resolve_batch_sizes"]
+
+_TOP_LEVEL = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "optimizer", "scheduler", "fp16", "bf16", "fp8", "gradient_clipping", "zero_optimization",
+    "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
+    "seed", "checkpoint", "model", "data",
+)
+_NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
+_TOP_LEVEL_REJECTED = {
+    "amp": "NVIDIA Apex AMP is not supported: use bf16 or fp16 instead",
+    "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
+    "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
+    "data_types": "gradients accumulate in fp32 master precision; remove the section",
+    "communication_data_type": "gradients are reduced in their compute dtype; remove the key",
+    "sequence_parallel_size": ("DeepSpeed-Ulysses sequence parallelism is not implemented: use "
+                               "tensor_parallel.sequence_parallel (Megatron-style) instead"),
+    "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
+    "autotuning": "the autotuner is " + _NOT_IMPLEMENTED,
+    "flops_profiler": "the flops profiler is " + _NOT_IMPLEMENTED + " (the engine logs tokens/s and MFU)",
+    "tensorboard": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
+    "wandb": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
+    "csv_monitor": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
+    "comet": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
+    "comms_logger": "the communication logger is " + _NOT_IMPLEMENTED,
+    "compression_training": "compression is " + _NOT_IMPLEMENTED,
+    "data_efficiency": "data-efficiency pipelines are " + _NOT_IMPLEMENTED,
+    "curriculum_learning": "curriculum learning is " + _NOT_IMPLEMENTED,
+    "sparse_attention": "sparse attention is " + _NOT_IMPLEMENTED,
+    "aio": "asynchronous NVMe I/O (for offload) is " + _NOT_IMPLEMENTED,
+    "nebula": "Nebula checkpointing is " + _NOT_IMPLEMENTED,
+    "hybrid_engine": "the RLHF hybrid engine is " + _NOT_IMPLEMENTED,
+    "compile": "torch.compile integration is " + _NOT_IMPLEMENTED,
+    "weight_quantization": "weight quantization is " + _NOT_IMPLEMENTED,
+}
+_TOP_LEVEL_FIXED = {
+    "prescale_gradients": (False, "gradients are averaged once, after the reduction"),
+    "gradient_predivide_factor": (1.0, "gradients are averaged once, after the reduction"),
+    "sparse_gradients": (False, "the model has no sparse (embedding-bag) gradients"),
+    "disable_allgather": (False, "ZeRO always all-gathers updated parameters"),
+    "memory_breakdown": (False, "memory is reported by the engine's metrics"),
+    "dump_state": (False, "state dumping is not implemented"),
+}
+# Switches that only matter for DeepSpeed's client / CPU optimizers: accepted, no effect here.
+_TOP_LEVEL_IGNORED = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]], *, world_size: int) -> Config:
+    """Load and validate a config for a run of ``world_size`` ranks.
+
+    ``path_or_dict``: a JSON file path, or the already-parsed object. Raises
+    :class:`~engine.errors.ConfigError` on every problem, naming the key and the fix.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer (the number of launched ranks), got {world_size!r}")
+    if isinstance(path_or_dict, Mapping):
+        raw: Any = dict(path_or_dict)
+    elif isinstance(path_or_dict, (str, os.PathLike)):
+        raw = read_json_file(path_or_dict)
+    else:
+        raise ConfigError(f"load_config takes a JSON file path or a dict, got {type(path_or_dict).__name__}")
+    top = Section(raw, "", _TOP_LEVEL, rejected=_TOP_LEVEL_REJECTED, fixed=_TOP_LEVEL_FIXED,
+                  ignored_bools=_TOP_LEVEL_IGNORED)
+
+    model = parse_model(top)
+    tensor_parallel = parse_tensor_parallel(top)
+    pipeline = parse_pipeline(top)
+    topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages)
+    model.check_parallel(topology.tp, topology.pp)
+    micro, gas, total = resolve_batch_sizes(top.raw("train_batch_size"), top.raw("train_micro_batch_size_per_gpu"),
+                                            top.raw("gradient_accumulation_steps"), topology)
+    optimizer = parse_optimizer(top)
+    cfg = Config(
+        train_batch_size=total,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=gas,
+        topology=topology,
+        model=model,
+        optimizer=optimizer,
+        scheduler=parse_scheduler(top, optimizer.params.lr),
+        data=parse_data(top),
+        fp16=parse_fp16(top),
+        bf16=parse_bf16(top),
+        fp8=parse_fp8(top),
+        zero=parse_zero(top, model.hidden_size),
+        activation_checkpointing=parse_activation_checkpointing(top),
+        pipeline=pipeline,
+        tensor_parallel=tensor_parallel,
+        checkpoint=parse_checkpoint(top),
+        gradient_clipping=top.number("gradient_clipping", 1.0, min=0.0,
+                                     auto_hint=" (the Hugging Face Trainer fills it from max_grad_norm)"),
+        steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),
+        wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
+        seed=top.int("seed", 1234, min=0, max=2**63 - 1),
+    )
+    _check_cross_section(cfg)
+    return cfg
+
+
+def _topology(world_size: int, tp: int, pp: int) -> Topology:
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor_parallel.autotp_size ({tp}) * pipeline.stages "
+            f"({pp}) = {tp * pp}: launch a multiple of {tp * pp} ranks, or change the TP/PP degrees")
+    return Topology(dp=world_size // (tp * pp), tp=tp, pp=pp, world_size=world_size)
+
+
+def _batch_value(name: str, v: Any) -> Optional[int]:
+    """A batch key's value: ``None`` when absent, null or ``"auto"`` (resolved from the others)."""
+    if v is None or v == "auto":
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise ConfigError(f"{name} must be a positive integer or \"auto\", got {v!r}")
+    if v < 1:
+        raise ConfigError(f"{name} must be a positive integer (>= 1), got {v!r}")
+    return int(v)
+
+
+def resolve_batch_sizes(train_batch: Any, micro: Any, gas: Any, topology: Topology) -> tuple[int, int, int]:
+    """DeepSpeed's rule ``train_batch_size = micro * gas * dp`` with dp the DATA-parallel size.
+
+    Any two determine the third; ``train_batch_size`` alone or the micro batch alone resolve
+    with ``gradient_accumulation_steps = 1``; ``gradient_accumulation_steps`` alone is not
+    enough. Returns ``(micro, gas, train_batch_size)``.
+    """
+    tb, mb, ga = (_batch_value(k, v) for k, v in zip(_BATCH_KEYS, (train_batch, micro, gas)))
+    dp = topology.dp
+    mesh = (f"data-parallel size {dp} = world size {topology.world_size} / (tensor_parallel.autotp_size "
+            f"{topology.tp} * pipeline.stages {topology.pp})")
+
+    def mismatch(what: str) -> ConfigError:
+        return ConfigError(
+            f"{what}: train_batch_size ({_show(tb)}) must equal train_micro_batch_size_per_gpu ({_show(mb)}) * "
+            f"gradient_accumulation_steps ({_show(ga)}) * {mesh}. Fix: set two of the three batch keys and "
+            "let the third be derived, or make the product match")
+
+    if tb is None and mb is None:
+        raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu must be set (DeepSpeed needs one of "
+                          f"them; gradient_accumulation_steps alone does not fix the batch); {mesh}")
+    if tb is not None and mb is not None and ga is not None:
+        if tb != mb * ga * dp:
+            raise mismatch(f"inconsistent batch sizes ({mb} * {ga} * {dp} = {mb * ga * dp} != {tb})")
+    elif tb is not None and mb is not None:
+        if tb % (mb * dp):
+            raise mismatch(f"train_batch_size {tb} is not divisible by micro batch {mb} * data-parallel size {dp}")
+        ga = tb // (mb * dp)
+    elif tb is not None:
+        ga = 1 if ga is None else ga
+        if tb % (ga * dp):
+            raise mismatch(f"train_batch_size {tb} is not divisible by gradient_accumulation_steps {ga} * "
+                           f"data-parallel size {dp}")
+        mb = tb // (ga * dp)
+    else:
+        ga = 1 if ga is None else ga
+        tb = mb * ga * dp
+    return mb, ga, tb  # type: ignore[return-value]
+
+
+def _show(v: Optional[int]) -> str:
+    return "unset" if v is None else str(v)
+
+
+def _check_cross_section(cfg: Config) -> None:
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true: choose one precision (bf16 on "
+                          "A100/H100, fp16 on older GPUs) and set the other to false")
+    if cfg.fp8.enabled and not cfg.bf16.enabled:
+        raise ConfigError("fp8.enabled needs bf16.enabled true: the FP8 GEMMs take bf16 inputs and every "
+                          "other op runs in bf16 (fp16 loss scaling is not combined with FP8 scaling)")
+    if cfg.zero.stage >= 2 and cfg.pp > 1:
+        raise ConfigError(f"zero_optimization.stage {cfg.zero.stage} cannot be combined with pipeline "
+                          f"parallelism (pipeline.stages = {cfg.pp}): gradients and parameters would be "
+                          "re-partitioned every microbatch. Use stage 0 or 1 with pipelines (as DeepSpeed requires)")
+    _check_pipeline_schedule(cfg.pipeline, cfg.model, cfg.gradient_accumulation_steps)
+    if cfg.tensor_parallel.sequence_parallel and cfg.model.seq_len % cfg.tp:
+        raise ConfigError(f"tensor_parallel.sequence_parallel splits the sequence over the {cfg.tp} TP ranks, "
+                          f"but model.seq_len = {cfg.model.seq_len} is not divisible by {cfg.tp}: change seq_len "
+                          "or turn sequence_parallel off")
+
+
+def _check_pipeline_schedule(p: PipelineConfig, model: ModelConfig, microbatches: int) -> None:
+    if p.schedule != "interleaved-1f1b":
+        return
+    chunks = p.stages * p.virtual_stages
+    if model.num_layers % chunks:
+        raise ConfigError(f"pipeline.schedule \"interleaved-1f1b\" splits the model into pipeline.stages * "
+                          f"pipeline.virtual_stages = {p.stages} * {p.virtual_stages} = {chunks} chunks, but "
+                          f"model.num_layers = {model.num_layers} is not divisible by {chunks}: change "
+                          "virtual_stages or num_layers")
+    if microbatches % p.stages:
+        raise ConfigError(f"pipeline.schedule \"interleaved-1f1b\" needs gradient_accumulation_steps (the number "
+                          f"of microbatches, {microbatches}) divisible by pipeline.stages ({p.stages}): change "
+                          "the batch sizes or the schedule")

@@ -1,0 +1,317 @@
+"""The resolved training configuration: nested frozen dataclasses.
+
+Field names are the DeepSpeed JSON keys, so ``to_dict()`` writes the same schema back
+(``Config.zero`` is the ``zero_optimization`` section). Every value here is resolved:
+batch sizes filled in, ``"auto"`` replaced, defaults applied. Build one with
+:func:`engine.config.load_config`; the constructors do no validation of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from engine.models.config import ModelConfig
+from engine.topology import Topology
+
+__all__ = [
+    "AdamParams", "LionParams", "OptimizerConfig",
+    "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "CosineParams", "WSDParams",
+    "SchedulerParams", "SchedulerConfig",
+    "FP16Config", "BF16Config", "FP8Config", "ZeroConfig", "ActivationCheckpointingConfig",
+    "PipelineConfig", "TensorParallelConfig", "CheckpointConfig", "DataConfig", "Config",
+]
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if hasattr(v, "to_dict"):
+        return v.to_dict()
+    return v
+
+
+class _Section:
+    """``to_dict`` for a flat section: its fields, tuples written as JSON lists."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- optimizer
+@dataclass(frozen=True)
+class AdamParams(_Section):
+    """``Adam`` / ``AdamW``. ``adam_w_mode``: decoupled weight decay (AdamW) when true,
+    L2 regularisation added to the gradient (classic Adam) when false."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True
+    torch_adam: bool = False  # force the PyTorch reference implementation over the fused op
+
+
+@dataclass(frozen=True)
+class LionParams(_Section):
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    type: str  # "Adam" | "AdamW" | "Lion"
+    params: Union[AdamParams, LionParams]
+
+
+# ---------------------------------------------------------------- scheduler
+@dataclass(frozen=True)
+class WarmupLRParams(_Section):
+    """DeepSpeed ``WarmupLR``: warm up from ``warmup_min_lr`` to ``warmup_max_lr`` (absolute
+    learning rates), then hold."""
+
+    warmup_min_lr: float
+    warmup_max_lr: float
+    warmup_num_steps: int
+    warmup_type: str  # "log" | "linear"
+
+
+@dataclass(frozen=True)
+class WarmupDecayLRParams(_Section):
+    """DeepSpeed ``WarmupDecayLR``: ``WarmupLR`` then linear decay to 0 at ``total_num_steps``."""
+
+    total_num_steps: int
+    warmup_min_lr: float
+    warmup_max_lr: float
+    warmup_num_steps: int
+    warmup_type: str
+
+
+@dataclass(frozen=True)
+class WarmupCosineLRParams(_Section):
+    """DeepSpeed ``WarmupCosineLR``: ratios of the optimizer's lr; warm up from
+    ``warmup_min_ratio`` to 1, cosine down to ``cos_min_ratio`` at ``total_num_steps``."""
+
+    total_num_steps: int
+    warmup_min_ratio: float
+    warmup_num_steps: int
+    cos_min_ratio: float
+    warmup_type: str
+
+
+@dataclass(frozen=True)
+class CosineParams(_Section):
+    """Ours, ``cosine``: linear warmup from 0 to the optimizer's lr, cosine down to
+    ``min_lr_ratio * lr`` at ``total_num_steps``, then constant."""
+
+    warmup_num_steps: int
+    total_num_steps: int
+    min_lr_ratio: float = 0.1
+    warmup_type: str = "linear"
+
+
+@dataclass(frozen=True)
+class WSDParams(_Section):
+    """Ours, ``WSD`` (warmup-stable-decay): linear warmup, constant lr, then decay over the
+    last ``decay_num_steps`` of ``total_num_steps`` to ``min_lr_ratio * lr``."""
+
+    warmup_num_steps: int
+    total_num_steps: int
+    decay_num_steps: int
+    min_lr_ratio: float = 0.0
+    decay_type: str = "linear"  # "linear" | "cosine" | "sqrt"
+
+
+SchedulerParams = Union[WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams, CosineParams, WSDParams]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Section):
+    type: str  # "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR" | "cosine" | "WSD"
+    params: SchedulerParams
+
+
+# ---------------------------------------------------------------- precision
+@dataclass(frozen=True)
+class FP16Config(_Section):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = 0.0  # 0: dynamic loss scaling; > 0: this static scale
+    initial_scale_power: int = 16  # dynamic scaling starts at 2**initial_scale_power
+    loss_scale_window: int = 1000  # overflow-free steps before the scale is doubled
+    hysteresis: int = 2  # overflows tolerated before the scale is halved
+    consecutive_hysteresis: bool = False  # refill hysteresis after an overflow-free step
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class BF16Config(_Section):
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class FP8Config(_Section):
+    enabled: bool = False
+    recipe: str = "delayed"  # "delayed" (scale from the amax history) | "current" (this step's amax)
+    format: str = "hybrid"  # "hybrid": E4M3 forward, E5M2 gradients | "e4m3": E4M3 everywhere
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"  # "max" of the history | "most_recent"
+    margin: int = 0  # scale = 2**-margin * fp8_max / amax
+
+
+# --------------------------------------------------------------------- ZeRO
+@dataclass(frozen=True)
+class ZeroConfig(_Section):
+    """``zero_optimization``. Sizes are element counts, as in DeepSpeed. docs/config.md says
+    which keys change behaviour here and which are accepted no-ops."""
+
+    stage: int = 0
+    overlap_comm: bool = False  # DeepSpeed's default: true for stage 3, false otherwise
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    use_multi_rank_bucket_allreduce: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_model_persistence_threshold: int = 9223372036854775807  # sys.maxsize, as DeepSpeed
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_module_granularity_threshold: int = 0
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    stage3_allgather_sequential: bool = False
+    sub_group_size: int = 1_000_000_000
+    round_robin_gradients: bool = False
+    elastic_checkpoint: bool = False
+    load_from_fp32_weights: bool = True
+    ignore_unused_parameters: bool = True
+    compute_grad_norm: bool = True
+    parameter_alignment: bool = False
+    memory_efficient_linear: bool = True
+    override_module_apply: bool = True
+    pipeline_loading_checkpoint: bool = False
+    log_trace_cache_warnings: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+
+
+# ------------------------------------------------------------ parallelism
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig(_Section):
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: Optional[int] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineConfig(_Section):
+    stages: int = 1
+    partition: str = "parameters"  # "uniform" (equal layer counts) | "parameters" (balance parameters)
+    activation_checkpoint_interval: int = 0  # checkpoint every N layers; 0 = off
+    schedule: str = "1f1b"  # "1f1b" | "gpipe" | "interleaved-1f1b" | "zb-h1"
+    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b only)
+    seed_layers: bool = False
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig(_Section):
+    autotp_size: int = 1  # the TP degree
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    tag_validation: str = "Warn"  # "Ignore" | "Warn" | "Fail"
+    save_interval: int = 0  # save every N optimizer steps; 0 = never
+    keep_last: Optional[int] = None  # keep the newest N checkpoints; None = keep all
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    train_files: Optional[tuple[str, ...]] = None  # None: the embedded default corpus
+    tokenizer_model: Optional[str] = None  # None: train a sentencepiece model on the data
+    cache_dir: Optional[str] = None  # None: the data module's default cache location
+    document_masking: bool = False  # attention does not cross document boundaries
+
+
+# ---------------------------------------------------------------------- all
+@dataclass(frozen=True)
+class Config:
+    """A fully resolved run configuration. ``load_config(c.to_dict(), world_size=c.world_size) == c``."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    topology: Topology
+    model: ModelConfig
+    optimizer: OptimizerConfig
+    scheduler: Optional[SchedulerConfig]
+    data: DataConfig = DataConfig()
+    fp16: FP16Config = FP16Config()
+    bf16: BF16Config = BF16Config()
+    fp8: FP8Config = FP8Config()
+    zero: ZeroConfig = ZeroConfig()
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    gradient_clipping: float = 1.0  # max global grad norm; 0 = no clipping
+    steps_per_print: Optional[int] = 10  # None: never
+    wall_clock_breakdown: bool = False
+    seed: int = 1234
+
+    @property
+    def dp(self) -> int:
+        return self.topology.dp
+
+    @property
+    def tp(self) -> int:
+        return self.topology.tp
+
+    @property
+    def pp(self) -> int:
+        return self.topology.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size  # type: ignore[return-value]
+
+    @property
+    def precision(self) -> str:
+        """``"fp16"``, ``"bf16"`` or ``"fp32"``: the dtype of the model's compute and its gradients."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config in DeepSpeed's JSON schema (JSON types only)."""
+        d: dict[str, Any] = {
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "steps_per_print": self.steps_per_print,
+            "wall_clock_breakdown": self.wall_clock_breakdown,
+            "seed": self.seed,
+            "gradient_clipping": self.gradient_clipping,
+            "optimizer": self.optimizer.to_dict(),
+        }
+        if self.scheduler is not None:
+            d["scheduler"] = self.scheduler.to_dict()
+        d.update({
+            "fp16": self.fp16.to_dict(),
+            "bf16": self.bf16.to_dict(),
+            "fp8": self.fp8.to_dict(),
+            "zero_optimization": self.zero.to_dict(),
+            "activation_checkpointing": self.activation_checkpointing.to_dict(),
+            "pipeline": self.pipeline.to_dict(),
+            "tensor_parallel": self.tensor_parallel.to_dict(),
+            "checkpoint": self.checkpoint.to_dict(),
+            "model": self.model.to_dict(),
+            "data": self.data.to_dict(),
+        })
+        return d

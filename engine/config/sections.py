@@ -1,0 +1,271 @@
+"""Parsers for the non-optimizer sections: precision, ZeRO, parallelism, checkpoint, data, model.
+
+Each ``parse_*`` takes the parent :class:`Section` and returns a frozen dataclass from
+:mod:`engine.config.schema`. Cross-section rules (batch sizes, fp16 vs bf16, pipeline vs
+model depth) live in :mod:`engine.config.loader`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+from typing import Any
+
+from engine.config.reader import Section
+from engine.config.schema import (
+    ActivationCheckpointingConfig, BF16Config, CheckpointConfig, DataConfig, FP8Config, FP16Config,
+    PipelineConfig, TensorParallelConfig, ZeroConfig,
+)
+from engine.errors import ConfigError
+from engine.models.config import ModelConfig
+
+__all__ = [
+    "parse_fp16", "parse_bf16", "parse_fp8", "parse_zero", "parse_activation_checkpointing",
+    "parse_pipeline", "parse_tensor_parallel", "parse_checkpoint", "parse_data", "parse_model",
+    "PIPELINE_SCHEDULES",
+]
+
+_NO_OFFLOAD = "this engine keeps parameters and optimizer state on the accelerator; CPU/NVMe offload is not implemented"
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+# ---------------------------------------------------------------- precision
+def parse_fp16(top: Section) -> FP16Config:
+    s = top.sub("fp16", _names(FP16Config), fixed={
+        "fp16_master_weights_and_grads": (False, "master weights and gradients are always kept in fp32"),
+    })
+    d = FP16Config()
+    return FP16Config(
+        enabled=s.bool("enabled", d.enabled, auto_hint=_PRECISION_AUTO),
+        auto_cast=s.bool("auto_cast", d.auto_cast),
+        loss_scale=s.number("loss_scale", d.loss_scale, min=0.0),
+        initial_scale_power=s.int("initial_scale_power", d.initial_scale_power, min=0, max=126),
+        loss_scale_window=s.int("loss_scale_window", d.loss_scale_window, min=1),
+        hysteresis=s.int("hysteresis", d.hysteresis, min=1),
+        consecutive_hysteresis=s.bool("consecutive_hysteresis", d.consecutive_hysteresis),
+        min_loss_scale=s.number("min_loss_scale", d.min_loss_scale, min=0.0, min_exclusive=True),
+    )
+
+
+_PRECISION_AUTO = (" (it depends on the device, and loading a config is device-independent): set "
+                   "bf16.enabled true for GPUs with bf16 (A100/H100), fp16.enabled true for older ones, "
+                   "or both false for fp32")
+
+
+def parse_bf16(top: Section) -> BF16Config:
+    s = top.sub("bf16", ("enabled",), fixed={
+        "immediate_grad_update": (False, "gradients are applied once per optimizer step"),
+        "check_grad_overflow": (True, "non-finite gradients always skip the step"),
+        "bf16_master_weights_and_grads": (False, "master weights and gradients are always kept in fp32"),
+        "bf16_optimizer_states": (False, "optimizer states are always kept in fp32"),
+    })
+    return BF16Config(enabled=s.bool("enabled", False, auto_hint=_PRECISION_AUTO))
+
+
+def parse_fp8(top: Section) -> FP8Config:
+    s = top.sub("fp8", _names(FP8Config))
+    d = FP8Config()
+    return FP8Config(
+        enabled=s.bool("enabled", d.enabled),
+        recipe=s.choice("recipe", ("delayed", "current"), d.recipe),
+        format=s.choice("format", ("hybrid", "e4m3"), d.format, case_insensitive=True),
+        amax_history_len=s.int("amax_history_len", d.amax_history_len, min=1),
+        amax_compute_algo=s.choice("amax_compute_algo", ("max", "most_recent"), d.amax_compute_algo),
+        margin=s.int("margin", d.margin, min=0),
+    )
+
+
+# --------------------------------------------------------------------- ZeRO
+# DeepSpeed accepts both spellings of these ZeRO-3 keys (pydantic alias + field name).
+_ZERO_ALIASES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",  # deprecated name
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
+}
+_ZERO_FIXED = {
+    "legacy_stage1": (False, "there is one ZeRO-1 implementation"),
+    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning (hpZ) is not implemented"),
+    "zero_quantized_weights": (False, "ZeRO++ quantized weight communication is not implemented"),
+    "zero_quantized_nontrainable_weights": (False, "ZeRO++ weight quantization is not implemented"),
+    "zero_quantized_gradients": (False, "ZeRO++ quantized gradient communication is not implemented"),
+    "cpu_offload": (False, _NO_OFFLOAD),
+    "cpu_offload_param": (False, _NO_OFFLOAD),
+    "cpu_offload_use_pin_memory": (False, _NO_OFFLOAD),
+    "zenflow": (None, "ZenFlow is an offloading optimizer; " + _NO_OFFLOAD),
+}
+_ZERO_REJECTED = {
+    "mics_shard_size": "MiCS sharding is not implemented (DeepSpeed removed it as well): use stage 3",
+    "mics_hierarchical_params_gather": "MiCS sharding is not implemented: use stage 3",
+}
+_OFFLOAD_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
+                 "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")
+_LEAF_MODULE_KEYS = ("classes", "names", "name_suffixes")
+
+
+def parse_zero(top: Section, hidden_size: int) -> ZeroConfig:
+    accepted = _names(ZeroConfig) + ("offload_param", "offload_optimizer", "leaf_module")
+    s = top.sub("zero_optimization", accepted, aliases=_ZERO_ALIASES, fixed=_ZERO_FIXED, rejected=_ZERO_REJECTED)
+    for key in ("offload_param", "offload_optimizer"):
+        _check_no_offload(s, key)
+    _check_leaf_module(s)
+    d = ZeroConfig()
+    stage = s.int("stage", d.stage, min=0, max=3)
+    # "auto" bucket sizes are resolved from the model width, as the Hugging Face integration does.
+    auto_sizes = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    values: dict[str, Any] = {"stage": stage}
+    for f in fields(ZeroConfig):
+        name = f.name
+        if name == "stage":
+            continue
+        if name == "overlap_comm":
+            values[name] = s.bool(name, stage == 3)  # DeepSpeed: on by default for stage 3 only
+        elif name in auto_sizes and s.is_auto(name):
+            values[name] = auto_sizes[name]
+        elif isinstance(f.default, bool):
+            values[name] = s.bool(name, f.default)
+        else:
+            lo = 1 if name in ("reduce_bucket_size", "allgather_bucket_size") else 0
+            values[name] = s.int(name, f.default, min=lo)
+    return ZeroConfig(**values)
+
+
+def _check_no_offload(s: Section, key: str) -> None:
+    if not s.has(key) or s.raw(key) is None:
+        return
+    o = s.sub(key, _OFFLOAD_KEYS)
+    device = o.choice("device", ("none", "cpu", "nvme"), "none")
+    if device != "none":
+        raise ConfigError(f"{s.full(key)}.device = \"{device}\": {_NO_OFFLOAD}; remove {s.full(key)} "
+                          f"or set its device to \"none\"")
+
+
+def _check_leaf_module(s: Section) -> None:
+    # ZeRO-3 leaf modules tell DeepSpeed's per-module hooks where to stop; this engine gathers
+    # parameters per transformer block, so the setting is validated and then has no effect.
+    if s.has("leaf_module") and s.raw("leaf_module") is not None:
+        leaf = s.sub("leaf_module", _LEAF_MODULE_KEYS)
+        for k in _LEAF_MODULE_KEYS:
+            if leaf.has(k) and not isinstance(leaf.raw(k), str):
+                leaf.str_list(k, nullable=False)
+
+
+# ------------------------------------------------------------ parallelism
+def parse_activation_checkpointing(top: Section) -> ActivationCheckpointingConfig:
+    s = top.sub("activation_checkpointing", _names(ActivationCheckpointingConfig), fixed={
+        "cpu_checkpointing": (False, "activation checkpoints stay on the accelerator; CPU offload of "
+                                     "checkpoints is not implemented"),
+    })
+    d = ActivationCheckpointingConfig()
+    return ActivationCheckpointingConfig(
+        partition_activations=s.bool("partition_activations", d.partition_activations),
+        contiguous_memory_optimization=s.bool("contiguous_memory_optimization", d.contiguous_memory_optimization),
+        number_checkpoints=s.int("number_checkpoints", None, min=1, nullable=True),
+        synchronize_checkpoint_boundary=s.bool("synchronize_checkpoint_boundary", d.synchronize_checkpoint_boundary),
+        profile=s.bool("profile", d.profile),
+    )
+
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+
+
+def parse_pipeline(top: Section) -> PipelineConfig:
+    s = top.sub("pipeline", _names(PipelineConfig))
+    d = PipelineConfig()
+    cfg = PipelineConfig(
+        stages=s.int("stages", d.stages, min=1,
+                     auto_hint=" (DeepSpeed takes it from the model object)"),
+        partition=s.choice("partition", ("uniform", "parameters"), d.partition),
+        activation_checkpoint_interval=s.int("activation_checkpoint_interval", d.activation_checkpoint_interval, min=0),
+        schedule=s.choice("schedule", PIPELINE_SCHEDULES, d.schedule, case_insensitive=True),
+        virtual_stages=s.int("virtual_stages", d.virtual_stages, min=1),
+        seed_layers=s.bool("seed_layers", d.seed_layers),
+        pipe_partitioned=s.bool("pipe_partitioned", d.pipe_partitioned),
+        grad_partitioned=s.bool("grad_partitioned", d.grad_partitioned),
+    )
+    if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages < 2:
+        raise ConfigError("pipeline.virtual_stages must be >= 2 with pipeline.schedule \"interleaved-1f1b\" "
+                          "(with one chunk per rank it is plain 1F1B): set virtual_stages, or schedule \"1f1b\"")
+    if cfg.schedule != "interleaved-1f1b" and cfg.virtual_stages != 1:
+        raise ConfigError(f"pipeline.virtual_stages = {cfg.virtual_stages} needs pipeline.schedule "
+                          f"\"interleaved-1f1b\" (got \"{cfg.schedule}\"): change the schedule or set virtual_stages 1")
+    return cfg
+
+
+_AUTOTP_REJECTED = {
+    k: "it configures DeepSpeed's AutoTP injection into Hugging Face models; this engine's model is "
+       "built tensor-parallel, so only autotp_size and sequence_parallel apply"
+    for k in ("tp", "tensor_parallel", "dtype", "injection_policy_tuple", "partition_config", "preset_model",
+              "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject", "vocab_parallel_lm_head",
+              "vocab_parallel_ce_backend")
+}
+
+
+def parse_tensor_parallel(top: Section) -> TensorParallelConfig:
+    s = top.sub("tensor_parallel", _names(TensorParallelConfig), rejected=_AUTOTP_REJECTED, fixed={
+        "tp_overlap_comm": (False, "overlapping TP all-reduces with compute is not implemented"),
+    })
+    size = s.int("autotp_size", 1, min=0, auto_hint=" (the TP degree is a choice, not derivable)")
+    # DeepSpeed: autotp_size 0 means "AutoTP disabled", i.e. TP degree 1.
+    return TensorParallelConfig(autotp_size=max(size, 1),
+                                sequence_parallel=s.bool("sequence_parallel", False))
+
+
+# ----------------------------------------------------------- checkpoint/data
+def parse_checkpoint(top: Section) -> CheckpointConfig:
+    s = top.sub("checkpoint", _names(CheckpointConfig) + ("parallel_write",), fixed={
+        "load_universal": (False, "DeepSpeed's universal checkpoint format is not implemented; our "
+                                  "checkpoints are keyed by topology coordinates and reshaped on load"),
+        "use_node_local_storage": (False, "every rank writes its own shard to the checkpoint directory"),
+    })
+    if s.has("parallel_write") and s.raw("parallel_write") is not None:
+        # DeepSpeed: write per pipeline stage in parallel. Here every rank writes its own shard
+        # already, so it is validated and has no effect.
+        s.sub("parallel_write", ("pipeline_stage",)).bool("pipeline_stage", False)
+    d = CheckpointConfig()
+    return CheckpointConfig(
+        tag_validation=s.choice("tag_validation", ("Ignore", "Warn", "Fail"), d.tag_validation,
+                                case_insensitive=True),
+        save_interval=s.int("save_interval", d.save_interval, min=0),
+        keep_last=s.int("keep_last", None, min=1, nullable=True),
+    )
+
+
+def parse_data(top: Section) -> DataConfig:
+    s = top.sub("data", _names(DataConfig))
+    return DataConfig(
+        train_files=s.str_list("train_files"),
+        tokenizer_model=s.optional_str("tokenizer_model"),
+        cache_dir=s.optional_str("cache_dir"),
+        document_masking=s.bool("document_masking", False),
+    )
+
+
+def parse_model(top: Section) -> ModelConfig:
+    if not top.has("model") or top.raw("model") is None:
+        raise ConfigError("model is required: add a \"model\" section with vocab_size, hidden_size, "
+                          "num_layers, num_heads and seq_len")
+    raw = top.raw("model")
+    known = [f.name for f in fields(ModelConfig)]
+    # Section checks unknown keys with a suggestion (ModelConfig.from_dict lists them without one).
+    s = Section(raw, "model", known)
+    required = [f.name for f in fields(ModelConfig) if f.default is MISSING and f.default_factory is MISSING]
+    for name in required:
+        if not s.has(name):
+            raise ConfigError(f"model.{name} is required: add it to the model section")
+    for name in known:
+        if s.is_auto(name):
+            raise ConfigError(f"model.{name} = \"auto\" cannot be resolved: set an explicit value")
+    return ModelConfig.from_dict(dict(raw))
