@@ -1,1 +1,38 @@
-"""See the module docstrings."""
+"""Tensor parallelism: conjugate communication ops (mappings), parallel layers,
+vocab-parallel cross-entropy, and the per-parameter layout tags (attrs)."""
+
+from engine.tensor_parallel.attrs import (
+    is_tied_copy,
+    is_tp_sharded,
+    mark_tied_copy,
+    set_tp_attrs,
+    tp_partition_dim,
+)
+from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    NormalInit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_full_tensor,
+    pad_vocab_size,
+)
+from engine.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
+
+__all__ = [
+    "set_tp_attrs", "is_tp_sharded", "tp_partition_dim", "mark_tied_copy", "is_tied_copy",
+    "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "NormalInit",
+    "gather_full_tensor", "pad_vocab_size",
+    "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+]
