@@ -12,7 +12,7 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 from engine.config.optim import parse_optimizer, parse_scheduler
-from engine.config.reader import Section, read_json_file
+from engine.config.reader import Section, read_json_file, show
 from engine.config.schema import Config, PipelineConfig
 from engine.config.sections import (
     parse_activation_checkpointing, parse_bf16, parse_checkpoint, parse_data, parse_fp8, parse_fp16,
@@ -32,12 +32,12 @@ _TOP_LEVEL = (
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
-    "amp": "NVIDIA Apex AMP is not supported: use bf16 or fp16 instead",
+    "amp": "NVIDIA Apex AMP is replaced by the bf16 / fp16 sections: use those instead",
     "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
     "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
     "data_types": "gradients accumulate in fp32 master precision; remove the section",
     "communication_data_type": "gradients are reduced in their compute dtype; remove the key",
-    "sequence_parallel_size": ("DeepSpeed-Ulysses sequence parallelism is not implemented: use "
+    "sequence_parallel_size": ("DeepSpeed-Ulysses sequence parallelism is not implemented; use "
                                "tensor_parallel.sequence_parallel (Megatron-style) instead"),
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
     "autotuning": "the autotuner is " + _NOT_IMPLEMENTED,
@@ -136,9 +136,9 @@ def _batch_value(name: str, v: Any) -> Optional[int]:
     if v is None or v == "auto":
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise ConfigError(f"{name} must be a positive integer or \"auto\", got {v!r}")
+        raise ConfigError(f"{name} must be a positive integer or \"auto\", got {show(v)}")
     if v < 1:
-        raise ConfigError(f"{name} must be a positive integer (>= 1), got {v!r}")
+        raise ConfigError(f"{name} must be a positive integer (>= 1), got {show(v)}")
     return int(v)
 
 
@@ -156,8 +156,8 @@ def resolve_batch_sizes(train_batch: Any, micro: Any, gas: Any, topology: Topolo
 
     def mismatch(what: str) -> ConfigError:
         return ConfigError(
-            f"{what}: train_batch_size ({_show(tb)}) must equal train_micro_batch_size_per_gpu ({_show(mb)}) * "
-            f"gradient_accumulation_steps ({_show(ga)}) * {mesh}. Fix: set two of the three batch keys and "
+            f"{what}: train_batch_size ({_or_unset(tb)}) must equal train_micro_batch_size_per_gpu ({_or_unset(mb)}) * "
+            f"gradient_accumulation_steps ({_or_unset(ga)}) * {mesh}. Fix: set two of the three batch keys and "
             "let the third be derived, or make the product match")
 
     if tb is None and mb is None:
@@ -182,7 +182,7 @@ def resolve_batch_sizes(train_batch: Any, micro: Any, gas: Any, topology: Topolo
     return mb, ga, tb  # type: ignore[return-value]
 
 
-def _show(v: Optional[int]) -> str:
+def _or_unset(v: Optional[int]) -> str:
     return "unset" if v is None else str(v)
 
 

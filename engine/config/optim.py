@@ -53,8 +53,8 @@ def parse_optimizer(top: Section) -> OptimizerConfig:
 def _adam_params(opt: Section, opt_type: str) -> AdamParams:
     p = opt.sub("params", ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
                 rejected={"max_grad_norm": _MAX_GRAD_NORM},
-                fixed={"amsgrad": (False, "the AMSGrad variant is not implemented (DeepSpeed's fused Adam "
-                                          "does not have it either)"),
+                fixed={"amsgrad": (False, "the AMSGrad variant is not implemented; DeepSpeed's fused Adam "
+                                          "lacks it too"),
                        "bias_correction": (True, "Adam without bias correction is not implemented")})
     d = AdamParams()
     adam_w_mode = p.bool("adam_w_mode", True)

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from engine.errors import ConfigError
 
-__all__ = ["AUTO", "Section", "key_path", "read_json_file", "did_you_mean"]
+__all__ = ["AUTO", "Section", "key_path", "read_json_file", "did_you_mean", "show"]
 
 AUTO = "auto"
 _MISSING = object()
@@ -56,8 +56,12 @@ def _type_name(v: Any) -> str:
     return type(v).__name__
 
 
-def _show(v: Any) -> str:
-    return json.dumps(v) if isinstance(v, (bool, int, float, str, type(None), list, dict)) else repr(v)
+def show(v: Any) -> str:
+    """``v`` as it would be written in JSON, or its repr when it is not JSON."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
 
 
 class Section:
@@ -86,13 +90,14 @@ class Section:
     ) -> None:
         where = path or "the top level of the config"
         if not isinstance(data, dict):
-            raise ConfigError(f"{where} must be a JSON object, got {_type_name(data)} ({_show(data)})")
+            raise ConfigError(f"{where} must be a JSON object, got {_type_name(data)} ({show(data)})")
         self.path = path
         self.accepted = tuple(accepted)
         rejected = dict(rejected or {})
         fixed = dict(fixed or {})
         aliases = dict(aliases or {})
         values: dict[str, Any] = {}
+        spelled: dict[str, str] = {}  # canonical key -> the spelling used in the file
         for key, value in data.items():
             if not isinstance(key, str):
                 raise ConfigError(f"{where}: keys must be strings, got {key!r}")
@@ -102,12 +107,13 @@ class Section:
             if key in fixed:
                 allowed, reason = fixed[key]
                 if value is not None and not _same(value, allowed):  # null: DeepSpeed's "unset"
-                    raise ConfigError(f"{full} = {_show(value)} is not supported ({reason}): "
-                                      f"remove the key or set it to {_show(allowed)}")
+                    raise ConfigError(f"{full} = {show(value)} is not supported ({reason}): "
+                                      f"remove the key or set it to {show(allowed)}")
                 continue
             if key in ignored_bools:
                 if not isinstance(value, bool):
-                    raise ConfigError(f"{full} must be true or false, got {_type_name(value)} ({_show(value)})")
+                    raise ConfigError(f"{full} must be true or false, got {_type_name(value)} ({show(value)})"
+                                      f"{_type_fix(value, 'bool')}")
                 continue
             canonical = aliases.get(key, key)
             if canonical not in self.accepted:
@@ -115,9 +121,11 @@ class Section:
                 raise ConfigError(f"unknown key {full}{did_you_mean(key, known)}; accepted keys in "
                                   f"{where}: {', '.join(sorted(self.accepted))}")
             if canonical in values:
-                raise ConfigError(f"{full} and {key_path(path, canonical)} are two spellings of the same "
-                                  f"setting: keep only {key_path(path, canonical)}")
+                first = key_path(path, spelled[canonical])
+                raise ConfigError(f"{first} and {full} are two spellings of the same setting: keep only "
+                                  f"{key_path(path, canonical)}")
             values[canonical] = value
+            spelled[canonical] = key
         self._values = values
 
     # ---------------------------------------------------------------- basics
@@ -156,7 +164,7 @@ class Section:
     def bool(self, key: str, default: Any = _MISSING, *, required: bool = False, auto_hint: str = "") -> bool:
         v = self._get(key, default, required or default is _MISSING, auto_hint)
         if not isinstance(v, bool):
-            raise self.error(key, f"must be true or false, got {_type_name(v)} ({_show(v)})")
+            raise self.error(key, f"must be true or false, got {_type_name(v)} ({show(v)}){_type_fix(v, 'bool')}")
         return v
 
     def int(
@@ -177,7 +185,7 @@ class Section:
         if v is None:
             raw = self._values.get(key, default)
             kind = "an integer" + (" or null" if nullable else "")
-            raise self.error(key, f"must be {kind}, got {_type_name(raw)} ({_show(raw)})")
+            raise self.error(key, f"must be {kind}, got {_type_name(raw)} ({show(raw)}){_type_fix(raw, 'number')}")
         _check_range(self, key, v, min, max)
         return v
 
@@ -194,15 +202,15 @@ class Section:
     ) -> float:
         v = self._get(key, default, required or default is _MISSING, auto_hint)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise self.error(key, f"must be a number, got {_type_name(v)} ({_show(v)})")
+            raise self.error(key, f"must be a number, got {_type_name(v)} ({show(v)}){_type_fix(v, 'number')}")
         if not math.isfinite(v):
             raise self.error(key, f"must be a finite number, got {v!r}")
         v = float(v)
         if min is not None and (v <= min if min_exclusive else v < min):
             op = ">" if min_exclusive else ">="
-            raise self.error(key, f"must be {op} {min:g}, got {v:g}")
+            raise self.error(key, f"must be {op} {min:g}, got {v:g}: set a value in that range")
         if max is not None and v > max:
-            raise self.error(key, f"must be <= {max:g}, got {v:g}")
+            raise self.error(key, f"must be <= {max:g}, got {v:g}: set a value in that range")
         return v
 
     def choice(
@@ -225,14 +233,14 @@ class Section:
                         return c
         options = " | ".join(f'"{c}"' for c in choices)
         hint = did_you_mean(v, choices) if isinstance(v, str) else ""
-        raise self.error(key, f"must be one of {options}, got {_show(v)}{hint}")
+        raise self.error(key, f"must be one of {options}, got {show(v)}{hint}")
 
     def optional_str(self, key: str, default: Optional[str] = None) -> Optional[str]:
         v = self._get(key, default, False, "")
         if v is None:
             return None
         if not isinstance(v, str) or not v:
-            raise self.error(key, f"must be a non-empty string or null, got {_type_name(v)} ({_show(v)})")
+            raise self.error(key, f"must be a non-empty string or null, got {_type_name(v)} ({show(v)})")
         return v
 
     def str_list(self, key: str, *, nullable: bool = True) -> Optional[tuple[str, ...]]:
@@ -241,21 +249,21 @@ class Section:
             return None
         if not isinstance(v, list) or not v:
             raise self.error(key, f"must be a non-empty list of strings{' or null' if nullable else ''}, "
-                                  f"got {_type_name(v)} ({_show(v)})")
+                                  f"got {_type_name(v)} ({show(v)})")
         for i, item in enumerate(v):
             if not isinstance(item, str) or not item:
-                raise ConfigError(f"{self.full(key)}[{i}] must be a non-empty string, got {_show(item)}")
+                raise ConfigError(f"{self.full(key)}[{i}] must be a non-empty string, got {show(item)}")
         return tuple(v)
 
     def number_pair(self, key: str, default: tuple[float, float], *, lo: float, hi: float) -> tuple[float, float]:
         """Two numbers in ``[lo, hi)`` (Adam/Lion ``betas``)."""
         v = self._get(key, default, False, "")
         if not isinstance(v, (list, tuple)) or len(v) != 2:
-            raise self.error(key, f"must be a list of two numbers like [0.9, 0.999], got {_show(v)}")
+            raise self.error(key, f"must be a list of two numbers like [0.9, 0.999], got {show(v)}")
         out = []
         for i, b in enumerate(v):
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not lo <= b < hi:
-                raise ConfigError(f"{self.full(key)}[{i}] must be a number in [{lo:g}, {hi:g}), got {_show(b)}")
+                raise ConfigError(f"{self.full(key)}[{i}] must be a number in [{lo:g}, {hi:g}), got {show(b)}")
             out.append(float(b))
         return (out[0], out[1])
 
@@ -278,11 +286,31 @@ def _as_int(v: Any) -> Optional[int]:
 
 
 def _check_range(sec: Section, key: str, v: int, lo: Optional[int], hi: Optional[int]) -> None:
-    if lo is not None and v < lo:
-        what = {0: "must be >= 0", 1: "must be a positive integer (>= 1)"}.get(lo, f"must be >= {lo}")
-        raise sec.error(key, f"{what}, got {v}")
-    if hi is not None and v > hi:
-        raise sec.error(key, f"must be <= {hi}, got {v}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if lo is not None and hi is not None:
+            what = f"must be an integer from {lo} to {hi}"
+        elif lo is not None:
+            what = {0: "must be >= 0", 1: "must be a positive integer (>= 1)"}.get(lo, f"must be >= {lo}")
+        else:
+            what = f"must be <= {hi}"
+        raise sec.error(key, f"{what}, got {v}: set a value in that range")
+
+
+def _type_fix(v: Any, want: str) -> str:
+    """A hint for the common slips: a quoted number or boolean, a boolean for a number."""
+    if isinstance(v, str):
+        if v.lower() in ("true", "false") and want == "bool":
+            return f": write {v.lower()} without quotes"
+        try:
+            float(v)
+            return f": write {v} without quotes" if want == "number" else ""
+        except ValueError:
+            return ""
+    if isinstance(v, bool) and want == "number":
+        return ": write a number, not true/false"
+    if isinstance(v, (int, float)) and want == "bool":
+        return ": write true or false, not a number"
+    return ""
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

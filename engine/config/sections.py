@@ -49,9 +49,8 @@ def parse_fp16(top: Section) -> FP16Config:
     )
 
 
-_PRECISION_AUTO = (" (it depends on the device, and loading a config is device-independent): set "
-                   "bf16.enabled true for GPUs with bf16 (A100/H100), fp16.enabled true for older ones, "
-                   "or both false for fp32")
+_PRECISION_AUTO = (" (it depends on the device, and loading a config is device-independent; bf16 suits "
+                   "A100/H100, fp16 older GPUs, both off means fp32)")
 
 
 def parse_bf16(top: Section) -> BF16Config:
