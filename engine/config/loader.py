@@ -35,8 +35,8 @@ _TOP_LEVEL_REJECTED = {
     "amp": "NVIDIA Apex AMP is replaced by the bf16 / fp16 sections: use those instead",
     "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
     "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
-    "data_types": "gradients accumulate in fp32 master precision; remove the section",
-    "communication_data_type": "gradients are reduced in their compute dtype; remove the key",
+    "data_types": "gradients are accumulated in fp32 and parameters follow bf16 / fp16; remove the section",
+    "communication_data_type": "gradients are accumulated and reduced in fp32; remove the key",
     "sequence_parallel_size": ("DeepSpeed-Ulysses sequence parallelism is not implemented; use "
                                "tensor_parallel.sequence_parallel (Megatron-style) instead"),
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,

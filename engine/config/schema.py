@@ -148,6 +148,7 @@ class FP16Config(_Section):
 @dataclass(frozen=True)
 class BF16Config(_Section):
     enabled: bool = False
+    check_grad_overflow: bool = True  # skip (and count) steps whose gradients hold inf/NaN
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,13 @@ _PRECISION_AUTO = (" (it depends on the device, and loading a config is device-i
 
 
 def parse_bf16(top: Section) -> BF16Config:
-    s = top.sub("bf16", ("enabled",), fixed={
+    s = top.sub("bf16", _names(BF16Config), fixed={
         "immediate_grad_update": (False, "gradients are applied once per optimizer step"),
-        "check_grad_overflow": (True, "non-finite gradients always skip the step"),
         "bf16_master_weights_and_grads": (False, "master weights and gradients are always kept in fp32"),
         "bf16_optimizer_states": (False, "optimizer states are always kept in fp32"),
     })
-    return BF16Config(enabled=s.bool("enabled", False, auto_hint=_PRECISION_AUTO))
+    return BF16Config(enabled=s.bool("enabled", False, auto_hint=_PRECISION_AUTO),
+                      check_grad_overflow=s.bool("check_grad_overflow", True))
 
 
 def parse_fp8(top: Section) -> FP8Config:

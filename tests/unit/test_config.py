@@ -371,7 +371,7 @@ def test_batch_all_auto_is_an_error():
 SYNTHETIC = [
     [],
     [("fp16.enabled", True), ("fp16.loss_scale", 64)],
-    [("bf16.enabled", True), ("fp8.enabled", True), ("zero_optimization.stage", 3)],
+    [("bf16.enabled", True), ("bf16.check_grad_overflow", False), ("fp8.enabled", True), ("zero_optimization.stage", 3)],
     [*INTERLEAVED, ("gradient_accumulation_steps", 4), ("tensor_parallel.autotp_size", 2)],
     [("optimizer", {"type": "Lion", "params": {"lr": 1e-4}}),
      ("scheduler", {"type": "WSD", "params": {"total_num_steps": 10, "decay_num_steps": 3}})],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import FP16Config, ZeroConfig, load_config
+from engine.config import BF16Config, FP16Config, ZeroConfig, load_config
 
 ds_zero = pytest.importorskip("deepspeed.runtime.zero.config", reason="deepspeed is an optional test dependency")
 ds_precision = pytest.importorskip("deepspeed.runtime.precision_config")
@@ -38,4 +38,6 @@ def test_fp16_keys_and_defaults_match_deepspeed():
     for key, ours in FP16Config().to_dict().items():
         assert _ds_default(ds_precision.DeepSpeedFP16Config, key) == ours, key
     ds_precision.DeepSpeedFP16Config(**FP16Config(enabled=True, loss_scale=8.0).to_dict())
-    ds_precision.DeepSpeedBF16Config(enabled=True)
+    for key, ours in BF16Config().to_dict().items():
+        assert _ds_default(ds_precision.DeepSpeedBF16Config, key) == ours, key
+    ds_precision.DeepSpeedBF16Config(**BF16Config(enabled=True, check_grad_overflow=False).to_dict())
