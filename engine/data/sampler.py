@@ -20,7 +20,7 @@ machines (a resumed run sees the same data).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Sequence, TypeVar
+from typing import List, TypeVar
 
 import numpy as np
 
