@@ -1,0 +1,303 @@
+"""Pipeline schedules as pure functions: (stage, num_stages, num_microbatches) -> actions.
+
+Each schedule first orders the rank's COMPUTE actions (the part that differs between
+schedules: :func:`compute_order`), then :func:`place_comms` adds the point-to-point
+actions the same way for all of them, from one reference timeline of all ranks: a send
+right after the compute that produced its data, a receive before the compute during
+which its data arrives, and every rank's transfers in one global order. The executor
+posts a receive without waiting and waits only when the consuming compute starts; the
+global order is what keeps FIFO communication streams (NCCL) free of cycles. The
+simulator (:mod:`engine.pipeline.simulate`) checks both properties for any cost model.
+
+Names (``pipeline.schedule`` and every command line): ``gpipe``, ``1f1b``,
+``interleaved-1f1b`` (with ``virtual_stages`` model chunks per rank) and ``zb-h1``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from typing import Callable, Mapping, Optional, Sequence
+
+from engine.errors import ConfigError
+from engine.pipeline.actions import (Action, ActionKind, ScheduleError, next_hop, prev_hop,
+                                     virtual_stage)
+
+__all__ = [
+    "SCHEDULES",
+    "build_schedule",
+    "build_all",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_1f1b",
+    "zb_h1",
+    "compute_order",
+    "place_comms",
+    "reference_times",
+    "PLACEMENT_COSTS",
+    "check_schedule_args",
+    "format_table",
+    "schedule_table",
+]
+
+F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+              ActionKind.BACKWARD_WEIGHT)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches: int,
+                        virtual_stages: int = 1) -> None:
+    """Raise ConfigError naming the problem and the fix for an unsupported combination."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline.schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    _check_int("num_stages (pipeline-parallel size)", num_stages, 1)
+    _check_int("num_microbatches (gradient_accumulation_steps)", num_microbatches, 1)
+    _check_int("pipeline.virtual_stages", virtual_stages, 1)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ConfigError(f"stage {stage!r} is outside [0, {num_stages})")
+    if name == "interleaved-1f1b":
+        if num_stages < 2:
+            raise ConfigError("interleaved-1f1b needs at least 2 pipeline stages; use 1f1b for pp=1")
+        if virtual_stages < 2:
+            raise ConfigError("interleaved-1f1b needs pipeline.virtual_stages >= 2 "
+                              "(with 1 chunk per rank use 1f1b)")
+        if num_microbatches % num_stages != 0:
+            raise ConfigError(
+                f"interleaved-1f1b needs the number of microbatches ({num_microbatches}) to be a "
+                f"multiple of the pipeline stages ({num_stages}): set gradient_accumulation_steps "
+                f"to a multiple of {num_stages}")
+    elif virtual_stages != 1:
+        raise ConfigError(f"pipeline.virtual_stages={virtual_stages} needs schedule "
+                          f"'interleaved-1f1b'; {name!r} runs one model chunk per rank (set it to 1)")
+
+
+# ------------------------------------------------------------------ comm placement
+# Costs of the reference timeline that orders the communication (backward = 2 x forward).
+PLACEMENT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def _producer(stage: int, a: Action, p: int, v: int) -> Optional[tuple[int, str, int, int]]:
+    """(rank, "F" or "B", microbatch, chunk) of the neighbour compute whose output ``a`` consumes."""
+    if a.kind is F:
+        hop = prev_hop(stage, a.chunk, p)
+        return None if hop is None else (hop[0], "F", a.microbatch, hop[1])
+    if a.kind in (B, I):
+        hop = next_hop(stage, a.chunk, p, v)
+        return None if hop is None else (hop[0], "B", a.microbatch, hop[1])
+    return None
+
+
+def reference_times(compute: Sequence[Sequence[Action]], num_stages: int, virtual_stages: int,
+                    costs: Mapping[str, float] = PLACEMENT_COSTS) -> list[list[tuple[float, float]]]:
+    """(start, end) of every compute action when communication is free and instant.
+
+    Each rank runs its computes in order; a compute starts once the previous one on its
+    rank has ended and the neighbour compute it consumes has ended.
+    """
+    p, v = num_stages, virtual_stages
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    ended: dict[tuple[int, str, int, int], float] = {}
+    clock = [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            while len(times[s]) < len(compute[s]):
+                a = compute[s][len(times[s])]
+                dep = _producer(s, a, p, v)
+                if dep is not None and dep not in ended:
+                    break
+                start = max(clock[s], ended[dep] if dep is not None else 0.0)
+                clock[s] = start + costs[a.kind.value]
+                times[s].append((start, clock[s]))
+                if a.kind is not W:
+                    ended[(s, "F" if a.kind is F else "B", a.microbatch, a.chunk)] = clock[s]
+                progress = True
+    stuck = [s for s in range(p) if len(times[s]) < len(compute[s])]
+    if stuck:
+        raise ScheduleError("the compute orders wait on each other: "
+                            + "; ".join(f"rank {s} at {compute[s][len(times[s])]}" for s in stuck))
+    return times
+
+
+def place_comms(compute: Sequence[Sequence[Action]], num_stages: int,
+                virtual_stages: int) -> list[list[Action]]:
+    """Interleave every rank's compute order with the sends and receives it needs.
+
+    Each transfer gets a time T (when its producer ends in :func:`reference_times`) and a
+    tie-break (data kind, microbatch, sender virtual stage) that both ends compute alike.
+    Every rank posts its transfers in (T, tie-break) order - one global order, so FIFO
+    communication streams (NCCL) never wait on each other in a cycle - and a receive is
+    posted before the compute during which its data arrives, a send right after the
+    compute that produced it. A rank then never waits longer than the data takes.
+    """
+    p, v = num_stages, virtual_stages
+    times = reference_times(compute, p, v)
+    end_of = {(s, "F" if a.kind is F else "B", a.microbatch, a.chunk): t[1]
+              for s in range(p) for a, t in zip(compute[s], times[s]) if a.kind is not W}
+    out: list[list[Action]] = []
+    for s in range(p):
+        ops: list[tuple[tuple, Action]] = []
+        for a in compute[s]:
+            if a.kind is W:
+                continue
+            vs = virtual_stage(s, a.chunk, p)
+            data = 0 if a.kind is F else 1
+            dep = _producer(s, a, p, v)
+            if dep is not None:  # receive: sender is the producer's virtual stage
+                sender = virtual_stage(dep[0], dep[3], p)
+                recv = ActionKind.RECV_ACT if a.kind is F else ActionKind.RECV_GRAD
+                ops.append(((end_of[dep], data, a.microbatch, sender), Action(recv, a.microbatch, a.chunk)))
+            has_consumer = (next_hop(s, a.chunk, p, v) if a.kind is F else prev_hop(s, a.chunk, p)) is not None
+            if has_consumer:
+                send = ActionKind.SEND_ACT if a.kind is F else ActionKind.SEND_GRAD
+                key = (end_of[(s, "F" if a.kind is F else "B", a.microbatch, a.chunk)], data, a.microbatch, vs)
+                ops.append((key, Action(send, a.microbatch, a.chunk)))
+        ops.sort(key=lambda x: x[0])
+        row: list[Action] = []
+        j = 0
+        for a, (_, end) in zip(compute[s], times[s]):
+            while j < len(ops) and ops[j][0][0] < end:  # everything that happens before `a` ends
+                row.append(ops[j][1])
+                j += 1
+            row.append(a)
+        row.extend(op for _, op in ops[j:])
+        out.append(row)
+    return out
+
+# ------------------------------------------------------------------ compute orders
+def _gpipe_compute(stage: int, p: int, m: int) -> list[Action]:
+    # All forwards, then all backwards: every stage holds all m activations at the peak.
+    return [Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)]
+
+
+def _1f1b_compute(stage: int, p: int, m: int) -> list[Action]:
+    warmup = min(p - stage - 1, m)  # forwards in flight before the first backward can arrive
+    ops = [Action(F, i) for i in range(warmup)]
+    # Steady state: one forward, then the backward of the oldest microbatch in flight.
+    for i in range(m - warmup):
+        ops += [Action(F, warmup + i), Action(B, i)]
+    # Cooldown: drain the backwards of the warmup forwards.
+    ops += [Action(B, i) for i in range(m - warmup, m)]
+    return ops
+
+
+def _interleaved_compute(stage: int, p: int, m: int, v: int) -> list[Action]:
+    total = m * v
+
+    # The k-th forward (backward) on this rank: microbatches go in groups of p through
+    # chunk 0, then the same group through chunk 1, ...; backwards visit chunks in reverse.
+    def fwd(k: int) -> Action:
+        return Action(F, (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def bwd(k: int) -> Action:
+        return Action(B, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    # Later ranks get their first gradient sooner; every chunk beyond the first adds one
+    # round of p forwards that must be in flight before the first backward arrives.
+    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    ops = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [fwd(warmup + k), bwd(k)]
+    ops += [bwd(k) for k in range(total - warmup, total)]
+    return ops
+
+
+def _zb_h1_compute(stage: int, p: int, m: int) -> list[Action]:
+    # 1F1B with B split into I (input grad, on the critical path) and W (weight grad).
+    # Stage s runs the W of a microbatch s backward-steps after its I, so the W's fill the
+    # slots where 1F1B would wait for the next gradient, and the last W's fill the cooldown.
+    warmup = min(p - stage - 1, m)
+    ops = [Action(F, i) for i in range(warmup)]
+    pending: deque[int] = deque()
+
+    def after_input_grad(k: int) -> None:
+        pending.append(k)
+        if k >= stage:
+            ops.append(Action(W, pending.popleft()))
+
+    for i in range(m - warmup):
+        ops += [Action(F, warmup + i), Action(I, i)]
+        after_input_grad(i)
+    for i in range(m - warmup, m):
+        ops.append(Action(I, i))
+        after_input_grad(i)
+    ops += [Action(W, k) for k in pending]
+    return ops
+
+
+# ------------------------------------------------------------------ public builders
+_COMPUTE: dict[str, Callable[[int, int, int, int], list[Action]]] = {
+    "gpipe": lambda s, p, m, v: _gpipe_compute(s, p, m),
+    "1f1b": lambda s, p, m, v: _1f1b_compute(s, p, m),
+    "interleaved-1f1b": _interleaved_compute,
+    "zb-h1": lambda s, p, m, v: _zb_h1_compute(s, p, m),
+}
+
+
+def compute_order(name: str, stage: int, num_stages: int, num_microbatches: int,
+                  virtual_stages: int = 1) -> list[Action]:
+    """Only the compute actions (F/B/I/W) of rank ``stage``, in order."""
+    check_schedule_args(name, stage, num_stages, num_microbatches, virtual_stages)
+    return _COMPUTE[name](stage, num_stages, num_microbatches, virtual_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _build_all(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    compute = [compute_order(name, s, p, m, v) for s in range(p)]
+    return tuple(tuple(row) for row in place_comms(compute, p, v))
+
+
+def build_all(name: str, num_stages: int, num_microbatches: int,
+              virtual_stages: int = 1) -> list[list[Action]]:
+    """Every rank's action list (compute and communication), indexed by pipeline rank."""
+    for s in range(num_stages if isinstance(num_stages, int) and num_stages > 0 else 1):
+        check_schedule_args(name, s, num_stages, num_microbatches, virtual_stages)
+    return [list(row) for row in _build_all(name, num_stages, num_microbatches, virtual_stages)]
+
+
+def build_schedule(name: str, stage: int, num_stages: int, num_microbatches: int,
+                   virtual_stages: int = 1) -> list[Action]:
+    """The action list of rank ``stage`` for schedule ``name`` (one of :data:`SCHEDULES`).
+
+    Pure: every rank computes the same global placement (cached), so the lists agree.
+    """
+    check_schedule_args(name, stage, num_stages, num_microbatches, virtual_stages)
+    return list(_build_all(name, num_stages, num_microbatches, virtual_stages)[stage])
+
+
+def gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    return build_schedule("gpipe", stage, num_stages, num_microbatches)
+
+
+def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    return build_schedule("1f1b", stage, num_stages, num_microbatches)
+
+
+def interleaved_1f1b(stage: int, num_stages: int, num_microbatches: int,
+                     virtual_stages: int) -> list[Action]:
+    return build_schedule("interleaved-1f1b", stage, num_stages, num_microbatches, virtual_stages)
+
+
+def zb_h1(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    return build_schedule("zb-h1", stage, num_stages, num_microbatches)
+
+
+def format_table(per_rank: Sequence[Sequence[Action]], compute_only: bool = True) -> str:
+    """A stage x step table, one row per rank (``compute_only`` drops the comm actions)."""
+    rows = [[str(a) for a in acts if a.is_compute or not compute_only] for acts in per_rank]
+    width = max((len(c) for r in rows for c in r), default=1)
+    return "\n".join(f"stage {s}: " + " ".join(c.ljust(width) for c in r).rstrip()
+                     for s, r in enumerate(rows))
+
+
+def schedule_table(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                   compute_only: bool = True) -> str:
+    """``print(schedule_table("1f1b", 4, 8))`` shows the whole schedule as a table."""
+    return format_table(build_all(name, num_stages, num_microbatches, virtual_stages), compute_only)

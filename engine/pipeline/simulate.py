@@ -1,0 +1,313 @@
+"""Check and time pipeline schedules on the CPU with no processes.
+
+:func:`simulate` takes every rank's action list and
+
+1. checks each rank's list: every (microbatch, chunk) gets exactly one forward and
+   either one full backward or one input-grad plus one weight-grad, in a valid order
+   (receive -> F -> send; receive grad -> B/I -> send grad; I -> W), and the sends and
+   receives a chunk needs are there - no more, no fewer;
+2. pairs every send with the matching receive on the neighbouring rank;
+3. runs the lists under the executor's communication model and reports a deadlock
+   (naming every blocked rank and what it waits for) if no rank can move;
+4. counts the peak number of microbatches whose activations a rank holds, and computes
+   the makespan and the bubble fraction under a per-action cost model.
+
+Communication model (the executor's; see :mod:`engine.pipeline.executor`): a run of
+consecutive comm actions is one batch, posted without waiting when the rank reaches it.
+Each rank has one FIFO communication stream, as NCCL has: a batch starts once it is
+posted and the rank's previous batch has finished, and finishes once the batch of every
+partner op has started (a send waits for its receive: nothing is buffered). A compute
+that consumes a received tensor waits for that batch to finish. A schedule that passes
+here does not deadlock on gloo (less constrained) or on NCCL.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+from engine.pipeline.actions import (Action, ActionKind, ScheduleError, comm_batches, next_hop,
+                                     prev_hop)
+
+__all__ = ["ScheduleError", "TimedAction", "SimResult", "simulate", "check_actions",
+           "DEFAULT_COSTS", "bubble_formula", "format_timeline"]
+
+K = ActionKind
+DEFAULT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+CostModel = Union[Mapping[str, float], Callable[[int, Action], float]]
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    bubble_fraction: float  # idle time over (ranks * makespan)
+    busy: tuple[float, ...]  # compute time per rank
+    peak_activations: tuple[int, ...]  # max microbatch-chunks held (F done, B/W not yet) per rank
+    timeline: tuple[tuple[TimedAction, ...], ...]  # per rank, compute and comm batches with times
+
+
+def bubble_formula(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                   forward: float = 1.0, backward: float = 2.0) -> float:
+    """The analytic bubble fraction with equal stages and free communication.
+
+    gpipe / 1f1b: (p-1)/(m+p-1); interleaved-1f1b: (p-1)/(v*m+p-1). zb-h1 (backward split
+    evenly, input grad b_i = weight grad b_w = backward/2, m >= p): a rank idles only
+    (p-1)*(f + b_i - b_w) while its busy time stays m*(f + backward) - with backward =
+    2 x forward a third of 1F1B's idle time (p-1)*(f + backward).
+    """
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zb-h1":
+        if m < p:
+            raise ValueError(f"the zb-h1 bubble formula assumes microbatches ({m}) >= stages ({p})")
+        b_in = b_w = backward / 2
+        idle = (p - 1) * max(forward + b_in - b_w, 0.0)
+        return idle / (m * (forward + backward) + idle)
+    raise ValueError(f"no bubble formula for schedule {schedule!r}")
+
+
+def format_timeline(result: "SimResult", slot: float = 1.0) -> str:
+    """A stage x time table of the compute actions, one cell per ``slot`` of time ('.' = idle)."""
+    n = int(round(result.makespan / slot))
+    rows = []
+    for s, timed in enumerate(result.timeline):
+        cells = ["."] * n
+        for t in timed:
+            if t.action.is_compute:
+                for i in range(int(round(t.start / slot)), int(round(t.end / slot))):
+                    cells[i] = str(t.action)
+        rows.append(cells)
+    width = max((len(c) for r in rows for c in r), default=1)
+    return "\n".join(f"stage {s}: " + " ".join(c.ljust(width) for c in r).rstrip()
+                     for s, r in enumerate(rows))
+
+
+# ------------------------------------------------------------------ static checks
+def _num_chunks(per_rank: Sequence[Sequence[Action]]) -> int:
+    return 1 + max((a.chunk for acts in per_rank for a in acts), default=0)
+
+
+def _check_rank(rank: int, actions: Sequence[Action], p: int, m: int, v: int) -> None:
+    seen: Counter = Counter()
+    where = f"rank {rank}"
+    for idx, a in enumerate(actions):
+        at = f"{where}, action #{idx} ({a})"
+        if a.microbatch >= m:
+            raise ScheduleError(f"{at}: microbatch {a.microbatch} is outside [0, {m})")
+        if a.chunk >= v:
+            raise ScheduleError(f"{at}: chunk {a.chunk} is outside [0, {v})")
+        key = (a.microbatch, a.chunk)
+        has_prev = prev_hop(rank, a.chunk, p) is not None
+        has_next = next_hop(rank, a.chunk, p, v) is not None
+
+        def need(kind: ActionKind, why: str) -> None:
+            if not seen[(kind, key)]:
+                raise ScheduleError(f"{at}: comes before {Action(kind, *key)} ({why})")
+
+        if seen[(a.kind, key)]:
+            raise ScheduleError(f"{at}: duplicate action")
+        k = a.kind
+        if k is K.RECV_ACT and not has_prev or k is K.SEND_ACT and not has_next:
+            raise ScheduleError(f"{at}: this chunk has no neighbour in that direction")
+        if k is K.RECV_GRAD and not has_next or k is K.SEND_GRAD and not has_prev:
+            raise ScheduleError(f"{at}: this chunk has no neighbour in that direction")
+        if k is K.FORWARD and has_prev:
+            need(K.RECV_ACT, "a forward needs its input activation")
+        if k is K.SEND_ACT:
+            need(K.FORWARD, "the activation is sent after the forward")
+        if k in (K.BACKWARD, K.BACKWARD_INPUT):
+            need(K.FORWARD, "a backward needs its forward")
+            if has_next:
+                need(K.RECV_GRAD, "a backward needs its output gradient")
+            other = K.BACKWARD_INPUT if k is K.BACKWARD else K.BACKWARD
+            if seen[(other, key)]:
+                raise ScheduleError(f"{at}: mixes a full backward with a split one")
+        if k is K.BACKWARD_WEIGHT:
+            need(K.BACKWARD_INPUT, "the weight grad follows the input grad")
+        if k is K.SEND_GRAD and not (seen[(K.BACKWARD, key)] or seen[(K.BACKWARD_INPUT, key)]):
+            raise ScheduleError(f"{at}: the input gradient is sent before it is computed")
+        seen[(a.kind, key)] += 1
+
+    for mb in range(m):
+        for c in range(v):
+            key = (mb, c)
+            missing = []
+            if not seen[(K.FORWARD, key)]:
+                missing.append(str(Action(K.FORWARD, mb, c)))
+            if not (seen[(K.BACKWARD, key)] or seen[(K.BACKWARD_INPUT, key)]):
+                missing.append(str(Action(K.BACKWARD, mb, c)))
+            if seen[(K.BACKWARD_INPUT, key)] and not seen[(K.BACKWARD_WEIGHT, key)]:
+                missing.append(str(Action(K.BACKWARD_WEIGHT, mb, c)))
+            if prev_hop(rank, c, p) is not None and not seen[(K.SEND_GRAD, key)]:
+                missing.append(str(Action(K.SEND_GRAD, mb, c)))
+            if next_hop(rank, c, p, v) is not None and not seen[(K.SEND_ACT, key)]:
+                missing.append(str(Action(K.SEND_ACT, mb, c)))
+            if missing:
+                raise ScheduleError(f"{where}: microbatch {mb} chunk {c} is missing {', '.join(missing)}")
+
+
+def _peer_key(rank: int, a: Action, p: int, v: int) -> tuple:
+    """A key equal for a send and the receive it pairs with: (kind of data, microbatch, sender vstage)."""
+    if a.kind is K.SEND_ACT:
+        return ("act", a.microbatch, a.chunk * p + rank)
+    if a.kind is K.RECV_ACT:
+        return ("act", a.microbatch, a.chunk * p + rank - 1)
+    if a.kind is K.SEND_GRAD:
+        return ("grad", a.microbatch, a.chunk * p + rank)
+    return ("grad", a.microbatch, a.chunk * p + rank + 1)  # RECV_GRAD
+
+
+def check_actions(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
+                  virtual_stages: Optional[int] = None) -> None:
+    """Static checks (1) and (2) of the module docstring; raises :class:`ScheduleError`."""
+    p, m = len(per_rank), num_microbatches
+    v = virtual_stages if virtual_stages is not None else _num_chunks(per_rank)
+    if p < 1:
+        raise ScheduleError("no ranks given")
+    for r, acts in enumerate(per_rank):
+        _check_rank(r, acts, p, m, v)
+    sends, recvs = Counter(), Counter()
+    for r, acts in enumerate(per_rank):
+        for a in acts:
+            if a.is_comm:
+                (sends if a.kind in (K.SEND_ACT, K.SEND_GRAD) else recvs)[_peer_key(r, a, p, v)] += 1
+    if sends != recvs:
+        diff = sorted((sends - recvs).keys())[:3] + sorted((recvs - sends).keys())[:3]
+        raise ScheduleError(f"unpaired sends/receives (kind, microbatch, sender virtual stage): {diff}")
+
+
+# ------------------------------------------------------------------ timing
+def _cost_fn(costs: Optional[CostModel]) -> Callable[[int, Action], float]:
+    if callable(costs):
+        return costs
+    table = dict(DEFAULT_COSTS if costs is None else costs)
+    return lambda rank, a: float(table[a.kind.value])
+
+
+def _consumed_key(rank: int, a: Action, p: int, v: int) -> Optional[tuple]:
+    """Peer key of the receive compute ``a`` waits for, if any."""
+    if a.kind is K.FORWARD and prev_hop(rank, a.chunk, p) is not None:
+        return _peer_key(rank, Action(K.RECV_ACT, a.microbatch, a.chunk), p, v)
+    if a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and next_hop(rank, a.chunk, p, v) is not None:
+        return _peer_key(rank, Action(K.RECV_GRAD, a.microbatch, a.chunk), p, v)
+    return None
+
+
+class _Run:
+    """The state of one simulation: per rank a CPU pointer and a comm-stream pointer."""
+
+    def __init__(self, per_rank: Sequence[Sequence[Action]], v: int, cost, comm_cost: float):
+        self.p, self.v, self.cost, self.comm_cost = len(per_rank), v, cost, comm_cost
+        self.items = [comm_batches(list(acts)) for acts in per_rank]
+        # the comm batches of each rank in order, as indices into items
+        self.stream_items = [[i for i, (c, _) in enumerate(it) if c] for it in self.items]
+        self.cpu = [0] * self.p  # next item for the CPU
+        self.strm = [0] * self.p  # next batch (index into stream_items) for the stream
+        self.clock = [0.0] * self.p
+        self.stream_clock = [0.0] * self.p  # when the previous batch finished
+        self.posted: dict[tuple[int, int], float] = {}  # (rank, item) -> post time
+        self.started: dict[tuple, float] = {}  # (peer key, is_send) -> batch start time
+        self.finished: dict[tuple, float] = {}  # peer key of a receive -> its batch finish
+        self.timeline: list[list[TimedAction]] = [[] for _ in range(self.p)]
+        self.busy = [0.0] * self.p
+        self.held, self.peak = [0] * self.p, [0] * self.p
+
+    def _keys(self, r: int, acts: list[Action]) -> list[tuple[tuple, bool]]:
+        return [(_peer_key(r, a, self.p, self.v), a.kind in (K.SEND_ACT, K.SEND_GRAD)) for a in acts]
+
+    def step_cpu(self, r: int) -> bool:
+        if self.cpu[r] >= len(self.items[r]):
+            return False
+        is_comm, acts = self.items[r][self.cpu[r]]
+        if is_comm:
+            self.posted[(r, self.cpu[r])] = self.clock[r]
+        else:
+            a = acts[0]
+            need = _consumed_key(r, a, self.p, self.v)
+            if need is not None and need not in self.finished:
+                return False
+            start = max(self.clock[r], self.finished[need] if need is not None else 0.0)
+            dt = self.cost(r, a)
+            self.timeline[r].append(TimedAction(a, start, start + dt))
+            self.clock[r] = start + dt
+            self.busy[r] += dt
+            self.held[r] += (a.kind is K.FORWARD) - (a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT))
+            self.peak[r] = max(self.peak[r], self.held[r])
+        self.cpu[r] += 1
+        return True
+
+    def step_stream(self, r: int) -> bool:
+        if self.strm[r] >= len(self.stream_items[r]):
+            return False
+        item = self.stream_items[r][self.strm[r]]
+        if (r, item) not in self.posted:
+            return False
+        acts = self.items[r][item][1]
+        keys = self._keys(r, acts)
+        start = max(self.posted[(r, item)], self.stream_clock[r])
+        for key in keys:
+            self.started.setdefault(key, start)
+        partners = [(k, not is_send) for k, is_send in keys]
+        if any(pk not in self.started for pk in partners):
+            return False
+        done = max([start] + [self.started[pk] for pk in partners]) + self.comm_cost
+        for (k, is_send), a in zip(keys, acts):
+            if not is_send:
+                self.finished[k] = done
+            self.timeline[r].append(TimedAction(a, start, done))
+        self.stream_clock[r] = done
+        self.strm[r] += 1
+        return True
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for r in range(self.p):
+                while self.step_cpu(r) or self.step_stream(r):
+                    progress = True
+        blocked = [r for r in range(self.p) if self.cpu[r] < len(self.items[r])
+                   or self.strm[r] < len(self.stream_items[r])]
+        if blocked:
+            raise ScheduleError("deadlock: " + "; ".join(self._describe(r) for r in blocked))
+
+    def _describe(self, r: int) -> str:
+        parts = []
+        if self.cpu[r] < len(self.items[r]):
+            parts.append(f"cpu at {' '.join(map(str, self.items[r][self.cpu[r]][1]))}")
+        if self.strm[r] < len(self.stream_items[r]):
+            batch = self.items[r][self.stream_items[r][self.strm[r]]][1]
+            parts.append(f"stream at [{' '.join(map(str, batch))}]")
+        return f"rank {r} " + ", ".join(parts)
+
+
+def simulate(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
+             virtual_stages: Optional[int] = None, costs: Optional[CostModel] = None,
+             comm_cost: float = 0.0) -> SimResult:
+    """Check, pair, run and time the schedule (module docstring). Raises ScheduleError.
+
+    ``costs``: a mapping from action prefix ("F", "B", "I", "W") to time, or a callable
+    ``(rank, action) -> time``. ``comm_cost`` is added to every comm batch.
+    """
+    check_actions(per_rank, num_microbatches, virtual_stages)
+    p = len(per_rank)
+    v = virtual_stages if virtual_stages is not None else _num_chunks(per_rank)
+    run = _Run(per_rank, v, _cost_fn(costs), comm_cost)
+    run.run()
+    makespan = max(max(run.clock), max(run.stream_clock))
+    bubble = 1.0 - sum(run.busy) / (p * makespan) if makespan > 0 else 0.0
+    timeline = tuple(tuple(sorted(t, key=lambda x: (x.start, x.end))) for t in run.timeline)
+    return SimResult(makespan=makespan, bubble_fraction=bubble, busy=tuple(run.busy),
+                     peak_activations=tuple(run.peak), timeline=timeline)
