@@ -55,7 +55,10 @@ def _token_file(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str,
                      "tokenizer": tokenizer.sha256, "format": FORMAT_VERSION})
     entry, _ = cached_build(
         os.path.join(cache_dir, f"tokens-{key}"),
-        lambda tmp: write_token_file(os.path.join(tmp, _TOKENS_PREFIX), corpus, tokenizer),
+        # Encoding is per-chunk and order-preserving, so threads do not change the result;
+        # one process per machine builds, so it may use the cores.
+        lambda tmp: write_token_file(os.path.join(tmp, _TOKENS_PREFIX), corpus, tokenizer,
+                                     num_threads=min(16, os.cpu_count() or 1)),
         lock_timeout_s=lock_timeout_s)
     tokens = TokenFile(os.path.join(entry, _TOKENS_PREFIX))
     tokens.check_tokenizer(tokenizer)

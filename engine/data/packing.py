@@ -104,6 +104,11 @@ class Batch:
             raise ValueError("cannot concatenate batches with and without doc_ids")
         return Batch(tokens, torch.cat([b.doc_ids for b in batches]) if all(has_docs) else None)
 
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        return Batch(self.tokens.to(device, non_blocking=non_blocking),
+                     None if self.doc_ids is None
+                     else self.doc_ids.to(device, non_blocking=non_blocking))
+
     def equal(self, other: "Batch") -> bool:
         if (self.doc_ids is None) != (other.doc_ids is None):
             return False

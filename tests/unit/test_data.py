@@ -197,6 +197,10 @@ def test_embedded_default_dataset(tmp_path):
     corpus = StdlibCorpus(200_000)
     tf = ds.token_file
     assert tf.num_documents == len(corpus.documents)
+    # build_dataset encodes with several threads: same tokens as one-by-one encoding.
+    eos = ds.tokenizer.eos_id
+    for i, doc in enumerate(corpus.documents):
+        assert tf.document(i).tolist() == ds.tokenizer.encode(doc) + [eos]
     # vocab 1024 has byte fallback, so every document decodes back exactly.
     for i in (0, tf.num_documents - 1):
         assert ds.tokenizer.decode(tf.document(i)[:-1]) == corpus.documents[i]
@@ -320,6 +324,7 @@ def test_batch_helpers():
     docs = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0]])
     b = Batch(tokens, docs)
     assert Batch.cat([b.rows(0, 1), b.rows(1, 3)]).equal(b)
+    assert b.to(torch.device("cpu")).equal(b)
     assert b.attention_mask().shape == (3, 1, 3, 3)
     assert b.position_ids().tolist() == [[0, 1, 0], [0, 0, 1], [0, 1, 2]]
     assert Batch(tokens).attention_mask() is None
