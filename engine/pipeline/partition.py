@@ -1,0 +1,112 @@
+"""Layers to pipeline stages (pure).
+
+The model is a list of layers ``[embedding, block_1 .. block_N, head]`` (the head carries
+the loss). :func:`partition_layers` cuts it into ``num_parts`` contiguous pieces
+(``num_parts = pp * virtual_stages``; piece ``k`` is virtual stage ``k``, i.e. chunk
+``k // pp`` of rank ``k % pp``) and returns the boundaries: piece ``k`` holds layers
+``bounds[k]:bounds[k+1]``. Every piece is non-empty and contiguous, so the embedding is
+always on the first stage and the head on the last.
+
+Methods (``pipeline.partition``):
+
+- ``uniform``: the N blocks split as evenly as possible (the first pieces take the
+  remainder); the embedding joins the first piece and the head the last, as in Megatron.
+- ``parameters``: balance the parameter counts - the partition whose largest piece is
+  smallest, and among those the most even one (least sum of squares).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.errors import ConfigError
+
+__all__ = ["PARTITION_METHODS", "partition_layers", "part_sizes", "layers_of"]
+
+PARTITION_METHODS = ("uniform", "parameters")
+
+
+def _check(layer_params: Sequence[int], num_parts: int) -> None:
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
+        raise ConfigError(f"num_parts (pipeline stages x virtual stages) must be a positive integer, got {num_parts!r}")
+    if len(layer_params) < 1:
+        raise ConfigError("cannot partition an empty list of layers")
+    for i, n in enumerate(layer_params):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"layer {i}: parameter count must be a non-negative integer, got {n!r}")
+
+
+def _uniform(num_layers: int, num_parts: int) -> list[int]:
+    if num_parts == 1:
+        return [0, num_layers]
+    blocks = num_layers - 2  # everything between the embedding and the head
+    if blocks < num_parts:
+        raise ConfigError(
+            f"uniform partition needs at least one block per pipeline piece: the model has "
+            f"{blocks} blocks (besides embedding and head) for {num_parts} pieces "
+            f"(pipeline stages x virtual stages); use more layers or fewer stages/virtual stages")
+    base, extra = divmod(blocks, num_parts)
+    bounds = [0]
+    for k in range(num_parts):
+        bounds.append(bounds[-1] + base + (k < extra))
+    bounds = [b + 1 for b in bounds]  # shift past the embedding ...
+    bounds[0] = 0  # ... which joins the first piece
+    bounds[-1] = num_layers  # and the head joins the last
+    return bounds
+
+
+def _balanced(layer_params: Sequence[int], num_parts: int) -> list[int]:
+    n = len(layer_params)
+    prefix = [0]
+    for c in layer_params:
+        prefix.append(prefix[-1] + c)
+    inf = (float("inf"), float("inf"))
+    # best[k][i]: (largest piece, sum of squares) splitting layers[:i] into k pieces
+    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, num_parts + 1):
+        for i in range(k, n - (num_parts - k) + 1):
+            for j in range(k - 1, i):
+                prev = best[k - 1][j]
+                if prev[0] == float("inf"):
+                    continue
+                piece = prefix[i] - prefix[j]
+                cand = (max(prev[0], piece), prev[1] + piece * piece)
+                if cand < best[k][i]:
+                    best[k][i], cut[k][i] = cand, j
+    bounds = [n]
+    for k in range(num_parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def partition_layers(layer_params: Sequence[int], num_parts: int, method: str = "uniform") -> list[int]:
+    """Boundaries ``[0, b_1, ..., n]`` of ``num_parts`` contiguous, non-empty pieces.
+
+    ``layer_params[i]`` is layer i's parameter count; layer 0 is the embedding and the
+    last layer the head (they stay on the first and last piece).
+    """
+    _check(layer_params, num_parts)
+    n = len(layer_params)
+    if method not in PARTITION_METHODS:
+        raise ConfigError(f"unknown pipeline.partition {method!r}: choose one of {', '.join(PARTITION_METHODS)}")
+    if n < num_parts:
+        raise ConfigError(f"cannot cut {n} layers into {num_parts} pipeline pieces (pipeline stages x "
+                          f"virtual stages): every piece needs a layer; use fewer stages or more layers")
+    if method == "uniform":
+        return _uniform(n, num_parts)
+    return _balanced(layer_params, num_parts)
+
+
+def part_sizes(layer_params: Sequence[int], bounds: Sequence[int]) -> list[int]:
+    """Parameter count of each piece."""
+    return [sum(layer_params[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def layers_of(bounds: Sequence[int], stage: int, num_stages: int, chunk: int = 0) -> range:
+    """Layer indices of ``chunk`` on pipeline rank ``stage`` (virtual stage ``chunk*pp + stage``)."""
+    k = chunk * num_stages + stage
+    if not 0 <= k < len(bounds) - 1:
+        raise ConfigError(f"stage {stage} chunk {chunk} is outside the {len(bounds) - 1} pieces")
+    return range(bounds[k], bounds[k + 1])
