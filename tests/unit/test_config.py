@@ -420,3 +420,26 @@ def test_file_errors(tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps(base()))
     assert load_config(good, world_size=2) == load_config(base(), world_size=2)
+
+
+def test_docs_name_every_key():
+    """docs/config.md lists every accepted, fixed-value and rejected key."""
+    import dataclasses
+    from pathlib import Path
+
+    import engine.config.loader as loader
+    import engine.config.optim as optim
+    import engine.config.schema as schema
+    import engine.config.sections as sections
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    keys: set[str] = set(loader._TOP_LEVEL) | set(loader._TOP_LEVEL_REJECTED) | set(loader._TOP_LEVEL_FIXED)
+    keys |= set(loader._TOP_LEVEL_IGNORED) | set(sections._ZERO_ALIASES) | set(sections._ZERO_FIXED)
+    keys |= set(sections._ZERO_REJECTED) | set(sections._AUTOTP_REJECTED) | set(optim.OPTIMIZER_TYPES)
+    keys |= set(optim.SCHEDULER_TYPES)
+    for name in schema.__all__:
+        cls = getattr(schema, name)
+        if dataclasses.is_dataclass(cls):
+            keys |= {f.name for f in dataclasses.fields(cls)} - {"topology", "zero", "params", "type"}
+    missing = sorted(k for k in keys if f"`{k}`" not in docs)
+    assert not missing, f"docs/config.md does not mention {missing}"

@@ -71,14 +71,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli(tmp_path):
-    ok = _cli("configs/default.json", "--world-size", "8")
-    assert ok.returncode == 0, ok.stderr
-    printed = json.loads(ok.stdout)
-    assert load_config(printed, world_size=8) == load_config(CONFIGS / "default.json", world_size=8)
-    assert "dp=2 tp=2 pp=2" in ok.stderr
+def test_cli(tmp_path, capsys):
+    from engine.config.__main__ import main
 
-    # Two subprocesses only: each imports torch (through engine.models), seconds on a busy machine.
+    # Success in-process (each subprocess imports torch through engine.models: seconds on a busy machine).
+    assert main([str(CONFIGS / "default.json"), "--world-size", "8"]) == 0
+    out = capsys.readouterr()
+    assert load_config(json.loads(out.out), world_size=8) == load_config(CONFIGS / "default.json", world_size=8)
+    assert "dp=2 tp=2 pp=2" in out.err
+
+    # Failure through the real entry point: exit status 2 and one readable line.
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(dict(json.loads((CONFIGS / "zero1.json").read_text()), zero_optimisation={})))
     res = _cli(str(bad), "--world-size", "2")
