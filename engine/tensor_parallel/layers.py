@@ -43,6 +43,7 @@ from engine.tensor_parallel.mappings import (
     all_gather_along_dim,
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
+    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
