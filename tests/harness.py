@@ -3,7 +3,7 @@
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters, brings up
 a gloo process group in each (rendezvous through a ``TCPStore`` that the parent owns, so
 there is no free-port race), calls ``fn(rank, world_size, *args)`` and returns the list
-of per-rank return values (which must be picklable).
+of per-rank return values (which must be picklable; tensors are fine).
 
 Failure behaviour (what a test sees):
 - a rank that raises: the others are killed at once and ``RankFailure`` carries that
@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import time
 import traceback
@@ -55,7 +56,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args, 
         # destroys its gloo context while a peer still sends to it.
         dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        # Plain pickle copies tensors into bytes; the queue's own pickler would pass them as
+        # shared memory that vanishes when this process exits.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - we report every failure, SystemExit included
         results.put((rank, "error", traceback.format_exc()))
 
@@ -113,7 +116,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                     continue
             if status == "error":
                 raise RankFailure(_explain_failure(procs, outputs, rank, payload))
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
         for r, p in enumerate(procs):

@@ -49,3 +49,12 @@ def test_dead_rank_is_named():
 def test_hang_is_bounded_by_timeout():
     with pytest.raises((RankTimeout, RankFailure)):
         run_ranks(_hang, 2, timeout=8, collective_timeout=4)
+
+
+def _return_tensor(rank, world_size):
+    return {"t": torch.full((3,), float(rank))}
+
+
+def test_tensors_come_back():
+    out = run_ranks(_return_tensor, 2)
+    assert torch.equal(out[1]["t"], torch.full((3,), 1.0))
