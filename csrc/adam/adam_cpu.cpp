@@ -1,0 +1,116 @@
+// AdamW on the CPU: one pass per element (read p, g, m, v; write p, m, v and the
+// optional bf16/fp16 copy of p). The span loop is compiled for AVX-512, AVX2+FMA and
+// baseline x86-64 through target attributes and picked at run time, so the library
+// needs no -march flag. Threads come from the frontend (at::parallel_for over chunks).
+#include <atomic>
+#include <string>
+
+#include "adam_kernel.h"
+
+namespace engine {
+namespace adam {
+namespace {
+
+template <int G>
+ENGINE_HD float load_grad(const void* g, int64_t i) {
+  if constexpr (G == kF32) {
+    return static_cast<const float*>(g)[i];
+  } else if constexpr (G == kBF16) {
+    return bf16_to_float(static_cast<const uint16_t*>(g)[i]);
+  } else {
+    return fp16_to_float(static_cast<const uint16_t*>(g)[i]);
+  }
+}
+
+template <int G, int C>
+ENGINE_HD void span_impl(const Span& s, const Scalars& k) {
+  float* __restrict p = s.p;
+  float* __restrict m = s.m;
+  float* __restrict v = s.v;
+  uint16_t* __restrict c = static_cast<uint16_t*>(s.copy);
+  const int64_t n = s.n;
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    adamw_element(pi, load_grad<G>(s.g, i), mi, vi, k);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (C == kBF16) c[i] = float_to_bf16(pi);
+    if constexpr (C == kF16) c[i] = float_to_fp16(pi);
+  }
+}
+
+#define ENGINE_ADAM_SWITCH_COPY(G, s, k)                 \
+  switch (copy_type) {                                   \
+    case kBF16: return span_impl<G, kBF16>(s, k);        \
+    case kF16: return span_impl<G, kF16>(s, k);          \
+    default: return span_impl<G, kNone>(s, k);           \
+  }
+
+#define ENGINE_ADAM_VARIANT(SUFFIX, ATTR)                                            \
+  ATTR void span_##SUFFIX(const Span& s, int g_type, int copy_type, const Scalars& k) { \
+    switch (g_type) {                                                                \
+      case kBF16: ENGINE_ADAM_SWITCH_COPY(kBF16, s, k)                               \
+      case kF16: ENGINE_ADAM_SWITCH_COPY(kF16, s, k)                                 \
+      default: ENGINE_ADAM_SWITCH_COPY(kF32, s, k)                                   \
+    }                                                                                \
+  }
+
+ENGINE_ADAM_VARIANT(baseline, )
+#if defined(__x86_64__) && defined(__GNUC__)
+ENGINE_ADAM_VARIANT(avx2, __attribute__((target("avx2,fma,f16c"))))
+ENGINE_ADAM_VARIANT(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))))
+#endif
+
+using Fn = void (*)(const Span&, int, int, const Scalars&);
+struct Variant {
+  Fn fn;
+  const char* name;
+};
+
+// Best supported variant not above `limit` (0 = avx512, 1 = avx2, 2 = baseline).
+Variant pick_variant(int limit = 0) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (limit <= 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return {span_avx512, "avx512"};
+  }
+  if (limit <= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {span_avx2, "avx2"};
+#endif
+  return {span_baseline, "baseline"};
+}
+
+// Chosen once from the CPU's features; tests may force a lower supported variant
+// (set_cpu_isa) to check that every variant gives the same bits.
+const Variant& default_variant() {
+  static const Variant v = pick_variant();
+  return v;
+}
+
+Variant g_forced{};
+std::atomic<const Variant*> g_variant{nullptr};
+
+const Variant& variant() {
+  const Variant* v = g_variant.load(std::memory_order_acquire);
+  return v != nullptr ? *v : default_variant();
+}
+
+}  // namespace
+
+void adamw_span_cpu(const Span& s, int g_type, int copy_type, const Scalars& k) {
+  variant().fn(s, g_type, copy_type, k);
+}
+
+const char* cpu_isa() { return variant().name; }
+
+const char* set_cpu_isa(const char* name) {
+  const std::string want(name);
+  const int limit = want == "avx512" ? 0 : (want == "avx2" ? 1 : 2);
+  g_forced = pick_variant(limit);  // test hook: call only while no kernel is running
+  g_variant.store(&g_forced, std::memory_order_release);
+  return g_forced.name;
+}
+
+}  // namespace adam
+}  // namespace engine

@@ -1,0 +1,135 @@
+"""FusedAdamW: torch.optim.AdamW's constructor and state, with the fused kernel (csrc/adam/).
+
+One kernel call per (param group, device, grad dtype, copy dtype, step) bucket instead of
+five torch ops per parameter; each element is read and written once. If the op cannot be
+built here the PyTorch reference runs instead (engine.ops.adam; one log line).
+
+State is torch.optim.AdamW's (``step`` as a float32 scalar tensor, ``exp_avg``,
+``exp_avg_sq``), so state dicts move between the two optimizers.
+
+Mixed precision / ZeRO: keep fp32 master parameters in the optimizer and register each
+one's low-precision copy (the model weight, or a ZeRO shard of it) with
+:meth:`FusedAdamW.attach_param_copy`; the kernel then writes ``copy = param.to(copy.dtype)``
+(round to nearest even) in the same pass as the update.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from engine.ops.adam import adamw_step
+
+__all__ = ["FusedAdamW"]
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COPY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, Loshchilov & Hutter) with a fused per-element kernel.
+
+    Arguments are torch.optim.AdamW's. Not supported (ValueError): ``amsgrad=True``,
+    ``capturable=True``, ``differentiable=True``, ``fused=False``; ``foreach`` is accepted and
+    ignored (the kernel already handles lists). ``maximize=True`` is supported. Extra:
+    ``bias_correction`` (default True, as in torch) turns Adam's bias correction off.
+    Parameters must be float32 (master weights); gradients may be fp32, bf16 or fp16.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, bias_correction: bool = True) -> None:
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1))")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+        if amsgrad:
+            raise ValueError("FusedAdamW does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)")
+        if capturable or differentiable:
+            raise ValueError("FusedAdamW does not support capturable/differentiable; use torch.optim.AdamW")
+        if fused is False:
+            raise ValueError("FusedAdamW is always fused; pass fused=None (or use torch.optim.AdamW)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
+                        fused=fused, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        # param -> low-precision tensor the kernel refreshes after each update; not part of
+        # the state dict (it is model memory, not optimizer state).
+        self._param_copies: dict[torch.Tensor, torch.Tensor] = {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # state dicts saved by torch.optim.AdamW
+            group.setdefault("bias_correction", True)
+            group.setdefault("maximize", False)
+            group.setdefault("amsgrad", False)
+            if group["amsgrad"]:
+                raise ValueError("the loaded state has amsgrad=True, which FusedAdamW does not implement")
+
+    def attach_param_copy(self, param: torch.Tensor, copy: torch.Tensor) -> None:
+        """After each update also write ``copy.copy_(param)`` (bf16/fp16), in the same pass."""
+        if not any(param is p for g in self.param_groups for p in g["params"]):
+            raise ValueError("attach_param_copy: `param` is not one of this optimizer's parameters")
+        if copy.dtype not in _COPY_DTYPES:
+            raise TypeError(f"attach_param_copy: copy must be bfloat16 or float16, got {copy.dtype}")
+        if copy.numel() != param.numel() or copy.device != param.device or not copy.is_contiguous():
+            raise ValueError(f"attach_param_copy: copy must be contiguous with {param.numel()} elements on "
+                             f"{param.device}, got {tuple(copy.shape)} on {copy.device}")
+        self._param_copies[param] = copy
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _check_param(self, p: torch.Tensor) -> None:
+        if p.grad.is_sparse:
+            raise RuntimeError("FusedAdamW does not support sparse gradients; use torch.optim.SparseAdam")
+        if p.dtype != torch.float32:
+            raise TypeError(f"FusedAdamW needs float32 parameters (master weights), got {p.dtype}; keep fp32 "
+                            "masters in the optimizer and attach the low-precision weights with attach_param_copy")
+        if p.grad.dtype not in _GRAD_DTYPES:
+            raise TypeError(f"FusedAdamW: gradient dtype {p.grad.dtype} is not float32/bfloat16/float16")
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            # bucket key -> (params, grads, exp_avgs, exp_avg_sqs, copies)
+            buckets: dict[tuple, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self._check_param(p)
+                state = self._init_state(p)
+                state["step"] += 1
+                copy = self._param_copies.get(p)
+                key = (p.device, p.grad.dtype, None if copy is None else copy.dtype, state["step"].item())
+                b = buckets[key]
+                b[0].append(p)
+                b[1].append(p.grad)
+                b[2].append(state["exp_avg"])
+                b[3].append(state["exp_avg_sq"])
+                if copy is not None:
+                    b[4].append(copy)
+            beta1, beta2 = group["betas"]
+            for (_, _, copy_dtype, step), (ps, gs, ms, vs, cs) in buckets.items():
+                adamw_step(ps, gs, ms, vs, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=step,
+                           bias_correction=group["bias_correction"], maximize=group["maximize"],
+                           param_copies=cs if copy_dtype is not None else None)
+        return loss
