@@ -1,21 +1,513 @@
-"""The only module in ``engine`` that reads environment variables.
+"""Launch detection, process-group bring-up and teardown.
 
-Everything here is a pure function of an ``environ`` mapping passed in (defaulting to
-``os.environ``), so every launcher layout can be tested without launching anything.
+The only module in ``engine`` that reads environment variables. Detection is a pure
+function of an ``environ`` mapping and an ``argv`` list, so every launcher layout is
+testable without launching anything:
+
+==========  ==========================================================  ============
+launcher    detected by                                                 rank source
+==========  ==========================================================  ============
+torchrun    RANK/WORLD_SIZE plus TORCHELASTIC_RUN_ID, GROUP_RANK or      env vars
+            LOCAL_WORLD_SIZE
+deepspeed   RANK/WORLD_SIZE without torchrun's markers (the launcher     env vars +
+            also sets LOCAL_SIZE/CROSS_RANK and appends --local_rank=N)   --local_rank
+openmpi     OMPI_COMM_WORLD_RANK                                          OMPI_COMM_WORLD_*
+slurm       SLURM_PROCID                                                  SLURM_*
+single      none of the above                                             rank 0 of 1
+==========  ==========================================================  ============
+
+Precedence, first match wins: explicit RANK/WORLD_SIZE (torchrun, deepspeed) > Open MPI
+> Slurm > single. A launcher started inside an allocation (torchrun under ``srun``,
+``mpirun`` inside ``sbatch``) knows the per-process truth; the allocation's variables
+describe the outer job. See docs/launching.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import logging
 import os
+import re
+import sys
+import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
-__all__ = ["OpBuildSettings", "op_build_settings", "env_flag"]
+__all__ = [
+    "LaunchError", "LaunchInfo", "detect_launch", "expand_hostlist",
+    "DistEnv", "init_distributed", "shutdown",
+    "PeerFailureError", "failure_guard", "record_failure",
+    "OpBuildSettings", "op_build_settings", "env_flag",
+]
 
+logger = logging.getLogger(__name__)
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+# Slurm without MASTER_PORT: a port derived from the job id, the same on every task, in
+# [SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN): unprivileged and below Linux's
+# ephemeral range (32768+) so it does not collide with outgoing connections.
+SLURM_PORT_BASE = 10000
+SLURM_PORT_SPAN = 20000
+
+_TORCHRUN_MARKERS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+_DEEPSPEED_MARKERS = ("LOCAL_SIZE", "CROSS_RANK")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+class LaunchError(RuntimeError):
+    """The launch environment is missing a variable or contradicts itself."""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as the launcher described it.
+
+    ``agent_store``: torchrun's agent already hosts the rendezvous store on
+    MASTER_ADDR:MASTER_PORT, so every rank (rank 0 included) connects as a client.
+    """
+
+    launcher: str
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: Optional[int]
+    master_addr: str
+    master_port: int
+    agent_store: bool = False
+
+
+# ----------------------------------------------------------------------- parsing helpers
+def _fail(launcher: str, msg: str) -> LaunchError:
+    return LaunchError(f"launcher {launcher!r} detected: {msg}")
+
+
+def _int(environ: Mapping[str, str], name: str, launcher: str, minimum: int = 0) -> int:
+    raw = environ.get(name)
+    if raw is None:
+        raise _fail(launcher, f"environment variable {name} is missing")
+    if not re.fullmatch(r"\s*-?\d+\s*", raw):  # stricter than int(): no '1_0', no '+1'
+        raise _fail(launcher, f"{name}={raw!r} is not an integer")
+    value = int(raw)
+    if value < minimum:
+        raise _fail(launcher, f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _opt_int(environ: Mapping[str, str], name: str, launcher: str, minimum: int = 0) -> Optional[int]:
+    return _int(environ, name, launcher, minimum) if name in environ else None
+
+
+def _port(environ: Mapping[str, str], launcher: str) -> int:
+    port = _int(environ, "MASTER_PORT", launcher, minimum=1)
+    if port > 65535:
+        raise _fail(launcher, f"MASTER_PORT={port} is not a TCP port (1..65535)")
+    return port
+
+
+def _addr(environ: Mapping[str, str], launcher: str, hint: str) -> str:
+    addr = environ.get("MASTER_ADDR", "").strip()
+    if not addr:
+        raise _fail(launcher, f"environment variable MASTER_ADDR is missing or empty; {hint}")
+    return addr
+
+
+def _argv_local_rank(argv: Sequence[str]) -> Optional[int]:
+    """``--local_rank=N`` / ``--local_rank N`` (also ``--local-rank``), as deepspeed appends."""
+    for i, arg in enumerate(argv[1:], start=1):
+        for flag in ("--local_rank", "--local-rank"):
+            if arg == flag:
+                raw = argv[i + 1] if i + 1 < len(argv) else ""
+            elif arg.startswith(flag + "="):
+                raw = arg[len(flag) + 1:]
+            else:
+                continue
+            if not re.fullmatch(r"\d+", raw):
+                raise LaunchError(f"launcher 'deepspeed' detected: command-line argument "
+                                  f"{flag} has non-integer value {raw!r}")
+            return int(raw)
+    return None
+
+
+# ------------------------------------------------------------------------ Slurm hostlists
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _expand_brackets(expr: str, var: str) -> list[str]:
+    """``gpu-[001-002]-x[1,3]`` -> cartesian product of every bracket group, in order."""
+    out = [""]
+    pos = 0
+    while pos < len(expr):
+        lb = expr.find("[", pos)
+        if lb < 0:
+            if "]" in expr[pos:]:
+                raise LaunchError(f"{var}: unbalanced ']' in host expression {expr!r}")
+            return [o + expr[pos:] for o in out]
+        rb = expr.find("]", lb)
+        if rb < 0 or "[" in expr[lb + 1:rb] or "]" in expr[pos:lb]:
+            raise LaunchError(f"{var}: unbalanced '[' in host expression {expr!r}")
+        values: list[str] = []
+        for part in expr[lb + 1:rb].split(","):
+            m = _RANGE.match(part.strip())
+            if not m:
+                raise LaunchError(f"{var}: bad range {part!r} in host expression {expr!r}")
+            lo, hi = m.group(1), m.group(2) if m.group(2) is not None else m.group(1)
+            if int(hi) < int(lo):
+                raise LaunchError(f"{var}: descending range {part!r} in {expr!r}")
+            # zero padding follows the written width of the lower bound: 08-10 -> 08,09,10
+            width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
+            values.extend(str(v).zfill(width) for v in range(int(lo), int(hi) + 1))
+        out = [o + expr[pos:lb] + v for o in out for v in values]
+        pos = rb + 1
+    return out
+
+
+def expand_hostlist(spec: str, var: str = "hostlist") -> list[str]:
+    """Expand Slurm hostlist syntax: ``node[01-04,07]``, ``a[1-2],b3``, ``gpu-[001-002]-x``.
+
+    Commas at bracket depth 0 separate host expressions; commas inside brackets separate
+    ranges. ``var`` names the variable in error messages.
+    """
+    exprs, depth, start = [], 0, 0
+    for i, ch in enumerate(spec):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            raise LaunchError(f"{var}: unbalanced or nested brackets in {spec!r}")
+        if ch == "," and depth == 0:
+            exprs.append(spec[start:i])
+            start = i + 1
+    if depth != 0:
+        raise LaunchError(f"{var}: unbalanced '[' in {spec!r}")
+    exprs.append(spec[start:])
+    hosts: list[str] = []
+    for expr in exprs:
+        expr = expr.strip()
+        if not expr:
+            raise LaunchError(f"{var}: empty host name in {spec!r}")
+        hosts.extend(_expand_brackets(expr, var))
+    return hosts
+
+
+def _tasks_on_node(spec: str, node_id: int, var: str) -> int:
+    """SLURM_TASKS_PER_NODE ``2(x3),1`` -> tasks on node ``node_id``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise LaunchError(f"launcher 'slurm' detected: {var}={spec!r} is not of the form '2(x3),1'")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    if node_id >= len(counts):
+        raise LaunchError(f"launcher 'slurm' detected: SLURM_NODEID={node_id} but {var}={spec!r} "
+                          f"lists only {len(counts)} nodes")
+    return counts[node_id]
+
+
+# ------------------------------------------------------------------------- launchers
+def _detect_torch_style(environ: Mapping[str, str], argv_local: Optional[int]) -> LaunchInfo:
+    marker = next((m for m in _TORCHRUN_MARKERS if m in environ), None)
+    launcher = "torchrun" if marker else "deepspeed"
+    for present, absent in (("WORLD_SIZE", "RANK"), ("RANK", "WORLD_SIZE")):
+        if present in environ and absent not in environ:
+            raise _fail(launcher, f"{present} is set but {absent} is missing: set both, or neither "
+                                  "to let Slurm / Open MPI / single-process detection apply")
+    if "RANK" not in environ:
+        why = f"{marker} is set" if marker else "--local_rank was passed on the command line"
+        raise _fail(launcher, f"{why} but RANK and WORLD_SIZE are missing")
+    rank = _int(environ, "RANK", launcher)
+    world = _int(environ, "WORLD_SIZE", launcher, minimum=1)
+    env_local = _opt_int(environ, "LOCAL_RANK", launcher)
+    if env_local is not None and argv_local is not None and env_local != argv_local:
+        raise _fail(launcher, f"LOCAL_RANK={env_local} contradicts the command-line argument "
+                              f"--local_rank={argv_local}")
+    local_rank = env_local if env_local is not None else argv_local
+    if local_rank is None:
+        raise _fail(launcher, "environment variable LOCAL_RANK is missing (and no --local_rank "
+                              "argument): export LOCAL_RANK, e.g. LOCAL_RANK=$SLURM_LOCALID")
+    local_world = _opt_int(environ, "LOCAL_WORLD_SIZE" if launcher == "torchrun" else "LOCAL_SIZE",
+                           launcher, minimum=1)
+    hint = "the launcher should set it to the address of the rank-0 host"
+    return LaunchInfo(launcher, rank, local_rank, world, local_world,
+                      _addr(environ, launcher, hint), _port(environ, launcher),
+                      agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def _detect_openmpi(environ: Mapping[str, str]) -> LaunchInfo:
+    launcher = "openmpi"
+    hint = ("mpirun does not provide a rendezvous address: pass "
+            "-x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<free port> to mpirun")
+    if "MASTER_PORT" not in environ:
+        raise _fail(launcher, f"environment variable MASTER_PORT is missing; {hint}")
+    return LaunchInfo(
+        launcher,
+        rank=_int(environ, "OMPI_COMM_WORLD_RANK", launcher),
+        local_rank=_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", launcher),
+        world_size=_int(environ, "OMPI_COMM_WORLD_SIZE", launcher, minimum=1),
+        local_world_size=_opt_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", launcher, minimum=1),
+        master_addr=_addr(environ, launcher, hint),
+        master_port=_port(environ, launcher),
+    )
+
+
+def _detect_slurm(environ: Mapping[str, str]) -> LaunchInfo:
+    launcher = "slurm"
+    world_var = "SLURM_NTASKS" if "SLURM_NTASKS" in environ else "SLURM_NPROCS"
+    if world_var not in environ:
+        raise _fail(launcher, "environment variable SLURM_NTASKS is missing (run under srun)")
+    if environ.get("MASTER_ADDR", "").strip():
+        addr = environ["MASTER_ADDR"].strip()
+    else:
+        # the step's node list first: rank 0 runs on its first node (block distribution)
+        var = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                    if environ.get(v, "").strip()), None)
+        if var is None:
+            raise _fail(launcher, "neither MASTER_ADDR nor SLURM_JOB_NODELIST/SLURM_NODELIST is set")
+        try:
+            addr = expand_hostlist(environ[var].strip(), var)[0]
+        except LaunchError as exc:
+            raise _fail(launcher, str(exc)) from None
+    if "MASTER_PORT" in environ:
+        port = _port(environ, launcher)
+    else:
+        job_id = _int(environ, "SLURM_JOB_ID", launcher) if "SLURM_JOB_ID" in environ else None
+        if job_id is None:
+            raise _fail(launcher, "neither MASTER_PORT nor SLURM_JOB_ID is set")
+        port = SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+    local_world = None
+    per_node_var = next((v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+                         if v in environ), None)
+    if per_node_var is not None and "SLURM_NODEID" in environ:
+        local_world = _tasks_on_node(environ[per_node_var], _int(environ, "SLURM_NODEID", launcher),
+                                     per_node_var)
+    return LaunchInfo(launcher, _int(environ, "SLURM_PROCID", launcher),
+                      _int(environ, "SLURM_LOCALID", launcher),
+                      _int(environ, world_var, launcher, minimum=1), local_world, addr, port)
+
+
+def _single(environ: Mapping[str, str]) -> LaunchInfo:
+    port = _port(environ, "single") if "MASTER_PORT" in environ else DEFAULT_MASTER_PORT
+    addr = environ.get("MASTER_ADDR", "").strip() or DEFAULT_MASTER_ADDR
+    return LaunchInfo("single", 0, 0, 1, 1, addr, port)
+
+
+def _validate(info: LaunchInfo) -> LaunchInfo:
+    names = {
+        "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        "deepspeed": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE"),
+        "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE"),
+    }.get(info.launcher, ("rank", "world size", "local rank", "local world size"))
+    rank_v, world_v, local_v, lworld_v = names
+    if info.rank >= info.world_size:
+        raise _fail(info.launcher, f"{rank_v}={info.rank} must be < {world_v}={info.world_size}")
+    if info.local_world_size is not None:
+        if info.local_world_size > info.world_size:
+            raise _fail(info.launcher, f"{lworld_v}={info.local_world_size} exceeds "
+                                       f"{world_v}={info.world_size}")
+        if info.local_rank >= info.local_world_size:
+            raise _fail(info.launcher, f"{local_v}={info.local_rank} must be < "
+                                       f"{lworld_v}={info.local_world_size}")
+    elif info.local_rank > info.rank:
+        raise _fail(info.launcher, f"{local_v}={info.local_rank} exceeds {rank_v}={info.rank}")
+    return info
+
+
+def detect_launch(environ: Mapping[str, str], argv: Sequence[str]) -> LaunchInfo:
+    """Work out the launcher and this process's place in the job. Pure; raises LaunchError."""
+    argv_local = _argv_local_rank(argv)
+    torch_style = ("RANK" in environ or "WORLD_SIZE" in environ or argv_local is not None
+                   or any(m in environ for m in _TORCHRUN_MARKERS + _DEEPSPEED_MARKERS))
+    if torch_style:
+        info = _detect_torch_style(environ, argv_local)
+    elif "OMPI_COMM_WORLD_RANK" in environ or "OMPI_COMM_WORLD_SIZE" in environ:
+        info = _detect_openmpi(environ)
+    elif "SLURM_PROCID" in environ:
+        info = _detect_slurm(environ)
+    else:
+        info = _single(environ)
+    return _validate(info)
+
+
+# ------------------------------------------------------------------------- bring-up
+@dataclass(frozen=True)
+class DistEnv:
+    """The initialised distributed context: launch info, device, backend, rendezvous store."""
+
+    launch: LaunchInfo
+    device: "torch.device"  # noqa: F821 - torch imported lazily so detection stays torch-free
+    backend: str
+    timeout_s: float
+    store: object  # the c10d Store the default group rendezvoused through
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.launch.local_rank
+
+
+_BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
+
+
+def _pick_device(device: Optional[str], info: LaunchInfo):
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LaunchError(f"device {device!r} requested but CUDA is not available "
+                              "(CPU-only torch build or no visible GPU): use device='cpu'")
+        if dev.index is None:
+            dev = torch.device("cuda", info.local_rank)
+        count = torch.cuda.device_count()
+        if dev.index >= count:
+            raise LaunchError(f"launcher {info.launcher!r}: local rank {info.local_rank} needs "
+                              f"{dev} but only {count} GPU(s) are visible: start at most {count} "
+                              "processes per node or fix CUDA_VISIBLE_DEVICES")
+    elif dev.type != "cpu":
+        raise LaunchError(f"unsupported device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    return dev
+
+
+def _pick_backend(backend: Optional[str], dev) -> str:
+    expected = _BACKEND_FOR_DEVICE[dev.type]
+    if backend is None:
+        return expected
+    if backend.lower() != expected:
+        raise LaunchError(f"backend {backend!r} does not fit device {dev}: use backend="
+                          f"{expected!r} for {dev.type} (or leave backend=None to choose it)")
+    return expected
+
+
+def _make_store(info: LaunchInfo, timeout: datetime.timedelta):
+    import torch.distributed as dist
+
+    if info.launcher == "single":
+        return dist.HashStore()  # one process: no port, nothing to collide with
+    return dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                         is_master=info.rank == 0 and not info.agent_store,
+                         timeout=timeout, multi_tenant=True)
+
+
+def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
+                     device: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+                     argv: Optional[Sequence[str]] = None) -> DistEnv:
+    """Detect the launcher, choose device and backend, and initialise the default group.
+
+    ``timeout_s`` bounds the rendezvous and every collective (pass the same value to
+    :meth:`ParallelGroups.build` so subgroups honour it too). Call :func:`shutdown` at the
+    end of the job.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if dist.is_initialized():
+        raise LaunchError("torch.distributed is already initialised: call shutdown() first")
+    info = detect_launch(os.environ if environ is None else environ,
+                         sys.argv if argv is None else argv)
+    dev = _pick_device(device, info)
+    be = _pick_backend(backend, dev)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    store = _make_store(info, timeout)
+    extra = {"device_id": dev} if dev.type == "cuda" else {}
+    dist.init_process_group(be, store=store, rank=info.rank, world_size=info.world_size,
+                            timeout=timeout, **extra)
+    logger.info("rank %d/%d (%s, local rank %d) on %s with %s, collective timeout %.0fs",
+                info.rank, info.world_size, info.launcher, info.local_rank, dev, be, timeout_s)
+    return DistEnv(launch=info, device=dev, backend=be, timeout_s=timeout_s, store=store)
+
+
+# ------------------------------------------------------------------ failure reporting
+_FAILED_KEY = "engine/failed/{}"
+_CHECKIN_KEY = "engine/checkin/{}"
+_FAILED_COUNT = "engine/failed_count"
+_CHECKIN_COUNT = "engine/checkin_count"
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because a peer died, hung or raised; the message names it."""
+
+
+def record_failure(env: DistEnv, exc: BaseException) -> None:
+    """Leave ``exc`` in the rendezvous store so peers whose collectives fail can name us."""
+    try:
+        env.store.set(_FAILED_KEY.format(env.rank), f"{type(exc).__name__}: {exc}"[:500])
+        env.store.add(_FAILED_COUNT, 1)
+    except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
+        logger.debug("could not record the failure in the store", exc_info=True)
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset", "Timed out",
+                            "timed out", "Gloo", "NCCL", "Socket"))
+
+
+def _diagnose(env: DistEnv, grace_s: float) -> str:
+    """Check in, wait up to ``grace_s`` for the other survivors, then name who is missing."""
+    store, world = env.store, env.world_size
+    try:
+        store.set(_CHECKIN_KEY.format(env.rank), "1")
+        # everyone accounted for = checked in (alive) or recorded a failure (raised)
+        accounted = store.add(_CHECKIN_COUNT, 1) + store.add(_FAILED_COUNT, 0)
+        deadline = time.monotonic() + grace_s
+        while accounted < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            accounted = store.add(_CHECKIN_COUNT, 0) + store.add(_FAILED_COUNT, 0)
+        failed = {r: store.get(_FAILED_KEY.format(r)).decode(errors="replace")
+                  for r in range(world) if store.check([_FAILED_KEY.format(r)])}
+        silent = [r for r in range(world)
+                  if r not in failed and not store.check([_CHECKIN_KEY.format(r)])]
+    except Exception as exc:  # noqa: BLE001
+        host = "" if env.launch.agent_store else " (rank 0 hosts it: rank 0 has probably died)"
+        return f"the rendezvous store is unreachable{host}: {exc}"
+    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
+    if silent:
+        parts.append(f"rank(s) {silent} did not check in within {grace_s:.0f}s of the failure "
+                     "(dead, hung, or still running)")
+    return "; ".join(parts) or "every rank is alive and checked in (the failure was local?)"
+
+
+@contextlib.contextmanager
+def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float = 5.0) -> Iterator[None]:
+    """Run a block whose failure should be attributed to the right rank.
+
+    A communication error (a peer died, hung past the collective timeout, or closed its
+    sockets) is re-raised as :class:`PeerFailureError` naming the ranks that recorded a
+    failure or did not check in; any other exception is recorded in the store for the
+    peers and re-raised unchanged.
+    """
+    try:
+        yield
+    except Exception as exc:
+        if not _is_comm_error(exc):
+            record_failure(env, exc)
+            raise
+        diagnosis = _diagnose(env, grace_s)
+        raise PeerFailureError(f"rank {env.rank}: {what} failed ({str(exc).splitlines()[0]}); "
+                               f"{diagnosis}") from exc
+
+
+# ---------------------------------------------------------------------- op builder
 def env_flag(name: str, default: bool = False, environ: Optional[Mapping[str, str]] = None) -> bool:
     """Boolean environment flag: 1/true/yes/on or 0/false/no/off (case-insensitive)."""
     environ = os.environ if environ is None else environ
@@ -32,11 +524,11 @@ def env_flag(name: str, default: bool = False, environ: Optional[Mapping[str, st
 
 @dataclass(frozen=True)
 class OpBuildSettings:
-    """How the op builder should get compiled extensions.
+    """How the op builder gets compiled extensions.
 
     build_ops: compile ahead of time (``ENGINE_BUILD_OPS``) instead of JIT-loading.
-    extensions_dir: where built extensions live (``ENGINE_EXTENSIONS_DIR``), None = torch default.
-    cuda_arch_list: ``TORCH_CUDA_ARCH_LIST`` passed through, None = let torch decide.
+    extensions_dir: where built extensions live (``ENGINE_EXTENSIONS_DIR``); None = torch default.
+    cuda_arch_list: ``TORCH_CUDA_ARCH_LIST`` passed through; None = let torch decide.
     """
 
     build_ops: bool = False

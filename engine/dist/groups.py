@@ -1,0 +1,162 @@
+"""Process groups for one run, built once from a :class:`~engine.topology.Topology`.
+
+Construction protocol (why it is written this way):
+
+* ``dist.new_group`` names an unnamed group from a per-process counter, so every rank
+  must call it for EVERY group, members or not, in the SAME order; a non-member gets
+  ``NON_GROUP_MEMBER`` back and spends no communication. We walk a fixed order (tp, dp,
+  pp, embedding, model-parallel; within an axis ``Topology.groups`` order, sorted by
+  first rank) on every rank.
+* ``use_local_synchronization`` stays False, deliberately: with True, torch names a
+  group by hashing its rank list, and two of our groups can have identical rank lists
+  (the embedding group equals the pp group when pp == 2; the model-parallel group equals
+  the world when dp == 1), which would give two groups the same name and store prefix.
+  Since torch 2.3 no store barrier follows ``new_group`` unless
+  TORCH_DIST_INIT_BARRIER=1, so calling it on every rank costs O(#groups) local work only.
+* Subgroups do NOT inherit the default group's timeout (torch uses 30 min for gloo), so
+  the collective timeout is passed to each ``new_group`` explicitly.
+
+The embedding group is the first and last pipeline stage with this rank's (dp, tp)
+coordinates: the two ranks holding the tied input embedding and output head, whose
+gradients are summed over it. With pp == 1 it is the single-rank group ``[rank]``
+(the embedding and head live on the same rank, so the all-reduce is the identity).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from engine.topology import Axis, Coord, Topology
+
+__all__ = ["ParallelGroups"]
+
+
+def _default_timeout() -> datetime.timedelta:
+    """The default group's collective timeout, so subgroups fail as fast as it does."""
+    import torch
+
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    raise RuntimeError("cannot read the default group's timeout: pass timeout_s= to "
+                       "ParallelGroups.build")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's tp / dp / pp / embedding / model-parallel groups and their global ranks.
+
+    Immutable after :meth:`build`. Pass it (or one of its groups) to whatever
+    communicates; nothing here is global.
+    """
+
+    topology: Topology
+    rank: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    embedding_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    pp_ranks: tuple[int, ...]
+    embedding_ranks: tuple[int, ...]
+    model_parallel_ranks: tuple[int, ...]
+
+    @classmethod
+    def build(cls, topology: Topology, rank: Optional[int] = None,
+              timeout_s: Optional[float] = None) -> "ParallelGroups":
+        """Collective over the whole world: every rank must call it with the same topology.
+
+        ``rank`` defaults to ``dist.get_rank()``; ``timeout_s`` defaults to the default
+        group's timeout.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelGroups.build needs an initialised default group: "
+                               "call engine.dist.env.init_distributed() first")
+        world = dist.get_world_size()
+        if world != topology.world_size:
+            raise ValueError(f"{topology} needs {topology.world_size} ranks but the job has "
+                             f"{world}: change dp/tp/pp or the number of processes launched")
+        rank = dist.get_rank() if rank is None else rank
+        if rank != dist.get_rank():
+            raise ValueError(f"rank={rank} is not this process's rank {dist.get_rank()}")
+        timeout = (_default_timeout() if timeout_s is None
+                   else datetime.timedelta(seconds=timeout_s))
+
+        def make(all_groups: list[list[int]]) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+            mine = None
+            for ranks in all_groups:  # same order on every rank
+                group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=False)
+                if rank in ranks:
+                    mine = (group, tuple(ranks))
+            assert mine is not None, f"rank {rank} in no group of {all_groups}"
+            return mine
+
+        tp = make(topology.groups(Axis.TP))
+        dp = make(topology.groups(Axis.DP))
+        pp = make(topology.groups(Axis.PP))
+        emb = make(topology.embedding_groups())
+        mp = make(topology.model_parallel_groups())
+        return cls(topology, rank, tp[0], dp[0], pp[0], emb[0], mp[0],
+                   tp[1], dp[1], pp[1], emb[1], mp[1])
+
+    # ------------------------------------------------------------- coordinates
+    @property
+    def coord(self) -> Coord:
+        return self.topology.coord(self.rank)
+
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord.pp
+
+    # ---------------------------------------------------------------- pipeline
+    @property
+    def is_first_stage(self) -> bool:
+        return self.topology.is_first_stage(self.rank)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.topology.is_last_stage(self.rank)
+
+    @property
+    def prev_stage_rank(self) -> Optional[int]:
+        """Global rank of the previous stage (same dp, tp); None on the first stage."""
+        return self.topology.prev_stage_rank(self.rank)
+
+    @property
+    def next_stage_rank(self) -> Optional[int]:
+        """Global rank of the next stage (same dp, tp); None on the last stage."""
+        return self.topology.next_stage_rank(self.rank)
+
+    def all_groups(self) -> list[dist.ProcessGroup]:
+        """This rank's groups in creation order (what :func:`engine.dist.env.shutdown` drains)."""
+        return [self.tp_group, self.dp_group, self.pp_group, self.embedding_group,
+                self.model_parallel_group]

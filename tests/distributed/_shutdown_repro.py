@@ -1,0 +1,154 @@
+"""Reproducer for the gloo exit-time abort (``terminate called without an active exception``).
+
+Not collected by pytest (leading underscore). Two roles:
+
+    python tests/distributed/_shutdown_repro.py drive --runs 200 --world 8 --mode none
+    python tests/distributed/_shutdown_repro.py work --mode none      # one rank; env from drive
+
+``drive`` launches ``world`` worker processes per run with a torchrun-style environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), waits for them, and counts
+runs in which any rank aborted (negative exit code / ``terminate called`` on stderr) or
+failed otherwise. Modes say how a worker ends:
+
+    none      return from main without any teardown (what many scripts do)
+    destroy   dist.destroy_process_group() straight away
+    barrier   dist.barrier(); dist.destroy_process_group()   (the test harness's order)
+    fix       engine.dist.env.shutdown()
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def _work(mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if mode == "fix":
+        from engine.dist.env import init_distributed, shutdown
+        init_distributed(timeout_s=60.0)
+    else:
+        import datetime
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    # sync collectives on the default group
+    t = torch.full((1024,), float(rank))
+    dist.all_reduce(t)
+    out = torch.empty(world * 16)
+    dist.all_gather_into_tensor(out, torch.full((16,), float(rank)))
+    dist.broadcast(t, src=0)
+
+    # subgroups: every rank creates every group in the same order
+    half = world // 2
+    lo = dist.new_group(list(range(half)))
+    hi = dist.new_group(list(range(half, world)))
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    mine = lo if rank < half else hi
+    s = torch.ones(256)
+    dist.all_reduce(s, group=mine)
+    dist.all_reduce(s, group=pairs[rank // 2])
+
+    # p2p ring with batch_isend_irecv
+    send = torch.full((512,), float(rank))
+    recv = torch.empty(512)
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world),
+           dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert recv[0].item() == (rank - 1) % world
+
+    # async work: some waited, the last ones left pending (as a careless loop would)
+    works = [dist.all_reduce(torch.ones(4096), async_op=True) for _ in range(4)]
+    works[0].wait()
+    works.append(dist.all_reduce(torch.ones(64), group=mine, async_op=True))
+    late = dist.all_reduce(torch.ones(64), group=pairs[rank // 2], async_op=True)  # never waited
+
+    if mode == "none":
+        return
+    if mode == "destroy":
+        dist.destroy_process_group()
+    elif mode == "barrier":
+        dist.barrier()
+        dist.destroy_process_group()
+    elif mode == "fix":
+        shutdown()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool) -> int:
+    tally: collections.Counter = collections.Counter()
+    samples: dict[str, str] = {}
+    start = time.monotonic()
+    for i in range(runs):
+        port = _free_port()
+        procs = []
+        for r in range(world):
+            env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="repro",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, __file__, "work", "--mode", mode],
+                                          env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+        outcome = "ok"
+        try:
+            for r, p in enumerate(procs):
+                try:
+                    _, err = p.communicate(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    outcome = "hang"
+                    samples.setdefault(outcome, f"rank {r} still running after {timeout}s")
+                    break
+                if p.returncode != 0:
+                    kind = "abort" if ("terminate called" in err or p.returncode < 0) else "error"
+                    if outcome == "ok" or kind == "abort":
+                        outcome = kind
+                    samples.setdefault(kind, f"rank {r} rc={p.returncode}\n{err[-1500:]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        tally[outcome] += 1
+        if verbose:
+            print(f"run {i}: {outcome}", flush=True)
+    el = time.monotonic() - start
+    print(f"mode={mode} world={world} runs={runs} {dict(tally)} ({el:.0f}s)", flush=True)
+    for kind, text in samples.items():
+        print(f"--- first {kind}:\n{text}", flush=True)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["drive", "work"])
+    p.add_argument("--mode", default="none")
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("-v", action="store_true")
+    a = p.parse_args()
+    if a.role == "work":
+        _work(a.mode)
+        return 0
+    return _drive(a.runs, a.world, a.mode, a.timeout, a.v)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    sys.exit(main())
