@@ -33,7 +33,8 @@ CastArgs check_and_describe(const at::Tensor& x, const at::Tensor& scale, int64_
   a.in_type = dt == at::kFloat ? kInF32 : (dt == at::kBFloat16 ? kInBF16 : kInF16);
   a.format = static_cast<int>(format);
   a.cols = x.dim() == 0 ? 1 : x.size(-1);
-  a.rows = a.cols == 0 ? 0 : x.numel() / a.cols;
+  a.rows = 1;  // product of the leading dims (also right when some size is 0)
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) a.rows *= x.size(d);
   return a;
 }
 

@@ -4,7 +4,7 @@ Contract (the kernel is bit-identical to this reference; tests/unit/test_fp8_cas
 
     out  = clamp(x.float() * scale, -MAX, MAX).to(dtype)      MAX = 448 (e4m3fn), 57344 (e5m2)
     amax = x.float().abs().max()                                of the INPUT, before scaling
-    out_t = out.reshape(-1, x.shape[-1]).t().contiguous()      when transpose=True
+    out_t = out.reshape(rows, cols).t().contiguous()   when transpose=True (cols = x.shape[-1])
 
 * The product is computed in fp32 (bf16/fp16 inputs are widened first, exactly), then
   rounded to the FP8 format with round-to-nearest-even.
@@ -21,6 +21,7 @@ unfused torch sequence reads/writes it four times (abs+max, mul, clamp, cast).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Union
 
 import torch
@@ -66,8 +67,11 @@ def _check(x: torch.Tensor, scale: Scale, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(float(scale), dtype=torch.float32, device=x.device)
 
 
-def _cols(x: torch.Tensor) -> int:
-    return x.shape[-1] if x.dim() > 0 else 1
+def _rows_cols(x: torch.Tensor) -> tuple[int, int]:
+    """x viewed as (rows, cols) with cols = the last dim (a 0-dim x is (1, 1))."""
+    if x.dim() == 0:
+        return 1, 1
+    return math.prod(x.shape[:-1]), x.shape[-1]
 
 
 def fp8_cast_reference(x: torch.Tensor, scale: Scale, dtype: torch.dtype, transpose: bool = False):
@@ -79,8 +83,7 @@ def fp8_cast_reference(x: torch.Tensor, scale: Scale, dtype: torch.dtype, transp
     amax = xf.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
     if not transpose:
         return out, amax
-    cols = _cols(x)
-    out_t = out.reshape(-1, cols).t().contiguous()  # (cols, rows)
+    out_t = out.reshape(_rows_cols(x)).t().contiguous()  # (cols, rows)
     return out, amax, out_t
 
 

@@ -1,0 +1,318 @@
+"""FP8 training: scaling recipes, per-tensor scaling state and an FP8 linear.
+
+Recipes (per tensor role: input, weight, grad_output)
+-----------------------------------------------------
+* ``delayed``: the cast at step t uses a scale computed from the amax history of the
+  steps before t. Each cast records its tensor's amax into ``amax_history[0]`` (max over
+  micro-batches); :func:`update_fp8_scales`, called once per optimizer step after the
+  backward, then (1) all-reduces the fresh amaxes (MAX) over the given group so every
+  rank gets the same scales, (2) computes ``amax = max(history)`` (``"max"``) or
+  ``history[0]`` (``"most_recent"``), (3) sets ``scale = FP8_MAX / amax / 2**margin``
+  (kept unchanged when amax is 0, inf or NaN, or the result is not finite) and (4) rolls
+  the history by one so slot 0 is zero for the next step; history[i] is the amax of i
+  steps ago.
+* ``current``: the cast uses this tensor's own amax (reduced over the group first):
+  ``scale = FP8_MAX / amax / 2**margin``. Two passes over the tensor, no history needed.
+
+Formats: ``hybrid`` = E4M3 for input and weight (forward), E5M2 for grad_output
+(backward, more range); ``e4m3`` = E4M3 everywhere.
+
+The GEMMs (y = x W^T + b, dx = g W, dW = g^T x) take FP8 operands and accumulate in fp32:
+``torch._scaled_mm`` on GPUs with FP8 tensor cores (sm_89+, dims multiple of 16), and
+quantize-dequantize emulation elsewhere (the FP8 values, exactly, as fp32, through an fp32
+GEMM), so the maths is testable on CPU. Master weights and optimizer state stay fp32:
+the weight is quantized on the fly in each forward. Transformer Engine is not used.
+
+Tensor parallelism: the column/row-parallel layers call :func:`fp8_linear` on their local
+shards with ``tp_group``; amaxes are reduced over it so all ranks quantize with one scale.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.dist.comm import all_reduce
+from engine.errors import ConfigError
+from engine.ops.fp8 import fp8_cast, fp8_max
+
+__all__ = [
+    "Fp8Recipe",
+    "fp8_recipe_from_config",
+    "ScalingMeta",
+    "Fp8LinearState",
+    "compute_scale",
+    "fp8_linear",
+    "Fp8Linear",
+    "fp8_states",
+    "update_fp8_scales",
+    "fp8_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+_SCALINGS = ("delayed", "current")
+_FORMATS = ("hybrid", "e4m3")
+_ALGOS = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How FP8 scales are chosen (module docstring)."""
+
+    scaling: str = "delayed"
+    fp8_format: str = "hybrid"
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scaling not in _SCALINGS:
+            raise ConfigError(f"fp8.recipe={self.scaling!r} is not one of {_SCALINGS}")
+        if self.fp8_format not in _FORMATS:
+            raise ConfigError(f"fp8.format={self.fp8_format!r} is not one of {_FORMATS}")
+        if self.amax_compute_algo not in _ALGOS:
+            raise ConfigError(f"fp8.amax_compute_algo={self.amax_compute_algo!r} is not one of {_ALGOS}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ConfigError(f"fp8.amax_history_len={self.amax_history_len!r} must be an integer >= 1")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ConfigError(f"fp8.margin={self.margin!r} must be an integer >= 0 (scale divides by 2**margin)")
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
+
+
+# JSON key in the "fp8" section -> Fp8Recipe field
+_CONFIG_KEYS = {"recipe": "scaling", "format": "fp8_format", "amax_history_len": "amax_history_len",
+                "amax_compute_algo": "amax_compute_algo", "margin": "margin"}
+
+
+def fp8_recipe_from_config(section: Optional[Mapping[str, Any]]) -> Optional[Fp8Recipe]:
+    """The JSON ``"fp8"`` section -> a recipe, or None when absent or ``"enabled": false``.
+
+    Example: ``{"enabled": true, "recipe": "delayed", "format": "hybrid",
+    "amax_history_len": 16, "amax_compute_algo": "max", "margin": 0}``.
+    """
+    if section is None:
+        return None
+    unknown = sorted(set(section) - set(_CONFIG_KEYS) - {"enabled"})
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in the fp8 section; allowed: {['enabled', *_CONFIG_KEYS]}")
+    enabled = section.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"fp8.enabled must be true or false, got {enabled!r}")
+    if not enabled:
+        return None
+    return Fp8Recipe(**{_CONFIG_KEYS[k]: v for k, v in section.items() if k != "enabled"})
+
+
+def compute_scale(amax: torch.Tensor, scale: torch.Tensor, max_value: float, margin: int) -> torch.Tensor:
+    """FP8_MAX / amax / 2**margin, falling back to `scale` where amax or the result is 0/inf/NaN."""
+    new = (max_value / amax) / (2.0 ** margin)
+    ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(new)
+    return torch.where(ok, new, scale)
+
+
+@dataclass
+class ScalingMeta:
+    """Scale and amax history of one tensor role. Tensors live on the compute device."""
+
+    dtype: torch.dtype
+    history_len: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        self.scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self.amax_history = torch.zeros(self.history_len, dtype=torch.float32, device=self.device)  # (L,)
+
+    def to(self, device: torch.device) -> "ScalingMeta":
+        self.device = torch.device(device)
+        self.scale = self.scale.to(device)
+        self.amax_history = self.amax_history.to(device)
+        return self
+
+    def record_amax(self, amax: torch.Tensor) -> None:
+        """Slot 0 holds the max over this step's casts (several micro-batches)."""
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax.to(torch.float32))
+
+
+class Fp8LinearState:
+    """Scaling state of one FP8 linear: input and weight (forward format), grad_output (backward)."""
+
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | str = "cpu") -> None:
+        self.recipe = recipe
+        dev = torch.device(device)
+        self.input = ScalingMeta(recipe.fwd_dtype, recipe.amax_history_len, dev)
+        self.weight = ScalingMeta(recipe.fwd_dtype, recipe.amax_history_len, dev)
+        self.grad_output = ScalingMeta(recipe.bwd_dtype, recipe.amax_history_len, dev)
+
+    def metas(self) -> list[ScalingMeta]:
+        return [self.input, self.weight, self.grad_output]
+
+    def to(self, device: torch.device | str) -> "Fp8LinearState":
+        for m in self.metas():
+            m.to(torch.device(device))
+        return self
+
+
+def fp8_backend(device: torch.device, *dims: int) -> str:
+    """'scaled_mm' on FP8-capable GPUs (sm_89+) when every GEMM dim is a multiple of 16, else 'emulate'."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return "emulate"
+    if torch.cuda.get_device_capability(device) < (8, 9) or any(d % 16 for d in dims):
+        return "emulate"
+    return "scaled_mm"
+
+
+def _reduce_max(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    if group is not None:
+        all_reduce(t, group, op=dist.ReduceOp.MAX)
+    return t
+
+
+def _quantize(t: torch.Tensor, meta: ScalingMeta, recipe: Fp8Recipe, group: Optional[dist.ProcessGroup],
+              transpose: bool):
+    """(fp8, scale_inv, fp8_t or None) of a 2-D tensor under the recipe; records its amax."""
+    if recipe.scaling == "current":
+        amax = _reduce_max(t.detach().abs().amax().float(), group)
+        scale = compute_scale(amax, torch.ones_like(meta.scale), fp8_max(meta.dtype), recipe.margin)
+    else:
+        scale = meta.scale
+    res = fp8_cast(t, scale, meta.dtype, transpose=transpose)
+    meta.record_amax(res[1])
+    return res[0], 1.0 / scale, (res[2] if transpose else None)
+
+
+def _mm(a: torch.Tensor, a_inv: torch.Tensor, b_t: torch.Tensor, b_inv: torch.Tensor, backend: str,
+        out_dtype: torch.dtype) -> torch.Tensor:
+    """(a * a_inv) @ (b_t * b_inv).T with FP8 a (M, K) and b_t (N, K), fp32 accumulation."""
+    if backend == "scaled_mm":
+        out = torch._scaled_mm(a, b_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+        return out[0] if isinstance(out, tuple) else out  # older torch returned (out, amax)
+    # Emulation: FP8 values are exact in fp32; scale them back and multiply in fp32.
+    return ((a.float() * a_inv) @ (b_t.float() * b_inv).t()).to(out_dtype)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: Fp8LinearState, group, backend: str):
+        recipe = state.recipe
+        in_features = weight.shape[1]
+        x2 = x.reshape(-1, in_features)  # (M, K)
+        transpose = backend == "scaled_mm"  # the backward GEMMs need column-major copies
+        x8, x_inv, x8_t = _quantize(x2, state.input, recipe, group, transpose)
+        w8, w_inv, w8_t = _quantize(weight, state.weight, recipe, group, transpose)
+        y = _mm(x8, x_inv, w8, w_inv, backend, x.dtype)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv, x8_t, w8_t)
+        ctx.state, ctx.group, ctx.backend = state, group, backend
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x8, x_inv, w8, w_inv, x8_t, w8_t = ctx.saved_tensors
+        state, backend = ctx.state, ctx.backend
+        g2 = gy.reshape(-1, w8.shape[0])  # (M, N)
+        transpose = backend == "scaled_mm"
+        g8, g_inv, g8_t = _quantize(g2, state.grad_output, state.recipe, ctx.group, transpose)
+        if backend == "scaled_mm":
+            dx = _mm(g8, g_inv, w8_t, w_inv, backend, ctx.x_dtype)       # (M,N)@(N,K): B^T = W^T (K,N)
+            dw = _mm(g8_t, g_inv, x8_t, x_inv, backend, torch.float32)   # (N,M)@(M,K): B^T = x^T (K,M)
+        else:
+            dx = ((g8.float() * g_inv) @ (w8.float() * w_inv)).to(ctx.x_dtype)   # (M, K)
+            dw = (g8.float() * g_inv).t() @ (x8.float() * x_inv)                  # (N, K)
+        db = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), db, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: Fp8LinearState,
+               tp_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """y = x W^T + b with FP8 GEMMs. x (..., K), weight (N, K) (a TP shard is fine), bias (N,).
+
+    Scales follow ``state.recipe``; amaxes are MAX-reduced over ``tp_group`` (pass the
+    TP group, or a TP x DP group to also share scales across data-parallel replicas).
+    backend: None = :func:`fp8_backend`, or force 'emulate' / 'scaled_mm'.
+    """
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
+                         "(need x (..., K) and weight (N, K))")
+    if state.input.scale.device != x.device:
+        raise ValueError(f"fp8_linear: FP8 state is on {state.input.scale.device} but x is on {x.device}; "
+                         "call state.to(device) (Fp8Linear does this in .to())")
+    if backend is None:
+        m = math.prod(x.shape[:-1])
+        backend = fp8_backend(x.device, m, weight.shape[0], weight.shape[1])
+    if backend not in ("emulate", "scaled_mm"):
+        raise ValueError(f"fp8_linear: backend must be 'emulate' or 'scaled_mm', got {backend!r}")
+    return _Fp8LinearFn.apply(x, weight, bias, state, tp_group, backend)
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear whose GEMMs run in FP8 (fp32 master weight, quantized per forward)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: Optional[Fp8Recipe] = None, tp_group: Optional[dist.ProcessGroup] = None,
+                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.tp_group = tp_group
+        self.fp8_state = Fp8LinearState(recipe or Fp8Recipe(), self.weight.device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's init
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.fp8_state.to(self.weight.device)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.fp8_state, self.tp_group)
+
+
+def fp8_states(module: nn.Module) -> list[Fp8LinearState]:
+    """Every FP8 state in a module tree (modules with an ``fp8_state`` attribute)."""
+    return [m.fp8_state for m in module.modules() if isinstance(getattr(m, "fp8_state", None), Fp8LinearState)]
+
+
+def update_fp8_scales(states: Iterable[Fp8LinearState], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Once per optimizer step, after backward: reduce, rescale, roll (module docstring).
+
+    For ``current`` scaling only the history roll happens (scales are per cast). One
+    collective for all tensors: the fresh amaxes are stacked, MAX-reduced, written back.
+    """
+    states = list(states)
+    metas = [m for s in states for m in s.metas()]
+    if not metas:
+        return
+    fresh = torch.stack([m.amax_history[0] for m in metas])  # (3 * layers,)
+    _reduce_max(fresh, group)
+    recipe_of = {id(m): s.recipe for s in states for m in s.metas()}
+    for m, amax_now in zip(metas, fresh):
+        recipe = recipe_of[id(m)]
+        m.amax_history[0] = amax_now
+        if recipe.scaling == "delayed":
+            amax = m.amax_history.max() if recipe.amax_compute_algo == "max" else m.amax_history[0]
+            m.scale = compute_scale(amax, m.scale, fp8_max(m.dtype), recipe.margin)
+        m.amax_history = torch.roll(m.amax_history, 1)
+        m.amax_history[0] = 0.0
