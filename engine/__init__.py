@@ -1,7 +1,26 @@
-"""engine: a 3D-parallel (DP x TP x PP) training engine for transformers on PyTorch."""
+"""engine: a 3D-parallel (DP x TP x PP) training engine for transformers on PyTorch.
+
+``engine.initialize(...)`` (DeepSpeed's ``deepspeed.initialize``) and ``engine.Engine`` are
+loaded on first use, so that ``import engine`` (and the torch-free modules such as the
+topology and launch detection) does not import torch.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
 
 from engine.topology import Axis, Coord, Topology, TopologyError  # noqa: E402
 
-__all__ = ["Axis", "Coord", "Topology", "TopologyError", "__version__"]
+__all__ = ["Axis", "Coord", "Topology", "TopologyError", "__version__", "initialize", "Engine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "initialize":
+        from engine.runtime.initialize import initialize
+
+        return initialize
+    if name == "Engine":
+        from engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

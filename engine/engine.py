@@ -1,0 +1,278 @@
+"""The training engine: one object that owns the model (or this rank's pipeline chunk), the
+ZeRO optimizer with its loss scaler, the LR schedule, the process groups and, with pipeline
+parallelism, the schedule runner. Build it with :func:`engine.initialize`.
+
+Two ways to drive it, named as in DeepSpeed:
+
+- the DeepSpeed loop (no pipeline parallelism; any ``nn.Module``)::
+
+      loss = engine(batch)        # the module's forward
+      engine.backward(loss)       # loss / gradient_accumulation_steps, times the loss scale
+      engine.step()               # optimizer step on accumulation boundaries only
+
+- ``engine.train_batch(data_iter)``: one whole optimizer step over
+  ``gradient_accumulation_steps`` micro-batches taken from ``data_iter`` (required with
+  pipeline parallelism, where it runs the configured schedule); ``eval_batch`` the same
+  without gradients.
+
+Counters follow DeepSpeed: ``global_steps`` counts optimizer steps including skipped fp16
+steps; ``micro_steps`` counts backward passes; the LR schedule advances only on steps
+that were taken.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from engine.config import Config
+from engine.dist import comm
+from engine.dist.groups import ParallelGroups
+from engine.zero import ZeroOptimizer
+
+__all__ = ["Engine", "split_microbatch"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def split_microbatch(mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of a micro-batch: an ``engine.data.Batch`` (``.inputs``,
+    ``.targets``), a pair, or a dict with ``input_ids`` and ``labels``."""
+    if hasattr(mb, "inputs") and hasattr(mb, "targets"):
+        return mb.inputs, mb.targets
+    if isinstance(mb, (tuple, list)) and len(mb) == 2:
+        return mb[0], mb[1]
+    if isinstance(mb, dict) and "input_ids" in mb and "labels" in mb:
+        return mb["input_ids"], mb["labels"]
+    raise TypeError(f"a micro-batch must be an engine.data.Batch, an (inputs, targets) pair or a dict with "
+                    f"input_ids and labels; got {type(mb).__name__}")
+
+
+class Engine(nn.Module):
+    """See the module docstring. ``module`` is the whole model (``pp == 1``) or this rank's
+    stage chunks (an ``nn.ModuleList`` driven by ``pipeline``)."""
+
+    def __init__(self, config: Config, module: nn.Module, optimizer: ZeroOptimizer, *,
+                 device: torch.device, groups: Optional[ParallelGroups] = None, lr_scheduler: Any = None,
+                 pipeline: Any = None, loss_fn: Optional[LossFn] = None, dist_env: Any = None,
+                 training_dataloader: Optional[Iterable[Any]] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.groups = groups
+        self.pipeline = pipeline
+        self.loss_fn = loss_fn
+        self.dist_env = dist_env
+        self.device = device
+        self.training_dataloader = training_dataloader
+        self._data_iter: Optional[Iterator[Any]] = None
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self._step_skipped = False
+        self._last_grad_norm: Optional[float] = None
+        self._last_lr: Optional[list[float]] = None
+        self._dp_group = groups.dp_group if groups is not None else None
+
+    # ------------------------------------------------------------------ DeepSpeed-named queries
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``backward`` is the last micro-batch of the optimizer step."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        """The current learning rate of each param group (what the next step uses)."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return float(self.optimizer.loss_scale)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.get_loss_scale()
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """Global gradient norm (over DP, TP and PP, before clipping) of the last step."""
+        return self._last_grad_norm
+
+    def was_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (non-finite gradients)."""
+        return self._step_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    @property
+    def last_step_lr(self) -> Optional[list[float]]:
+        """The learning rates the last optimizer step used (``get_lr()`` is the next one's)."""
+        return self._last_lr
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.config.dp
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.config.tp * self.config.pp
+
+    @property
+    def global_rank(self) -> int:
+        return self.groups.rank if self.groups is not None else (dist.get_rank() if dist.is_initialized() else 0)
+
+    @property
+    def local_rank(self) -> int:
+        return self.dist_env.local_rank if self.dist_env is not None else 0
+
+    def is_first_stage(self) -> bool:
+        return self.groups is None or self.groups.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        return self.groups is None or self.groups.is_last_stage
+
+    # ------------------------------------------------------------------ the DeepSpeed loop
+    def _require_no_pipeline(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise RuntimeError(f"engine.{what}() is not available with pipeline parallelism "
+                               f"(pipeline.stages = {self.config.pp}): use engine.train_batch(data_iter)")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_no_pipeline("forward")
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale); on the
+        last micro-batch of a step the gradient reductions start as buckets fill."""
+        self._require_no_pipeline("backward")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward expects the scalar loss tensor returned by the model")
+        ga = self.gradient_accumulation_steps()
+        self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
+        self.optimizer.backward(loss / ga if ga > 1 else loss, retain_graph=retain_graph)
+        return loss
+
+    def step(self) -> None:
+        """On an accumulation boundary: reduce, clip, update (or skip), advance the LR
+        schedule and ``global_steps``. Otherwise only counts the micro-step."""
+        self._require_no_pipeline("step")
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _optimizer_step(self) -> None:
+        self._last_grad_norm = self.optimizer.grad_norm()  # reduces the gradients first
+        self._last_lr = self.get_lr()
+        taken = self.optimizer.step()
+        self._step_skipped = not taken
+        if taken and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    # ------------------------------------------------------------------ whole steps
+    def _next_microbatches(self, data_iter: Optional[Iterator[Any]], n: int) -> list[Any]:
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise ValueError("train_batch/eval_batch need a data_iter (or training_data given to initialize)")
+            if self._data_iter is None:
+                self._data_iter = iter(self.training_dataloader)
+            data_iter = self._data_iter
+        out = []
+        for _ in range(n):
+            try:
+                out.append(next(data_iter))
+            except StopIteration:
+                raise ValueError(f"the data iterator ran out after {len(out)} of the {n} micro-batches "
+                                 "this step needs (gradient_accumulation_steps)") from None
+        return out
+
+    def _micro_loss(self, mb: Any) -> torch.Tensor:
+        """Loss of one micro-batch without pipeline parallelism."""
+        if self.loss_fn is not None:
+            inputs, targets = split_microbatch(mb)
+            return self.loss_fn(self.module(inputs.to(self.device)), targets.to(self.device))
+        if hasattr(mb, "inputs") and hasattr(mb, "targets"):
+            return self.module(mb.inputs.to(self.device), mb.targets.to(self.device))
+        if isinstance(mb, dict):
+            return self.module(**mb)
+        if isinstance(mb, (tuple, list)):
+            return self.module(*mb)
+        return self.module(mb)
+
+    def train_batch(self, data_iter: Optional[Iterator[Any]] = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches from
+        ``data_iter``. Returns the mean loss over the micro-batches and the DP replicas (the
+        loss of the global batch), on every rank."""
+        ga = self.gradient_accumulation_steps()
+        mbs = self._next_microbatches(data_iter, ga)
+        self.module.train()
+        if self.pipeline is not None:
+            self.optimizer.set_boundary(False)  # reduce once, after the last micro-batch
+            losses = self.pipeline.train(mbs)
+            self.micro_steps += ga
+        else:
+            losses = []
+            for i, mb in enumerate(mbs):
+                self.optimizer.set_boundary(i == ga - 1)
+                loss = self._micro_loss(mb)
+                self.optimizer.backward(loss / ga if ga > 1 else loss)
+                losses.append(loss.detach())
+                self.micro_steps += 1
+        self._optimizer_step()
+        return self._aggregate_loss(losses)
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: Optional[int] = None) -> torch.Tensor:
+        """Mean loss over ``num_micro_batches`` (default: gradient_accumulation_steps)
+        micro-batches and the DP replicas, without gradients; on every rank."""
+        n = num_micro_batches or self.gradient_accumulation_steps()
+        mbs = self._next_microbatches(data_iter, n)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            if self.pipeline is not None:
+                losses = self.pipeline.evaluate(mbs)
+            else:
+                losses = [self._micro_loss(mb).detach() for mb in mbs]
+        finally:
+            self.module.train(was_training)
+        return self._aggregate_loss(losses)
+
+    def _aggregate_loss(self, losses: Optional[list[torch.Tensor]]) -> torch.Tensor:
+        """Mean over micro-batches (on the last stage), averaged over DP, then sent to every
+        pipeline stage."""
+        out = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses:  # the last pipeline stage (every rank without a pipeline)
+            out = torch.stack([l.float() for l in losses]).mean()
+        if self._dp_group is not None and self.config.dp > 1:
+            comm.all_reduce(out, self._dp_group)
+            out /= self.config.dp
+        if self.pipeline is not None:
+            last = self.groups.topology.rank(dp=self.groups.dp_rank, tp=self.groups.tp_rank, pp=self.config.pp - 1)
+            comm.broadcast(out, last, self.groups.pp_group)
+        return out
+
+    # ------------------------------------------------------------------ memory
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer state (ZeRO's own
+        accounting: each storage counted once)."""
+        return dict(self.optimizer.memory_bytes())

@@ -1,0 +1,206 @@
+"""What a rank trains: the reference GPT (or a user's list of stage layers) cut into this
+rank's pipeline chunk(s) and tensor-parallel shard.
+
+- :func:`stage_bounds`: where the layer list ``[embedding, block_0 .. block_{L-1}, head]``
+  is cut (``pipeline.partition``), from per-layer parameter counts;
+- :func:`build_reference_chunks`: this rank's chunks of the reference model, built
+  directly at their TP shard (the initialisation depends only on the seed, so the model is
+  the same whatever (dp, tp, pp));
+- :func:`load_full_weights`: copy a whole (unsharded) GPT's weights into this rank's shards;
+- :func:`chunks_from_layers`: a user's list of layers cut the same way, with a parameter
+  shared by the first and last stage (a tied embedding) split into a marked copy;
+- :class:`StageChunk`: a contiguous run of layers, optionally activation-checkpointed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from engine.config import Config
+from engine.errors import ConfigError
+from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
+from engine.pipeline.partition import layers_of, partition_layers
+from engine.tensor_parallel.attrs import is_tp_sharded, mark_tied_copy, tp_partition_dim
+from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.tensor_parallel.layers import shard_tensor
+from engine.tensor_parallel.mappings import tp_rank, tp_world_size
+
+__all__ = ["StageChunk", "ReferenceModel", "reference_layer_params", "stage_bounds", "build_reference_chunks",
+           "load_full_weights", "chunks_from_layers", "check_reference_support"]
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+class StageChunk(nn.Module):
+    """Layers ``[start, start + len(layers))`` of the model's layer list, run in order.
+
+    ``checkpoint_interval > 0``: the blocks (layers that are neither the embedding nor the
+    head) are recomputed in backward in runs of that many (activation checkpointing);
+    the reference model has no dropout, so the recomputation is exact.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], start: int, num_layers_total: int,
+                 checkpoint_interval: int = 0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.start = start
+        self.is_first = start == 0
+        self.is_last = start + len(layers) == num_layers_total
+        self.checkpoint_interval = checkpoint_interval
+
+    def _run(self, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[lo:hi]:
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = len(self.layers)
+        if self.checkpoint_interval <= 0 or not torch.is_grad_enabled():
+            return self._run(0, n, x)
+        lo = 1 if self.is_first else 0                 # the embedding takes integer ids: not checkpointed
+        hi = n - 1 if self.is_last else n              # nor the head (its logits are needed anyway)
+        x = self._run(0, lo, x)
+        for a in range(lo, hi, self.checkpoint_interval):
+            b = min(a + self.checkpoint_interval, hi)
+            x = checkpoint(self._run, a, b, x, use_reentrant=False)
+        return self._run(hi, n, x)
+
+
+class ReferenceModel(nn.Module):
+    """The whole model as one chunk (``pp == 1``), called like :class:`engine.models.GPT`:
+    ``forward(ids)`` -> logits (B, S, V_pad/tp); ``forward(ids, targets)`` -> mean
+    vocab-parallel cross-entropy (so the DeepSpeed loop works with TP too)."""
+
+    def __init__(self, chunk: StageChunk, tp_group: ProcessGroup) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.tp_group = tp_group
+
+    def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                ignore_index: int = -100) -> torch.Tensor:
+        logits = self.chunk(ids)
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, ignore_index=ignore_index)
+
+
+def reference_layer_params(cfg: ModelConfig) -> list[int]:
+    """Parameter count of each entry of the reference layer list (the head counts its
+    vocabulary matrix even when tied: the last stage holds a copy of it)."""
+    v, h, n = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
+    tied = cfg.tie_embeddings
+    per_block = (param_count(cfg) - v * h - h - (0 if tied else v * h)) // n
+    return [v * h] + [per_block] * n + [h + v * h]
+
+
+def stage_bounds(layer_params: Sequence[int], cfg: Config) -> list[int]:
+    """Boundaries of the ``pp * virtual_stages`` pieces (``pipeline.partition``)."""
+    return partition_layers(list(layer_params), cfg.pp * cfg.pipeline.virtual_stages, cfg.pipeline.partition)
+
+
+def check_reference_support(cfg: Config) -> None:
+    """Config features the reference model cannot honour yet: an error, never a silent no-op."""
+    if cfg.data.document_masking:
+        raise ConfigError("data.document_masking: the reference model's attention takes no document mask "
+                          "yet; set data.document_masking to false")
+    if cfg.fp8.enabled:
+        raise ConfigError("fp8.enabled: FP8 GEMMs are not wired into the reference model's layers yet; "
+                          "set fp8.enabled to false")
+    if cfg.activation_checkpointing.partition_activations:
+        raise ConfigError("activation_checkpointing.partition_activations is not implemented; set it to false")
+
+
+def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: ProcessGroup, *, device: torch.device,
+                           dtype: torch.dtype) -> list[StageChunk]:
+    """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded."""
+    check_reference_support(cfg)
+    total = num_stage_layers(cfg.model)
+    bounds = stage_bounds(reference_layer_params(cfg.model), cfg)
+    chunks = []
+    for c in range(cfg.pipeline.virtual_stages):
+        rng = layers_of(bounds, pp_rank, cfg.pp, c)
+        layers = build_stage_layers(cfg.model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+                                    seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype)
+        chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval))
+    return chunks
+
+
+@torch.no_grad()
+def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: ProcessGroup) -> None:
+    """Copy the unsharded ``full`` model's weights into ``chunks`` (this rank's TP shard of
+    each parameter; padded vocabulary rows stay zero)."""
+    world, rank = tp_world_size(tp_group), tp_rank(tp_group)
+    for chunk in chunks:
+        for j, layer in enumerate(chunk.layers):
+            src_layer = full.layers[chunk.start + j]
+            for name, p in layer.named_parameters():
+                src = src_layer.get_parameter(name).detach().to(torch.float32).cpu()
+                if is_tp_sharded(p):
+                    dim = tp_partition_dim(p)
+                    padded = getattr(p, "tp_unpadded_size", None)
+                    if padded is not None:  # pad the vocabulary to V_pad before slicing
+                        extra = p.shape[dim] * world - src.shape[dim]
+                        pad_shape = list(src.shape)
+                        pad_shape[dim] = extra
+                        src = torch.cat([src, src.new_zeros(pad_shape)], dim=dim)
+                    src = shard_tensor(src, dim, rank, world, getattr(p, "tp_fused_parts", None))
+                if src.shape != p.shape:
+                    raise ValueError(f"layer {chunk.start + j} parameter {name}: the given model has shape "
+                                     f"{tuple(src.shape)} where this rank's shard needs {tuple(p.shape)}")
+                p.copy_(src)
+
+
+def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int) -> tuple[list[StageChunk], list[nn.Parameter]]:
+    """A user's layer list (``tp == 1``) cut into this rank's chunk(s).
+
+    Returns ``(chunks, tied)``: a parameter used by layers on both the first and the last
+    pipeline stage (a tied embedding/head) stays the original on the first stage and
+    becomes a marked copy on the last (``tied`` lists it on both, for the gradient sum over
+    the embedding group). Sharing between any other stages is an error.
+    """
+    layers = list(layers)
+    if not layers or not all(isinstance(m, nn.Module) for m in layers):
+        raise TypeError("model must be a non-empty list of nn.Module layers")
+    counts = [sum(p.numel() for p in m.parameters()) for m in layers]
+    bounds = stage_bounds(counts, cfg)
+    pieces = len(bounds) - 1
+    owner: dict[int, set[int]] = {}
+    for k in range(pieces):
+        rank = k % cfg.pp
+        for m in layers[bounds[k]:bounds[k + 1]]:
+            for p in m.parameters():
+                owner.setdefault(id(p), set()).add(rank)
+    shared = {pid for pid, ranks in owner.items() if len(ranks) > 1}
+    for pid in shared:
+        if owner[pid] != {0, cfg.pp - 1}:
+            raise ConfigError(f"a parameter is shared by layers on pipeline stages {sorted(owner[pid])}: only "
+                              "the first and the last stage may share one (a tied embedding and head)")
+    chunks, tied = [], []
+    copies: dict[int, nn.Parameter] = {}
+    for c in range(cfg.pipeline.virtual_stages):
+        rng = layers_of(bounds, pp_rank, cfg.pp, c)
+        mine = layers[rng.start:rng.stop]
+        if pp_rank == cfg.pp - 1 and cfg.pp > 1:
+            for m in mine:
+                for mod in m.modules():
+                    for name, p in list(mod._parameters.items()):
+                        if p is not None and id(p) in shared:
+                            if id(p) not in copies:
+                                copies[id(p)] = nn.Parameter(p.detach().clone())
+                                mark_tied_copy(copies[id(p)])
+                            mod._parameters[name] = copies[id(p)]
+        chunks.append(StageChunk(mine, rng.start, len(layers), cfg.pipeline.activation_checkpoint_interval))
+    if cfg.pp > 1:
+        local = {id(p): p for ch in chunks for p in ch.parameters()}
+        order = sorted(shared, key=lambda pid: next(i for i, m in enumerate(layers)
+                                                    if any(id(q) == pid for q in m.parameters())))
+        for pid in order:
+            p = copies[pid] if pid in copies else local.get(pid)
+            if p is not None:
+                tied.append(p)
+    return chunks, tied

@@ -1,0 +1,165 @@
+"""From the ``optimizer`` / ``scheduler`` / ``fp16`` / ``zero_optimization`` config sections
+to the objects the engine steps: the inner optimizer factory, the ZeRO wrapper, the loss
+scaler and the LR schedule.
+
+The inner optimizer always runs over the ZeRO optimizer's fp32 master shards, so it is
+built by a *factory* (``param_groups -> torch.optim.Optimizer``), never over the model's
+own parameters. A client optimizer handed to :func:`engine.initialize` (DeepSpeed allows
+an instance or a callable) is turned into such a factory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from engine.config import Config, OptimizerConfig
+from engine.errors import ConfigError
+from engine.optim.lr_schedules import build_lr_scheduler
+from engine.precision.loss_scaler import build_loss_scaler
+from engine.precision.mixed import PrecisionPolicy
+from engine.zero import ZeroOptimizer, build_zero_optimizer
+from engine.zero.base import OptimizerFactory
+
+__all__ = ["Lion", "optimizer_factory", "client_optimizer_factory", "build_engine_optimizer",
+           "build_scheduler", "precision_policy"]
+
+logger = logging.getLogger(__name__)
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms")::
+
+        c = beta1 * m + (1 - beta1) * g
+        p = p * (1 - lr * wd) - lr * sign(c)
+        m = beta2 * m + (1 - beta2) * g
+
+    fp32 state (``exp_avg``), decoupled weight decay, as DeepSpeed's FusedLion.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        if not lr >= 0:
+            raise ValueError(f"Lion: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Lion: betas must be in [0, 1), got {betas}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.to(p.dtype)
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                update = m.mul(beta1).add_(g, alpha=1 - beta1).sign_()
+                p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
+                m.mul_(beta2).add_(g, alpha=1 - beta2)
+        return loss
+
+
+def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
+    """The inner optimizer the config names, as a factory over param groups.
+
+    ``Adam``/``AdamW`` with ``adam_w_mode`` (the default): :class:`engine.optim.FusedAdamW`
+    (the fused kernel when it builds, its PyTorch reference otherwise), or
+    ``torch.optim.AdamW`` with ``torch_adam``; ``adam_w_mode: false``: ``torch.optim.Adam``
+    (L2 weight decay added to the gradient). ``Lion``: :class:`Lion`.
+    """
+    p = opt.params
+    if opt.type in ("Adam", "AdamW"):
+        kw = dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
+        if not p.adam_w_mode:
+            return lambda groups: torch.optim.Adam(groups, **kw)
+        if p.torch_adam:
+            return lambda groups: torch.optim.AdamW(groups, **kw)
+        from engine.optim import FusedAdamW
+
+        return lambda groups: FusedAdamW(groups, **kw)
+    if opt.type == "Lion":
+        return lambda groups: Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+    raise ConfigError(f"optimizer.type {opt.type!r} is not one of Adam, AdamW, Lion")
+
+
+def client_optimizer_factory(client: Any) -> OptimizerFactory:
+    """DeepSpeed's ``optimizer=`` argument as a factory.
+
+    A callable (``params -> Optimizer``, DeepSpeed's ``Callable[[Parameters], Optimizer]``)
+    is used as it is. A ``torch.optim.Optimizer`` instance is re-created with its class and
+    constructor defaults over the fp32 master shards (the engine owns the step); it must
+    not have taken a step yet, since its state would not match the shards.
+    """
+    if isinstance(client, torch.optim.Optimizer):
+        if any(len(s) for s in client.state.values()):
+            raise ValueError("the optimizer passed to engine.initialize already has state (it has stepped): "
+                             "pass a fresh optimizer, a callable params -> optimizer, or none (the config's)")
+        cls, defaults = type(client), dict(client.defaults)
+
+        def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            try:
+                return cls(groups, **defaults)
+            except TypeError as exc:
+                raise ValueError(f"cannot re-create {cls.__name__} over the ZeRO master shards from its "
+                                 f"defaults ({exc}); pass a callable params -> optimizer instead") from exc
+        return make
+    if callable(client):
+        return client
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, a callable params -> optimizer, or None; "
+                    f"got {type(client).__name__}")
+
+
+def precision_policy(cfg: Config) -> PrecisionPolicy:
+    check = cfg.bf16.check_grad_overflow if cfg.bf16.enabled else None
+    return PrecisionPolicy.from_name(cfg.precision, check_nonfinite=check)
+
+
+def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, *,
+                           dp_group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup] = None,
+                           pp_group: Optional[dist.ProcessGroup] = None,
+                           embedding_group: Optional[dist.ProcessGroup] = None,
+                           tied_params: Sequence[torch.nn.Parameter] = (),
+                           module: Optional[torch.nn.Module] = None) -> ZeroOptimizer:
+    """The ZeRO optimizer of ``cfg.zero.stage`` over ``params`` with its loss scaler and clipping."""
+    policy = precision_policy(cfg)
+    f = cfg.fp16
+    scaler = build_loss_scaler(policy.compute_dtype, loss_scale=f.loss_scale,
+                               initial_scale_power=f.initial_scale_power, loss_scale_window=f.loss_scale_window,
+                               hysteresis=f.hysteresis, consecutive_hysteresis=f.consecutive_hysteresis,
+                               min_loss_scale=f.min_loss_scale)
+    z = cfg.zero
+    return build_zero_optimizer(
+        z.stage, params, factory, dp_group, module=module, tp_group=tp_group, pp_group=pp_group,
+        embedding_group=embedding_group, tied_params=tied_params, precision=policy, loss_scaler=scaler,
+        reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm, clip_grad=cfg.gradient_clipping,
+        stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+        stage3_max_live_parameters=z.stage3_max_live_parameters,
+        stage3_param_persistence_threshold=z.stage3_param_persistence_threshold)
+
+
+def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, Any] = None) -> Any:
+    """The LR schedule: the client's (an object with ``step()``, or a callable
+    ``optimizer -> scheduler`` called with the inner torch optimizer, as DeepSpeed allows),
+    else the config's ``scheduler`` section, else None (constant lr)."""
+    if client is not None:
+        if hasattr(client, "step"):
+            if getattr(client, "optimizer", optimizer.optimizer) is not optimizer.optimizer:
+                raise ValueError("the lr_scheduler was built on an optimizer the engine does not step (the engine "
+                                 "re-creates the optimizer over its fp32 master shards): pass a callable "
+                                 "optimizer -> scheduler, or use the config's scheduler section")
+            return client
+        if callable(client):
+            return client(optimizer.optimizer)
+        raise TypeError(f"lr_scheduler must be a scheduler or a callable optimizer -> scheduler, "
+                        f"got {type(client).__name__}")
+    if cfg.scheduler is None:
+        return None
+    return build_lr_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params)

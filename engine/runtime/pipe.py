@@ -1,0 +1,87 @@
+"""Glue between the engine and :class:`engine.pipeline.executor.PipelineExecutor`.
+
+Training runs the configured schedule through the executor (gradients accumulate into the
+ZeRO optimizer's buffers through its hooks; the engine reduces and steps once after the
+last micro-batch). Evaluation is forward-only: each micro-batch walks the chain of
+virtual stages in order, one blocking send/receive per hop (a single token passing along
+the chain, so it cannot deadlock), which is simple and fast enough for evaluation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from engine.config import Config
+from engine.dist.groups import ParallelGroups
+from engine.pipeline.actions import next_hop, prev_hop
+from engine.pipeline.executor import PipelineExecutor
+
+__all__ = ["PipelineRunner", "activation_shape"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def activation_shape(cfg: Config) -> tuple[int, int, int]:
+    """What crosses a stage boundary: hidden states (micro_batch, S, H), or (micro_batch,
+    S/tp, H) with sequence parallelism."""
+    s = cfg.model.seq_len
+    if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
+        s //= cfg.tp
+    return (cfg.train_micro_batch_size_per_gpu, s, cfg.model.hidden_size)
+
+
+class PipelineRunner:
+    """This rank's pipeline: ``train(microbatches)`` / ``evaluate(microbatches)`` return the
+    per-step losses on the last stage and None elsewhere."""
+
+    def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: LossFn,
+                 *, device: torch.device, dtype: torch.dtype) -> None:
+        from engine.engine import split_microbatch  # the engine module imports this one lazily
+
+        self._split = split_microbatch
+        self.chunks = list(chunks)
+        self.cfg, self.groups, self.loss_fn = cfg, groups, loss_fn
+        self.device, self.dtype = device, dtype
+        self.stage, self.num_stages = groups.pp_rank, cfg.pp
+        self.stage_ranks = list(groups.pp_ranks)
+        self.shape = activation_shape(cfg)
+        self.executor = PipelineExecutor(
+            self.chunks, stage=self.stage, stage_ranks=self.stage_ranks, pp_group=groups.pp_group,
+            num_microbatches=cfg.gradient_accumulation_steps, activation_shape=self.shape, loss_fn=loss_fn,
+            schedule=cfg.pipeline.schedule, activation_dtype=dtype, device=device,
+            activation_checkpointing=False,  # the chunks checkpoint per block themselves
+            broadcast_loss=False, record=False)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
+        pairs = iter([self._split(mb) for mb in microbatches])
+        loss = self.executor.train_batch(pairs)
+        return [loss] if self.is_last else None
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
+        v = len(self.chunks)
+        losses = []
+        for mb in microbatches:
+            inputs, targets = self._split(mb)
+            for c in range(v):
+                prev = prev_hop(self.stage, c, self.num_stages)
+                if prev is None:
+                    x = inputs.to(self.device)
+                else:
+                    x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    dist.recv(x, self.stage_ranks[prev[0]], group=self.groups.pp_group)
+                out = self.chunks[c](x)
+                nxt = next_hop(self.stage, c, self.num_stages, v)
+                if nxt is None:
+                    losses.append(self.loss_fn(out, targets.to(self.device)).detach())
+                else:
+                    dist.send(out.contiguous(), self.stage_ranks[nxt[0]], group=self.groups.pp_group)
+        return losses if self.is_last else None

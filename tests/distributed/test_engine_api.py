@@ -1,0 +1,197 @@
+"""engine.initialize + the DeepSpeed loop (loss = engine(batch); engine.backward(loss);
+engine.step()) on a plain nn.Module at DP = 2, ZeRO stages 0-3, against single-process
+torch.optim.AdamW on the full batch with the same clipping and LR schedule.
+
+Tolerance (fp32): atol 2e-5 on parameters of O(0.1-1) after 3 steps. The DP run sums
+gradients over ranks and micro-batches in another order than one backward over the full
+batch (~1e-7 relative); AdamW turns that into parameter differences of ~1e-6 at most.
+A missing 1/gradient_accumulation_steps, a dropped reduction, clipping on the wrong norm
+or an LR schedule stepped at every micro-batch gives errors of the order of lr = 1e-2.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness import run_ranks
+
+import engine
+from engine.optim.lr_schedules import build_lr_scheduler
+
+STEPS, BATCH, LR, WD, CLIP = 3, 16, 1e-2, 0.1, 0.5
+ATOL = 2e-5
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 5))
+
+
+class _Wrapped(nn.Module):
+    """A user model whose forward returns the loss, as DeepSpeed examples do."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 5, generator=g)
+
+
+def _config(stage, ga=2, world=2, **extra):
+    cfg = {
+        "train_batch_size": BATCH, "gradient_accumulation_steps": ga,
+        "gradient_clipping": CLIP, "seed": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                      "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
+                              "stage3_param_persistence_threshold": 12},
+        "model": {"vocab_size": 8, "hidden_size": 8, "num_layers": 1, "num_heads": 2, "seq_len": 4},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def _reference():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    sched = build_lr_scheduler(opt, "WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                 "warmup_num_steps": 4, "warmup_type": "linear"})
+    lrs = []
+    for s in range(STEPS):
+        x, y = _data(s)
+        nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], lrs
+
+
+def _params(eng):
+    if eng.config.zero.stage == 3:
+        with eng.optimizer.gathered_params():
+            return [p.detach().clone() for p in eng.module.parameters()]
+    return [p.detach().clone() for p in eng.module.parameters()]
+
+
+def _deepspeed_loop(rank, world, stages, ga):
+    out = {}
+    for stage in stages:
+        model = _Wrapped()
+        eng, opt, loader, sched = engine.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=_config(stage, ga))
+        assert opt is eng.optimizer and sched is eng.lr_scheduler and loader is None
+        per_rank = BATCH // world
+        micro = per_rank // ga
+        lrs, unchanged_mid_step = [], True
+        for s in range(STEPS):
+            x, y = _data(s)
+            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            for m in range(ga):
+                before = _params(eng) if m == 0 else None
+                loss = eng(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro])
+                eng.backward(loss)
+                if m < ga - 1:
+                    lr_before = eng.get_lr()
+                    eng.step()  # not a boundary: nothing may change
+                    unchanged_mid_step &= all(torch.equal(a, b) for a, b in zip(before, _params(eng)))
+                    unchanged_mid_step &= eng.global_steps == s and eng.get_lr() == lr_before
+                else:
+                    lrs.append(eng.get_lr()[0])
+                    eng.step()
+            assert not eng.was_step_skipped()
+        out[stage] = dict(params=_params(eng), lrs=lrs, global_steps=eng.global_steps,
+                          micro_steps=eng.micro_steps, unchanged=unchanged_mid_step,
+                          grad_norm=eng.get_global_grad_norm())
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_deepspeed_loop_matches_single_process_adamw_zero_0_to_3():
+    ref, ref_lrs = _reference()
+    results = run_ranks(_deepspeed_loop, 2, [0, 1, 2, 3], 2, timeout=200)
+    for stage in range(4):
+        for rank, res in enumerate(results):
+            r = res[stage]
+            assert r["global_steps"] == STEPS and r["micro_steps"] == STEPS * 2
+            assert r["unchanged"], f"ZeRO-{stage}: a non-boundary engine.step() changed the model or counters"
+            assert r["lrs"] == pytest.approx(ref_lrs, rel=1e-12), f"ZeRO-{stage} LR schedule"
+            assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+            for i, (a, b) in enumerate(zip(r["params"], ref)):
+                torch.testing.assert_close(a, b, atol=ATOL, rtol=0,
+                                           msg=lambda m: f"ZeRO-{stage} rank {rank} param {i}: {m}")
+        # replicas agree exactly (same reduced gradients, same update)
+        for a, b in zip(results[0][stage]["params"], results[1][stage]["params"]):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- fp16 overflow and counters
+def _fp16_skip(rank, world):
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": LR,
+                                            "warmup_num_steps": 4, "warmup_type": "linear"}}
+    cfg = _config(0, ga=1, fp16={"enabled": True, "initial_scale_power": 4, "hysteresis": 1},
+                  gradient_clipping=0.0, scheduler=sched)
+    model = _Wrapped()
+    eng, *_ = engine.initialize(model=model, config=cfg)
+    assert next(eng.module.parameters()).dtype == torch.float16
+    x, y = _data(0)
+    x, y = x[rank * 8:(rank + 1) * 8].half(), y[rank * 8:(rank + 1) * 8].half()
+    events = []
+    for s in range(3):
+        before = [p.detach().clone() for p in eng.module.parameters()]
+        lr_before, scale_before = eng.get_lr(), eng.get_loss_scale()
+        loss = eng(x, y)
+        if s == 1 and rank == 1:
+            loss = loss * float("inf")  # overflow on one rank only: every rank must skip
+        eng.backward(loss)
+        eng.step()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, eng.module.parameters()))
+        events.append(dict(skipped=eng.was_step_skipped(), changed=changed, steps=eng.global_steps,
+                           lr_moved=eng.get_lr() != lr_before, scale=(scale_before, eng.get_loss_scale())))
+    return events, eng.skipped_steps
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_counts_it():
+    for events, skipped in run_ranks(_fp16_skip, 2, timeout=120):
+        assert [e["skipped"] for e in events] == [False, True, False]
+        assert [e["changed"] for e in events] == [True, False, True]
+        assert [e["steps"] for e in events] == [1, 2, 3]          # skipped steps count (DeepSpeed)
+        assert [e["lr_moved"] for e in events] == [True, False, True]  # no LR step on a skip
+        assert events[1]["scale"] == (16.0, 8.0)                  # hysteresis 1: halved at once
+        assert skipped == 1
+
+
+# ---------------------------------------------------------------- bad arguments
+def _bad_args(rank, world):
+    model = _Wrapped()
+    errors = {}
+    for name, kwargs in {
+        "no_config": dict(model=model),
+        "two_configs": dict(model=model, config=_config(0), config_params=_config(0)),
+        "mpu": dict(model=model, config=_config(0), mpu=object()),
+        "world": dict(model=model, config=_config(0, train_batch_size=BATCH, ga=1,
+                                                  tensor_parallel={"autotp_size": 4})),
+    }.items():
+        try:
+            engine.initialize(**kwargs)
+        except (ValueError, TypeError) as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+def test_initialize_rejects_bad_arguments_with_a_message():
+    errors = run_ranks(_bad_args, 2, timeout=60)[0]
+    assert "no config" in errors["no_config"]
+    assert "more than once" in errors["two_configs"]
+    assert "mpu" in errors["mpu"]
+    assert "world" in errors["world"] or "divisible" in errors["world"]
