@@ -1,1 +1,71 @@
-"""See the module docstrings."""
+"""ZeRO stages 0-3 over one data-parallel group.
+
+- :mod:`engine.zero.partition`: pure shard maths (layouts, padding, alignment, buckets).
+- :mod:`engine.zero.buckets`: flat buckets and groups (the storage the stages share).
+- :mod:`engine.zero.base`: hooks, reduction, the mixed-precision step, norm, state, memory.
+- :mod:`engine.zero.stage0` ... :mod:`engine.zero.stage3`: one small class per stage.
+
+:func:`build_zero_optimizer` picks the stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
+from engine.precision.mixed import PrecisionPolicy
+from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
+from engine.zero.stage0 import DataParallelOptimizer
+from engine.zero.stage1 import Zero1Optimizer
+from engine.zero.stage2 import Zero2Optimizer
+from engine.zero.stage3 import Zero3Optimizer
+
+__all__ = ["build_zero_optimizer", "ZeroOptimizer", "DataParallelOptimizer", "Zero1Optimizer",
+           "Zero2Optimizer", "Zero3Optimizer", "STAGES"]
+
+STAGES = {0: DataParallelOptimizer, 1: Zero1Optimizer, 2: Zero2Optimizer, 3: Zero3Optimizer}
+
+
+def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_factory: OptimizerFactory,
+                         dp_group: Optional[dist.ProcessGroup], *,
+                         module: Optional[torch.nn.Module] = None,
+                         tp_group: Optional[dist.ProcessGroup] = None,
+                         pp_group: Optional[dist.ProcessGroup] = None,
+                         embedding_group: Optional[dist.ProcessGroup] = None,
+                         tied_params: Sequence[torch.nn.Parameter] = (),
+                         precision: Optional[PrecisionPolicy] = None,
+                         loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
+                         reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True,
+                         alignment: int = 8, clip_grad: float = 0.0,
+                         stage3_prefetch_bucket_size: int = 50_000_000,
+                         stage3_max_live_parameters: int = 1_000_000_000,
+                         stage3_param_persistence_threshold: int = 100_000) -> ZeroOptimizer:
+    """The ZeRO optimizer for ``stage`` (0-3) over ``dp_group`` (None: the default group).
+
+    ``params_or_module``: the model, its trainable parameters, or torch-style group dicts
+    (extra keys such as ``weight_decay`` become the inner optimizer's group options).
+    ``optimizer_factory(param_groups) -> torch.optim.Optimizer`` builds the inner optimizer
+    over this rank's fp32 master shard(s), e.g. ``lambda g: torch.optim.AdamW(g, lr=1e-3)``.
+    Stage 3 needs the module (``module=`` or as ``params_or_module``) to hook its forward.
+    ``tp_group`` / ``pp_group`` are used only for the global gradient norm and the overflow
+    vote; ``embedding_group`` with ``tied_params`` sums tied weights' gradients across stages.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    common: dict[str, Any] = dict(
+        tp_group=tp_group, pp_group=pp_group, embedding_group=embedding_group, tied_params=tied_params,
+        precision=precision, loss_scaler=loss_scaler, reduce_bucket_size=reduce_bucket_size,
+        overlap_comm=overlap_comm, alignment=alignment, clip_grad=clip_grad)
+    if stage == 3:
+        mod = module if module is not None else params_or_module
+        if not isinstance(mod, torch.nn.Module):
+            raise ValueError("ZeRO stage 3 needs the model: pass module=<the nn.Module> (it hooks the "
+                             "forward and backward of each submodule to gather its parameters)")
+        return Zero3Optimizer(params_or_module, optimizer_factory, dp_group, module=mod,
+                              prefetch_bucket_size=stage3_prefetch_bucket_size,
+                              max_live_parameters=stage3_max_live_parameters,
+                              param_persistence_threshold=stage3_param_persistence_threshold, **common)
+    return STAGES[stage](params_or_module, optimizer_factory, dp_group, **common)

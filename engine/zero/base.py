@@ -1,0 +1,395 @@
+"""What every ZeRO stage shares: grouping into flat buckets, backward hooks that accumulate
+and reduce gradients as buckets fill, the mixed-precision step (unscale, non-finite check,
+global-norm clipping, inner optimizer on the fp32 master shard, publish), state dicts and
+memory accounting. The stages (stage0.py ... stage3.py) differ only in where parameters,
+gradients and master weights live; each is a small subclass.
+
+One optimizer serves ONE data-parallel group. Gradients are averaged over that group only;
+the TP and PP groups (``tp_group``, ``pp_group``) enter only the global gradient norm and
+the "did any rank overflow" vote, and ``embedding_group`` sums the gradients of tied weights
+between the pipeline stages that hold them.
+
+Usage per optimizer step (``ga`` micro-batches, loss already divided by ``ga``)::
+
+    for i, mb in enumerate(micro_batches):
+        opt.set_boundary(i == ga - 1)   # hooks launch the reductions only on the last one
+        opt.backward(loss_fn(model(mb)) / ga)
+    stepped = opt.step()                # reduces what is left, then updates; zeroes grads
+
+A pipeline executor may instead keep the boundary off for every micro-batch and call
+:meth:`reduce_gradients` once after the last backward (gradients reduced exactly once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from engine.dist import comm
+from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
+from engine.precision.mixed import PrecisionPolicy
+from engine.zero.buckets import FlatBucket, FlatGroup
+from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
+
+__all__ = ["ZeroOptimizer", "OptimizerFactory", "normalize_param_groups"]
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+ParamsArg = Union[torch.nn.Module, Iterable[torch.nn.Parameter], Iterable[dict[str, Any]]]
+
+
+def normalize_param_groups(params: ParamsArg) -> list[dict[str, Any]]:
+    """A module, a list of parameters or a list of torch-style group dicts -> group dicts
+    holding only trainable parameters (frozen ones are left alone)."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    items = list(params)
+    if not items:
+        raise ValueError("ZeRO optimizer got no parameters: pass the model or its trainable parameters")
+    if all(isinstance(x, dict) for x in items):
+        groups = [dict(g) for g in items]
+    elif all(isinstance(x, torch.Tensor) for x in items):
+        groups = [{"params": items}]
+    else:
+        raise TypeError("params must be a module, a list of parameters, or a list of dicts with 'params'")
+    for g in groups:
+        if "params" not in g:
+            raise ValueError("every parameter group dict needs a 'params' entry")
+        ps = g["params"]
+        g["params"] = [p for p in ([ps] if isinstance(ps, torch.Tensor) else list(ps)) if p.requires_grad]
+    return groups
+
+
+class ZeroOptimizer:
+    """Base class; use :func:`engine.zero.build_zero_optimizer` or a stage class."""
+
+    stage: int = -1
+    shards_optimizer_state: bool = True  # stage >= 1: reduce-scatter into DP shards
+    keeps_full_grads: bool = True  # stages 0/1: the fp32 accumulator lives across steps
+
+    def __init__(self, params: ParamsArg, optimizer_factory: OptimizerFactory,
+                 dp_group: Optional[dist.ProcessGroup], *,
+                 tp_group: Optional[dist.ProcessGroup] = None, pp_group: Optional[dist.ProcessGroup] = None,
+                 embedding_group: Optional[dist.ProcessGroup] = None,
+                 tied_params: Sequence[torch.nn.Parameter] = (),
+                 precision: Optional[PrecisionPolicy] = None,
+                 loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
+                 reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True, alignment: int = 8,
+                 clip_grad: float = 0.0):
+        self.dp_group = dp_group
+        self.dp_size = comm.group_size(dp_group)
+        self.dp_rank = comm.group_rank(dp_group)
+        self.tp_group, self.pp_group, self.embedding_group = tp_group, pp_group, embedding_group
+        self.precision = precision or PrecisionPolicy()
+        self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
+        if clip_grad < 0:
+            raise ValueError(f"gradient_clipping must be >= 0 (0 disables it), got {clip_grad}")
+        self.clip_grad = float(clip_grad)
+        self.reduce_bucket_size = int(reduce_bucket_size)
+        self.overlap_comm = bool(overlap_comm)
+        self.alignment = int(alignment)
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
+        self._boundary = True
+        self._reduced = False
+        self._norm_cache: Optional[tuple[float, bool]] = None
+        self._hooks: list[Any] = []
+
+        user_groups = normalize_param_groups(params)
+        self._check_params([p for g in user_groups for p in g["params"]])
+        keyed = group_params([g["params"] for g in user_groups], tied_params)
+        self.groups: list[FlatGroup] = []
+        self.buckets: list[FlatBucket] = []
+        num_shards = self.dp_size if self.shards_optimizer_state else 1
+        shard_index = self.dp_rank if self.shards_optimizer_state else 0
+        for key, plist in keyed.items():
+            buckets = []
+            for chunk in self._plan_buckets(key, plist):
+                layout = build_layout([p.numel() for p in chunk], num_shards, self.alignment)
+                buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
+            options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
+            group = FlatGroup(key, buckets, options, self._device)
+            self.groups.append(group)
+            self.buckets.extend(buckets)
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for b in self.buckets:
+            self._init_bucket(b)
+        self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
+        self._register_grad_hooks()
+
+    # ------------------------------------------------------------------ construction
+    def _check_params(self, params: list[torch.nn.Parameter]) -> None:
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
+        self._device = devices.pop()
+        for p in params:
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"parameter of dtype {p.dtype} cannot be trained with ZeRO: use fp32/bf16/fp16")
+
+    def _plan_buckets(self, key: GroupKey, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+        """Consecutive runs of at most ``reduce_bucket_size`` elements; a tied weight always
+        gets its own bucket (same layout on every stage holding it)."""
+        if key.tied_index >= 0:
+            return [[p] for p in params]
+        return [[params[i] for i in idx] for idx in bucketize([p.numel() for p in params], self.reduce_bucket_size)]
+
+    def _init_bucket(self, b: FlatBucket) -> None:
+        """Stages 0-2: the parameters live in the bucket's full buffer; the master shard is
+        this rank's chunk of it in fp32."""
+        full = b.flatten_params()
+        b.bind(full)
+        b.shard_master.copy_(b.shard_of(full))
+        self._init_grad_storage(b)
+
+    def _init_grad_storage(self, b: FlatBucket) -> None:
+        if self.keeps_full_grads:
+            b.grad_acc = torch.zeros(b.layout.padded_numel, dtype=torch.float32, device=b.device)
+
+    def _register_grad_hooks(self) -> None:
+        for b in self.buckets:
+            for p in b.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ micro-steps
+    def set_boundary(self, is_boundary: bool) -> None:
+        """Whether the next backward is the last micro-batch of this optimizer step (only
+        then do the hooks launch reductions as buckets fill)."""
+        self._boundary = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate (like DDP's ``no_sync``)."""
+        prev = self._boundary
+        self._boundary = False
+        try:
+            yield
+        finally:
+            self._boundary = prev
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        s = self.loss_scaler.loss_scale
+        return loss if s == 1.0 else loss * s
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss`` (the micro-batch loss, already divided by the accumulation steps) times the
+        loss scale, backward."""
+        self.scale_loss(loss).backward(retain_graph=retain_graph)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b, i = self._where[id(p)]
+        if b.launched:
+            raise RuntimeError(
+                "a gradient arrived for a parameter whose bucket was already reduced this step: "
+                "call set_boundary(True) only before the LAST backward of the step, or run every "
+                "backward before reduce_gradients()")
+        b.accumulate(i, p.grad)
+        p.grad = None  # the fp32 accumulator holds it now
+        self._reduced = False
+        if self._boundary and self.overlap_comm:
+            b.ready += 1
+            if b.ready == len(b.params):
+                self._launch(b)
+
+    def _launch(self, b: FlatBucket) -> None:
+        b.launch_reduce(self.dp_group, sharded=self.shards_optimizer_state, async_op=self.overlap_comm)
+
+    def reduce_gradients(self) -> None:
+        """Reduce every bucket not yet reduced, wait for all, average over DP and unscale.
+        Idempotent until the next backward. Call once after the last micro-batch (the
+        pipeline executor does); :meth:`step` calls it if needed."""
+        if self._reduced:
+            return
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            b.wait()
+            self._after_reduce(b)
+        self._reduce_tied()
+        inv = 1.0 / (self.dp_size * self.loss_scaler.loss_scale)
+        for g in self.groups:
+            if inv != 1.0:
+                g.master.grad.mul_(inv)
+        for b in self.buckets:
+            b.reset_step()
+        self._reduced = True
+        self._norm_cache = None
+
+    def _after_reduce(self, b: FlatBucket) -> None:
+        """After a bucket's reduction completed (stages 2/3 drop the full accumulator)."""
+        if not self.keeps_full_grads:
+            b.grad_acc = None
+
+    def _reduce_tied(self) -> None:
+        """Sum tied-weight gradients between the pipeline stages that hold a copy (same DP
+        shard on each: a tied weight's bucket has the same layout everywhere)."""
+        tied = sorted((g for g in self.groups if g.key.tied_index >= 0), key=lambda g: g.key.tied_index)
+        if tied and self.embedding_group is None:
+            raise ValueError("tied parameters were given but no embedding_group to sum their gradients over")
+        for g in tied:
+            comm.all_reduce(g.master.grad, self.embedding_group)
+
+    # ------------------------------------------------------------------ norm and step
+    def _mesh_groups(self) -> list[dist.ProcessGroup]:
+        groups = [self.dp_group] if self.shards_optimizer_state else []
+        return [g for g in groups + [self.tp_group, self.pp_group] if g is not None]
+
+    def _grad_stats(self) -> tuple[float, bool]:
+        """(global grad norm, any non-finite anywhere), one all-reduce; cached per step."""
+        if self._norm_cache is not None:
+            return self._norm_cache
+        tp_rank = comm.group_rank(self.tp_group) if self.tp_group is not None else 0
+        stats = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of squares, non-finite count]
+        for g in self.groups:
+            grad = g.master.grad
+            stats[1] += (~torch.isfinite(grad)).sum()
+            # Each element of the unsharded model once: TP-replicated groups on tp rank 0 only,
+            # pipeline duplicates of tied weights never.
+            if g.key.tied_copy or (not g.key.tp_sharded and tp_rank != 0):
+                continue
+            stats[0] += grad.double().pow(2).sum()
+        for grp in self._mesh_groups():
+            comm.all_reduce(stats, grp)
+        self._norm_cache = (math.sqrt(stats[0].item()) if stats[1].item() == 0 else float("inf"),
+                            bool(stats[1].item() > 0))
+        return self._norm_cache
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (reduced, unscaled) gradients over DP, TP and PP, every
+        element of the unsharded model counted once; inf if any gradient is non-finite."""
+        self.reduce_gradients()
+        return self._grad_stats()[0]
+
+    def step(self, closure: None = None) -> bool:
+        """Reduce (if not done), skip on non-finite gradients anywhere (counted; fp16 adjusts
+        the loss scale), clip by global norm, update the master shard, publish it to the
+        parameters, zero the gradients. Returns whether the parameters were updated."""
+        if closure is not None:
+            raise ValueError("ZeRO optimizers do not take a closure")
+        self.reduce_gradients()
+        need_norm = self.clip_grad > 0 or self.precision.checks_nonfinite
+        norm, overflow = self._grad_stats() if need_norm else (None, False)
+        self.last_grad_norm = norm
+        if overflow and self.precision.checks_nonfinite:
+            self.skipped_steps += 1
+            self.loss_scaler.update(True)
+            logger.warning("non-finite gradients: step skipped (%d skipped so far)", self.skipped_steps)
+            self.zero_grad()
+            return False
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            coef = self.clip_grad / (norm + 1e-6)
+            for g in self.groups:
+                g.master.grad.mul_(coef)
+        self.optimizer.step()
+        self.loss_scaler.update(False)
+        self._publish()
+        self.zero_grad()
+        return True
+
+    def _publish(self) -> None:
+        """Updated master shards -> parameters (all-gather over DP when sharded)."""
+        if not self.shards_optimizer_state:
+            for b in self.buckets:
+                b.full.copy_(b.shard_master)
+            return
+        works = []
+        for b in self.buckets:
+            works.append(self._gather_bucket(b))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def _gather_bucket(self, b: FlatBucket) -> Any:
+        # a separate send buffer: the shard's slot in ``full`` is also written by the gather
+        send = b.shard_master.to(b.dtype, copy=True)
+        return comm.all_gather(b.full, send, self.dp_group, async_op=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear accumulated gradients (``set_to_none`` accepted for torch compatibility)."""
+        for b in self.buckets:
+            b.wait()
+            b.reset_step()
+            if self.keeps_full_grads:
+                b.grad_acc.zero_()
+            else:
+                b.grad_acc = None
+            for p in b.params:
+                p.grad = None
+        for g in self.groups:
+            g.master.grad.zero_()
+        self._reduced = False
+        self._norm_cache = None
+
+    # ------------------------------------------------------------------ torch-like surface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: fp32 master shards, inner optimizer state, loss scaler."""
+        return {
+            "stage": self.stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
+            "master": [g.master.detach() for g in self.groups],  # live views, as torch state dicts
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if (sd["stage"], sd["dp_size"], sd["dp_rank"]) != (self.stage, self.dp_size, self.dp_rank):
+            raise ValueError(f"state dict is for stage {sd['stage']} at dp rank {sd['dp_rank']}/{sd['dp_size']}, "
+                             f"this optimizer is stage {self.stage} at {self.dp_rank}/{self.dp_size}; "
+                             f"resharding needs the checkpoint tools")
+        if [m.shape for m in sd["master"]] != [g.master.shape for g in self.groups]:
+            raise ValueError("state dict master shards do not match this model's layout")
+        for g, m in zip(self.groups, sd["master"]):
+            g.master.data.copy_(m)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.skipped_steps = int(sd["skipped_steps"])
+        self._publish()
+
+    # ------------------------------------------------------------------ memory
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, counted from its own tensors (each storage once):
+        ``params`` (compute-dtype parameter storage), ``grads`` (gradient buffers, fp32
+        accumulators and master gradients included), ``optimizer_state`` (fp32 master
+        shards and the inner optimizer's state)."""
+        seen: set[int] = set()
+
+        def size(ts: Iterable[Optional[torch.Tensor]]) -> int:
+            total = 0
+            for t in ts:
+                if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+                    continue
+                st = t.untyped_storage()
+                if st.data_ptr() in seen:
+                    continue
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+            return total
+
+        grads = size([b.grad_acc for b in self.buckets] + [g.master.grad for g in self.groups]
+                     + [p.grad for b in self.buckets for p in b.params])
+        opt_state = size([g.master for g in self.groups]
+                         + [v for st in self.optimizer.state.values() for v in st.values()])
+        return {"params": size(self._param_tensors()), "grads": grads, "optimizer_state": opt_state}
+
+    def _param_tensors(self) -> list[Optional[torch.Tensor]]:
+        return [b.full for b in self.buckets]

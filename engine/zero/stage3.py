@@ -1,0 +1,291 @@
+"""ZeRO stage 3: parameters sharded too, gathered on use.
+
+Each submodule that owns parameters is a *unit*: its parameters (per group key) form flat
+buckets partitioned over DP, and between uses a rank holds only its compute-dtype chunk
+(``compute_shard``) plus the fp32 master shard; ``p.data`` is an empty placeholder.
+
+- forward pre-hook: gather the unit (all-gather of the chunks into a full buffer, the
+  parameters become views of it), then prefetch the units that came next in the first
+  step's recorded order, bounded by ``prefetch_bucket_size`` elements in flight and
+  ``max_live_parameters`` elements gathered;
+- forward post-hook: release the unit, and wrap its outputs in an identity autograd node
+  whose backward gathers the unit again (pre-backward);
+- after backward: when every parameter of the unit has delivered its gradient in this
+  backward pass (post-accumulate-grad hooks), release it again.
+
+Because every use is preceded by its own gather, a module may run forward for several
+micro-batches before their backwards (pipeline micro-batches in flight): each forward and
+each backward gathers and releases independently. Parameters of at most
+``param_persistence_threshold`` elements stay whole and are handled as in stage 2.
+Gradients are handled exactly as in stage 2. A parameter owned by several modules (weight
+sharing within a stage) gets a bucket of its own that each owner gathers.
+
+Memory per rank between steps: (2 + 4 + 12) Psi / N_d (+ persistent parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from engine.dist import comm
+from engine.zero.buckets import FlatBucket
+from engine.zero.partition import GroupKey, bucketize
+from engine.zero.stage2 import Zero2Optimizer
+
+__all__ = ["Zero3Optimizer"]
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward gathers the unit before the unit's own
+    backward nodes run (they consume the gradient this node passes on)."""
+
+    @staticmethod
+    def forward(ctx, opt: "Zero3Optimizer", unit: torch.nn.Module, *tensors: torch.Tensor):
+        ctx.opt, ctx.unit = opt, unit
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.opt._pre_backward(ctx.unit)
+        return (None, None) + grads
+
+
+class Zero3Optimizer(Zero2Optimizer):
+    stage = 3
+
+    def __init__(self, params: Any, optimizer_factory: Any, dp_group: Any, *, module: torch.nn.Module,
+                 prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
+                 param_persistence_threshold: int = 100_000, **kwargs: Any):
+        self.module = module
+        self.prefetch_bucket_size = int(prefetch_bucket_size)
+        self.max_live_parameters = int(max_live_parameters)
+        self.persistence_threshold = int(param_persistence_threshold)
+        self._owners: dict[int, list[torch.nn.Module]] = {}
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
+                owners = self._owners.setdefault(id(p), [])
+                if m not in owners:
+                    owners.append(m)
+        super().__init__(params, optimizer_factory, dp_group, **kwargs)
+        # unit (module) -> its non-persistent buckets; param id -> units owning it
+        self._units: dict[torch.nn.Module, list[FlatBucket]] = {}
+        self._units_of: dict[int, list[torch.nn.Module]] = {}
+        for b in self.buckets:
+            if b.persistent:
+                continue
+            for p in b.params:
+                for m in self._owners[id(p)]:
+                    if b not in self._units.setdefault(m, []):
+                        self._units[m].append(b)
+                    self._units_of.setdefault(id(p), []).append(m)
+        self._unit_size = {m: len({id(p) for b in bs for p in b.params}) for m, bs in self._units.items()}
+        self._fired: dict[torch.nn.Module, set[int]] = {m: set() for m in self._units}
+        self._live_numel = 0
+        self._trace: list[torch.nn.Module] = []
+        self._tracing = True
+        self._trace_pos = 0
+        self.gather_count = 0  # all-gathers launched (demand + prefetch), for tests and logs
+        self.prefetch_count = 0
+        for m in self._units:
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
+
+    # ------------------------------------------------------------------ layout
+    def _plan_buckets(self, key: GroupKey, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+        for p in params:
+            if id(p) not in self._owners:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is not in the module given to "
+                                 f"ZeRO stage 3; pass the module that owns every optimized parameter")
+        small = [p for p in params if p.numel() <= self.persistence_threshold]
+        large = [p for p in params if p.numel() > self.persistence_threshold]
+        if key.tied_index >= 0:  # same layout on every stage holding the tied weight
+            return [[p] for p in params]
+        plans = [[small[i] for i in idx] for idx in bucketize([p.numel() for p in small], self.reduce_bucket_size)]
+        by_unit: dict[Any, list[torch.nn.Parameter]] = {}
+        for p in large:
+            owners = self._owners[id(p)]
+            unit_key = id(owners[0]) if len(owners) == 1 else ("shared", id(p))
+            by_unit.setdefault(unit_key, []).append(p)
+        return plans + list(by_unit.values())
+
+    def _init_bucket(self, b: FlatBucket) -> None:
+        b.persistent = b.params[0].numel() <= self.persistence_threshold
+        if b.persistent:
+            super()._init_bucket(b)
+            return
+        full = b.flatten_params()  # transient (padded,) copy, freed on return
+        b.compute_shard = b.shard_of(full).clone()
+        b.shard_master.copy_(b.compute_shard)
+        b.unbind()
+
+    # ------------------------------------------------------------------ gather / release
+    def _start_gather(self, b: FlatBucket) -> None:
+        full = torch.empty(b.layout.padded_numel, dtype=b.dtype, device=b.device)
+        work = comm.all_gather(full, b.compute_shard, self.dp_group, async_op=True)
+        b.pending = (full, work)
+        self._live_numel += b.layout.padded_numel
+        self.gather_count += 1
+
+    def _materialize(self, b: FlatBucket) -> None:
+        if b.full is not None:
+            return
+        if b.pending is None:
+            self._start_gather(b)
+        full, work = b.pending
+        if work is not None:
+            work.wait()
+        b.pending = None
+        b.bind(full)
+
+    def _release_bucket(self, b: FlatBucket) -> None:
+        if b.pending is not None:
+            work = b.pending[1]
+            if work is not None:
+                work.wait()
+            b.pending = None
+        elif b.full is None:
+            return
+        b.unbind()
+        self._live_numel -= b.layout.padded_numel
+
+    def _fetch_unit(self, unit: torch.nn.Module) -> None:
+        self._advance_trace(unit)
+        for b in self._units[unit]:
+            self._materialize(b)
+        self._prefetch()
+
+    def _release_unit(self, unit: torch.nn.Module) -> None:
+        for b in self._units[unit]:
+            self._release_bucket(b)
+        self._fired[unit].clear()
+
+    def _release_all(self) -> None:
+        for unit in self._units:
+            self._release_unit(unit)
+
+    # ------------------------------------------------------------------ prefetch
+    def _advance_trace(self, unit: torch.nn.Module) -> None:
+        """Record the fetch order during the first step; afterwards follow it."""
+        if self._tracing:
+            self._trace.append(unit)
+            return
+        trace, pos = self._trace, self._trace_pos
+        if pos < len(trace) and trace[pos] is unit:
+            self._trace_pos = pos + 1
+            return
+        for i in range(pos, len(trace)):  # the order changed: resynchronise or stop prefetching
+            if trace[i] is unit:
+                self._trace_pos = i + 1
+                return
+        self._trace_pos = len(trace)
+
+    def _prefetch(self) -> None:
+        if self._tracing or self.prefetch_bucket_size <= 0:
+            return
+        in_flight = sum(b.layout.padded_numel for b in self.buckets if b.pending is not None)
+        for unit in self._trace[self._trace_pos:]:
+            for b in self._units[unit]:
+                if b.full is not None or b.pending is not None:
+                    continue
+                n = b.layout.padded_numel
+                if in_flight + n > self.prefetch_bucket_size or self._live_numel + n > self.max_live_parameters:
+                    return
+                self._start_gather(b)
+                self.prefetch_count += 1
+                in_flight += n
+
+    # ------------------------------------------------------------------ module hooks
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._fetch_unit(module)
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            output = self._wrap_outputs(module, output)
+        self._release_unit(module)
+        return output
+
+    def _wrap_outputs(self, unit: torch.nn.Module, output: Any) -> Any:
+        flat: list[torch.Tensor] = []
+
+        def collect(x: Any) -> None:
+            if isinstance(x, torch.Tensor):
+                if x.requires_grad:
+                    flat.append(x)
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    collect(y)
+            elif isinstance(x, dict):
+                for y in x.values():
+                    collect(y)
+
+        collect(output)
+        if not flat:
+            return output
+        wrapped = dict(zip(map(id, flat), _PreBackward.apply(self, unit, *flat)))
+
+        def rebuild(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return wrapped.get(id(x), x)
+            if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+                return type(x)(*(rebuild(y) for y in x))
+            if isinstance(x, (list, tuple)):
+                return type(x)(rebuild(y) for y in x)
+            if isinstance(x, dict):
+                return type(x)((k, rebuild(v)) for k, v in x.items())
+            return x
+
+        return rebuild(output)
+
+    def _pre_backward(self, unit: torch.nn.Module) -> None:
+        self._fetch_unit(unit)
+        self._fired[unit].clear()  # count this backward pass's gradients from here
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        super()._on_grad(p)
+        for unit in self._units_of.get(id(p), ()):
+            fired = self._fired[unit]
+            fired.add(id(p))
+            if len(fired) == self._unit_size[unit]:
+                self._release_unit(unit)
+
+    # ------------------------------------------------------------------ step
+    def reduce_gradients(self) -> None:
+        if not self._reduced:
+            self._release_all()  # backward is over; units left gathered had unused parameters
+        super().reduce_gradients()
+
+    def _publish(self) -> None:
+        self._release_all()
+        works = []
+        for b in self.buckets:
+            if b.persistent:
+                works.append(self._gather_bucket(b))
+            else:
+                b.compute_shard.copy_(b.shard_master)  # gathered again on the next use
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self._tracing and self._trace:
+            self._tracing = False  # the first step's fetch order is recorded
+        self._trace_pos = 0
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """All parameters whole inside the block (read-only: changes are not written back)."""
+        for unit in self._units:
+            for b in self._units[unit]:
+                self._materialize(b)
+        try:
+            yield
+        finally:
+            self._release_all()
+
+    def _param_tensors(self) -> list[Optional[torch.Tensor]]:
+        return ([b.full for b in self.buckets] + [b.pending[0] for b in self.buckets if b.pending is not None]
+                + [b.compute_shard for b in self.buckets])
