@@ -258,7 +258,20 @@ def check_sequence_parallel_equals_off(group):
 def _setup():
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
-    return dist.new_group(list(range(dist.get_world_size()))) if dist.is_initialized() else None
+
+
+def _tp_groups(world_size: int) -> dict:
+    """TP degree -> this rank's TP group. With 4 ranks: TP=2 on the pairs {0,1} and {2,3}
+    (so group-relative ranks differ from global ones) and TP=4 on all of them; every
+    rank creates every group, in the same order, as torch.distributed requires."""
+    mine = {}
+    for tp in (2, 4):
+        for start in range(0, world_size, tp):
+            ranks = list(range(start, start + tp))
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine[tp] = group
+    return mine
 
 
 def _layer_checks(group):
@@ -291,19 +304,21 @@ def _run_checks(group) -> dict:
     return failures
 
 
-def _rank_main(rank, world_size, with_teeth):
-    group = _setup()
-    return {"checks": _run_checks(group), "teeth": _broken_collectives(group) if with_teeth else None}
+def _rank_main(rank, world_size):
+    _setup()
+    groups = _tp_groups(world_size)
+    return {"checks": {tp: _run_checks(g) for tp, g in groups.items()},
+            "teeth": _broken_collectives(groups[2])}
 
 
-_RESULTS: dict = {}
+_RESULTS: list = []
 
 
-def _results(tp: int):
-    """One spawn per TP degree serves every test below (spawning dominates the runtime)."""
-    if tp not in _RESULTS:
-        _RESULTS[tp] = run_ranks(_rank_main, tp, tp == 2, timeout=150)
-    return _RESULTS[tp]
+def _results() -> list[dict]:
+    """One 4-rank spawn serves every test below (spawning dominates the runtime)."""
+    if not _RESULTS:
+        _RESULTS.extend(run_ranks(_rank_main, 4, timeout=180))
+    return _RESULTS
 
 
 def _assert_all_passed(per_rank: list[dict]) -> None:
@@ -314,13 +329,13 @@ def _assert_all_passed(per_rank: list[dict]) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layers_match_dense(tp):
-    _assert_all_passed([r["checks"] for r in _results(tp)])
+    _assert_all_passed([r["checks"][tp] for r in _results()])
 
 
 def test_layers_tp1_without_process_group():
     """TP=1 is tp_group=None: no torch.distributed at all, every check as above."""
     assert not dist.is_initialized()
-    torch.manual_seed(0)
+    _setup()
     _assert_all_passed([_run_checks(None)])
 
 
@@ -380,6 +395,6 @@ def _broken_collectives(group) -> dict:
 
 
 def test_missing_collectives_are_caught():
-    for caught in (r["teeth"] for r in _results(2)):
+    for caught in (r["teeth"] for r in _results()):
         missed = [name for name, ok in caught.items() if not ok]
         assert not missed, f"removing these collectives went unnoticed: {missed}"
