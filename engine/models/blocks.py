@@ -8,7 +8,7 @@ is (B, S/tp, H) and the TP regions (attention, MLP) see the full sequence.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from engine.tensor_parallel.mappings import copy_to_tp_region, tp_world_size
 __all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "Attention", "SwiGLU", "Block"]
 
 ProcessGroup = Optional[dist.ProcessGroup]
+Device = Optional[Union[torch.device, str]]
+Dtype = Optional[torch.dtype]
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +36,7 @@ class RMSNorm(nn.Module):
     identical (no separate gradient hook the engine could forget to call)."""
 
     def __init__(self, dim: int, eps: float, tp_group: ProcessGroup = None,
-                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         self.eps = eps
         self.tp_group = tp_group
@@ -54,7 +56,7 @@ class RotaryEmbedding(nn.Module):
     buffers (not parameters, not in the state dict), rebuilt if a longer sequence comes.
     One instance is shared by all blocks built together."""
 
-    def __init__(self, head_dim: int, theta: float, max_seq_len: int, device=None) -> None:
+    def __init__(self, head_dim: int, theta: float, max_seq_len: int, device: Device = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)      # (d/2,)
@@ -89,7 +91,7 @@ class Attention(nn.Module):
     Input/output (B, S, H), or (B, S/tp, H) with sequence parallelism."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
-                 seed: int, rotary: RotaryEmbedding, device=None, dtype=None) -> None:
+                 seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         world = tp_world_size(tp_group)
         d = cfg.head_dim
@@ -127,7 +129,7 @@ class SwiGLU(nn.Module):
     down row-parallel."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
-                 seed: int, device=None, dtype=None) -> None:
+                 seed: int, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         f = cfg.ffn_hidden_size
         std_out = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -147,7 +149,7 @@ class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; hidden -> hidden."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
-                 seed: int, rotary: RotaryEmbedding, device=None, dtype=None) -> None:
+                 seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)

@@ -21,7 +21,7 @@ the TP degree, the pipeline split and the construction order.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,8 @@ __all__ = ["GPT", "FinalNormAndHead", "build_stage_layers", "num_stage_layers",
            "param_count", "flops_per_token", "vocab_parallel_cross_entropy"]
 
 ProcessGroup = Optional[dist.ProcessGroup]
+Device = Optional[Union[torch.device, str]]
+Dtype = Optional[torch.dtype]
 
 EMBEDDING_KEY = "embedding"  # init key of the embedding, and of a tied head's own copy
 HEAD_KEY = "head"            # init key of an untied head
@@ -61,7 +63,7 @@ class FinalNormAndHead(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
-                 seed: int = 1234, tied_weight: Optional[nn.Parameter] = None, device=None, dtype=None) -> None:
+                 seed: int = 1234, tied_weight: Optional[nn.Parameter] = None, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         if tied_weight is not None and not cfg.tie_embeddings:
             raise ConfigError("FinalNormAndHead got a tied_weight but model.tie_embeddings is false")
@@ -91,7 +93,7 @@ def num_stage_layers(cfg: ModelConfig) -> int:
 
 def build_stage_layers(cfg: ModelConfig, tp_group: ProcessGroup = None, *, sequence_parallel: bool = False,
                        seed: int = 1234, start: int = 0, stop: Optional[int] = None,
-                       device=None, dtype=None) -> list[nn.Module]:
+                       device: Device = None, dtype: Dtype = None) -> list[nn.Module]:
     """Layers ``[start, stop)`` of ``[embedding, block_0 .. block_{L-1}, head]``.
 
     Building a slice gives the same parameters as slicing the full list (seeds are per
@@ -133,7 +135,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
-                 seed: int = 1234, *, device=None, dtype=None) -> None:
+                 seed: int = 1234, *, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group

@@ -69,6 +69,8 @@ __all__ = [
 ]
 
 ProcessGroup = Optional[dist.ProcessGroup]
+Device = Optional[Union[torch.device, str]]
+Dtype = Optional[torch.dtype]
 
 
 # ---------------------------------------------------------------- deterministic init
@@ -229,7 +231,7 @@ def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, group: ProcessG
 
 
 def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, tp_group: ProcessGroup, *,
-                          init: NormalInit, device=None, dtype=None) -> nn.Parameter:
+                          init: NormalInit, device: Device = None, dtype: Dtype = None) -> nn.Parameter:
     """This rank's shard (V_pad/tp, H) of a vocabulary-sized weight (V, H) drawn by ``init``
     and zero-padded to ``V_pad``; tagged TP-sharded along dim 0. Shared by the embedding and
     an LM head so that a tied head's own copy is initialised identically."""
@@ -256,7 +258,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], tp_group: ProcessGroup,
                  *, init: NormalInit, bias: bool = False, gather_output: bool = False,
-                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         parts = [out_features] if isinstance(out_features, int) else list(out_features)
         world, rank = tp_world_size(tp_group), tp_rank(tp_group)
@@ -297,7 +299,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group: ProcessGroup, *,
                  init: NormalInit, bias: bool = False, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         world, rank = tp_world_size(tp_group), tp_rank(tp_group)
         _check_divisible("RowParallelLinear input size", in_features, world)
@@ -337,7 +339,7 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group: ProcessGroup, *,
-                 init: NormalInit, sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 init: NormalInit, sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         world, rank = tp_world_size(tp_group), tp_rank(tp_group)
         self.tp_group = tp_group
