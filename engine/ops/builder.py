@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 CPU_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 CPU_LDFLAGS = ("-fopenmp",)
 # --fmad=false for the same reason as -ffp-contract=off on the CPU side.
-CUDA_CFLAGS = ("-O3", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr")
+CUDA_CFLAGS = ("-O3", "--fmad=false", "-lineinfo", "--expt-relaxed-constexpr", "-DENGINE_WITH_CUDA")
 
 
 @dataclass(frozen=True)
