@@ -161,8 +161,18 @@ def _fp16_skip(rank, world):
     return events, eng.skipped_steps
 
 
-def test_fp16_overflow_skips_the_step_on_every_rank_and_counts_it():
-    for events, skipped in run_ranks(_fp16_skip, 2, timeout=120):
+def _fp16_and_bad_args(rank, world):
+    return _fp16_skip(rank, world), _bad_args(rank, world)
+
+
+@pytest.fixture(scope="module")
+def fp16_and_bad_args():
+    """One 2-rank launch for both tests below (spawning ranks is the slow part)."""
+    return run_ranks(_fp16_and_bad_args, 2, timeout=120)
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_counts_it(fp16_and_bad_args):
+    for (events, skipped), _ in fp16_and_bad_args:
         assert [e["skipped"] for e in events] == [False, True, False]
         assert [e["changed"] for e in events] == [True, False, True]
         assert [e["steps"] for e in events] == [1, 2, 3]          # skipped steps count (DeepSpeed)
@@ -189,8 +199,8 @@ def _bad_args(rank, world):
     return errors
 
 
-def test_initialize_rejects_bad_arguments_with_a_message():
-    errors = run_ranks(_bad_args, 2, timeout=60)[0]
+def test_initialize_rejects_bad_arguments_with_a_message(fp16_and_bad_args):
+    errors = fp16_and_bad_args[0][1]
     assert "no config" in errors["no_config"]
     assert "more than once" in errors["two_configs"]
     assert "mpu" in errors["mpu"]

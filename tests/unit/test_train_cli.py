@@ -1,0 +1,144 @@
+"""launch/train.py on bad input: one clear message and exit status 2, before any process
+group exists (so every rank exits on its own, without waiting for a peer)."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+STD = sysconfig.get_paths()["stdlib"]
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+                "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+@pytest.fixture(scope="module")
+def train_mod():
+    spec = importlib.util.spec_from_file_location("train_entry", TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher(monkeypatch):
+    for v in _LAUNCH_VARS:
+        monkeypatch.delenv(v, raising=False)
+
+
+def _cfg(tmp_path, **over) -> str:
+    cfg = {
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "seq_len": 16},
+        "data": {"train_files": [os.path.join(STD, "textwrap.py")], "cache_dir": str(tmp_path / "cache")},
+    }
+    for k, v in over.items():
+        cfg[k] = v
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _main(train_mod, capsys, *argv):
+    t0 = time.monotonic()
+    code = train_mod.main(list(argv))
+    err = capsys.readouterr().err
+    return code, err, time.monotonic() - t0
+
+
+def test_missing_config_file(train_mod, capsys, tmp_path):
+    code, err, _ = _main(train_mod, capsys, "--config", str(tmp_path / "nope.json"), "--steps", "1")
+    assert code == 2 and err.startswith("config error:") and "nope.json" in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_invalid_config(train_mod, capsys, tmp_path):
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path, zero_optimization={"stagee": 1}),
+                         "--steps", "1")
+    assert code == 2 and "config error:" in err and "stagee" in err
+
+
+def test_steps_zero(train_mod, capsys, tmp_path):
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path), "--steps", "0")
+    assert code == 2 and "--steps must be at least 1" in err
+
+
+def test_missing_steps_is_a_usage_error(train_mod, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        train_mod.main(["--config", _cfg(tmp_path)])
+    assert e.value.code == 2
+
+
+def test_output_that_is_a_file(train_mod, capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path), "--steps", "1", "--output",
+                         str(tmp_path / "f"))
+    assert code == 2 and "output error" in err
+
+
+@pytest.mark.parametrize("what", ["missing", "empty", "directory"])
+def test_bad_data_files(train_mod, capsys, tmp_path, what):
+    path = tmp_path / "data.txt"
+    if what == "empty":
+        path.write_text("")
+    elif what == "directory":
+        path.mkdir()
+    data = {"train_files": [str(path)], "cache_dir": str(tmp_path / "cache")}
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path, data=data), "--steps", "1",
+                         "--output", str(tmp_path / "out"))
+    assert code == 2 and err.startswith("data error:") and "data.txt" in err
+
+
+def test_tokenizer_that_does_not_match_the_vocab_size(train_mod, capsys, tmp_path):
+    from engine.config import load_config
+    from engine.runtime.trainer import build_data
+
+    build_data(load_config(_cfg(tmp_path), world_size=1))  # trains a 256-piece tokenizer into the cache
+    model_file = glob.glob(str(tmp_path / "cache" / "tokenizer-*" / "tokenizer.model"))[0]
+    data = {"train_files": [os.path.join(STD, "textwrap.py")], "tokenizer_model": model_file,
+            "cache_dir": str(tmp_path / "cache")}
+    model = {"vocab_size": 320, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "seq_len": 16}
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path, data=data, model=model), "--steps", "1",
+                         "--output", str(tmp_path / "out"))
+    assert code == 2 and "data error" in err and "256" in err and "320" in err
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_world_size_that_does_not_match_the_config_exits_on_every_rank(train_mod, capsys, tmp_path, monkeypatch,
+                                                                        rank):
+    """Rank 1 of 3 (no peer exists): it must exit 2 at once, not wait in a rendezvous.
+    Only local rank 0 prints, so a node shows the message once."""
+    cfg = _cfg(tmp_path, tensor_parallel={"autotp_size": 2})
+    for k, v in dict(RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), LOCAL_SIZE="3",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+        monkeypatch.setenv(k, v)
+    code, err, seconds = _main(train_mod, capsys, "--deepspeed_config", cfg, "--steps", "1",
+                               f"--local_rank={rank}")
+    assert code == 2 and seconds < 30
+    if rank == 0:
+        assert "config error" in err and "3" in err and "divisible" in err
+    else:
+        assert err == ""
+
+
+def test_script_runs_from_the_repo_root_without_installing(tmp_path):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    for v in _LAUNCH_VARS:
+        env.pop(v, None)
+    proc = subprocess.run([sys.executable, "launch/train.py", "--config", str(tmp_path / "missing.json"),
+                           "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error:") and "Traceback" not in proc.stderr
