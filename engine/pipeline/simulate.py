@@ -186,6 +186,29 @@ def check_actions(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
     if sends != recvs:
         diff = sorted((sends - recvs).keys())[:3] + sorted((recvs - sends).keys())[:3]
         raise ScheduleError(f"unpaired sends/receives (kind, microbatch, sender virtual stage): {diff}")
+    _check_pair_order(per_rank, p, v)
+
+
+def _check_pair_order(per_rank: Sequence[Sequence[Action]], p: int, v: int) -> None:
+    """Transfers from rank a to rank b are posted in the same order on both: NCCL (and gloo
+    with one tag) pair the k-th send with the k-th receive, not by content."""
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for r, acts in enumerate(per_rank):
+        for a in acts:
+            if not a.is_comm:
+                continue
+            key = _peer_key(r, a, p, v)
+            sender_rank = key[2] % p
+            if a.kind in (K.SEND_ACT, K.SEND_GRAD):
+                receiver = (key[2] + (1 if key[0] == "act" else -1)) % p
+                sent.setdefault((r, receiver), []).append(key)
+            else:
+                received.setdefault((sender_rank, r), []).append(key)
+    for pair, keys in sent.items():
+        if received.get(pair) != keys:
+            raise ScheduleError(f"rank {pair[0]} posts its sends to rank {pair[1]} in another order than "
+                                f"rank {pair[1]} posts the receives: {keys[:6]} vs {received.get(pair, [])[:6]}")
 
 
 # ------------------------------------------------------------------ timing

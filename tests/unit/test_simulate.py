@@ -112,6 +112,14 @@ def test_unpaired_send_is_caught():
         simulate(_acts(rows), 1)
 
 
+def test_pair_order_mismatch_is_caught():
+    # rank 1 receives microbatch 1 before microbatch 0: content-blind matching would swap them
+    rows = ["F0 SEND_ACT0 F1 SEND_ACT1 RECV_GRAD0 B0 RECV_GRAD1 B1",
+            "RECV_ACT1 RECV_ACT0 F0 B0 SEND_GRAD0 F1 B1 SEND_GRAD1"]
+    with pytest.raises(ScheduleError, match="another order"):
+        simulate(_acts(rows), 2)
+
+
 def test_deadlock_is_detected():
     # rank 0 posts its gradient receive before sending the activation; on a FIFO stream the
     # receive waits for rank 1's backward, which waits for the activation behind it.
@@ -120,11 +128,12 @@ def test_deadlock_is_detected():
         simulate(_acts(rows), 1)
 
 
-def test_crossed_compute_orders_deadlock():
-    # rank 1 wants microbatch 1 first, rank 0 sends microbatch 0 first: each waits on the other
-    rows = ["F0 SEND_ACT0 F1 SEND_ACT1 RECV_GRAD0 B0 RECV_GRAD1 B1",
-            "RECV_ACT1 F1 B1 SEND_GRAD1 RECV_ACT0 F0 B0 SEND_GRAD0"]
-    with pytest.raises(ScheduleError, match="deadlock"):
+def test_gradient_before_activation_deadlocks():
+    # rank 1 sends its gradient only after a forward that needs rank 0's second
+    # activation, which rank 0 sends only after receiving that gradient.
+    rows = ["F0 SEND_ACT0 RECV_GRAD0 B0 F1 SEND_ACT1 RECV_GRAD1 B1",
+            "RECV_ACT0 RECV_ACT1 F0 F1 B0 SEND_GRAD0 B1 SEND_GRAD1"]
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 .*rank 1"):
         simulate(_acts(rows), 2)
 
 

@@ -1,0 +1,370 @@
+"""Run one pipeline rank's action list with point-to-point communication.
+
+``PipelineExecutor(chunks, ...)`` holds this rank's model chunk(s) (``nn.Module`` each;
+one per virtual stage, so two or more for ``interleaved-1f1b``) and the schedule's
+action list; :meth:`PipelineExecutor.train_batch` runs one optimizer step's worth of
+microbatches through it (forward, backward, gradient accumulation - not the optimizer).
+
+Communication model (what :mod:`engine.pipeline.simulate` checks): consecutive comm
+actions are posted together with one ``dist.batch_isend_irecv`` and not waited for on
+the spot. The posted batches form a FIFO stream: a compute that consumes a received
+tensor waits for the batch holding that receive and for every batch posted before it
+(they would finish first on an NCCL stream anyway); the rest are waited for at the end
+of the step. A sent activation's values are released as soon as its batch has been
+waited for. Transfers between two ranks are posted in the same order on both (the
+schedule guarantees it), so order-matched backends (NCCL; gloo, one tag) pair them right.
+
+Stage boundaries carry ONE tensor of a fixed shape and dtype (``activation_shape``,
+``activation_dtype``, e.g. ``(micro_batch, seq, hidden)``): no shape header is sent.
+A stage output of another shape is an error naming both shapes.
+
+Data: ``train_batch(data_iter)`` draws exactly ``num_microbatches`` items
+``(inputs, targets)`` on the ranks holding the first or the last virtual stage (the
+first feeds ``inputs`` to its chunk, the last gives ``targets`` to ``loss_fn``); other
+ranks may pass ``None``. The loss of each microbatch is scaled by ``1/num_microbatches``
+before its backward, so the accumulated gradients are those of the mean loss.
+
+Memory: an output is kept only until its backward; its data is released as soon as its
+send completes (the backward restarts from its autograd edge, which does not need the
+values). ``activation_checkpointing=True`` recomputes each chunk's forward in backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
+from torch.utils.checkpoint import checkpoint
+
+from engine.dist import comm
+from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
+from engine.pipeline.schedule import build_schedule
+from engine.pipeline.split_backward import WeightGradState, backward_input, backward_weight, full_backward
+
+__all__ = ["ActionRecord", "PipelineExecutor", "allreduce_tied_grads", "broadcast_tied_weights"]
+
+logger = logging.getLogger(__name__)
+K = ActionKind
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One timed action of the last step. ``name`` is the printable action or ``WAIT``."""
+
+    name: str
+    kind: str  # "F", "B", "I", "W", "SEND_ACT", ..., or "WAIT" (blocked on a receive)
+    microbatch: int
+    chunk: int
+    start: float  # time.perf_counter() seconds (one clock for all processes of a host)
+    end: float
+
+
+def allreduce_tied_grads(params: Sequence[torch.nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the gradients of tied copies (embedding on the first stage, head on the last)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        comm.all_reduce(p.grad, group)
+
+
+def broadcast_tied_weights(params: Sequence[torch.nn.Parameter], src: int,
+                           group: Optional[dist.ProcessGroup]) -> None:
+    """Make the tied copies start identical: ``src`` (a global rank, usually the first stage) wins."""
+    with torch.no_grad():
+        for p in params:
+            comm.broadcast(p.data, src, group)
+
+
+class PipelineExecutor:
+    """One pipeline rank: its chunk(s), its action list, and the state of the step in flight.
+
+    ``stage_ranks``: global ranks of pipeline stages 0..p-1 for this rank's (dp, tp)
+    coordinates (``ParallelGroups.pp_ranks`` or ``Topology.ranks_along("pp", rank)``).
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], *, stage: int, stage_ranks: Sequence[int],
+                 pp_group: Optional[dist.ProcessGroup], num_microbatches: int,
+                 activation_shape: Sequence[int], loss_fn: Optional[LossFn] = None,
+                 schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None, activation_checkpointing: bool = False,
+                 free_sent_outputs: bool = True, tied_params: Sequence[torch.nn.Parameter] = (),
+                 embedding_group: Optional[dist.ProcessGroup] = None, broadcast_loss: bool = True,
+                 record: bool = True) -> None:
+        self.chunks = list(chunks)
+        self.stage, self.num_stages = stage, len(stage_ranks)
+        self.virtual_stages = len(self.chunks)
+        if not self.chunks:
+            raise ValueError("PipelineExecutor needs at least one model chunk")
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} is outside the {self.num_stages} stage_ranks {list(stage_ranks)}")
+        if self.is_last_holder and loss_fn is None:
+            raise ValueError("the last pipeline stage needs loss_fn(output, targets) -> scalar loss")
+        self.stage_ranks = list(stage_ranks)
+        self.pp_group = pp_group
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.actions: list[Action] = build_schedule(schedule, stage, self.num_stages, num_microbatches,
+                                                    self.virtual_stages)
+        self.activation_shape = tuple(activation_shape)
+        self.activation_dtype = activation_dtype
+        self.loss_fn = loss_fn
+        params = [p for c in self.chunks for p in c.parameters()]
+        self.device = device or (params[0].device if params else torch.device("cpu"))
+        self.activation_checkpointing = activation_checkpointing
+        self.free_sent_outputs = free_sent_outputs
+        self.tied_params, self.embedding_group = list(tied_params), embedding_group
+        self.broadcast_loss = broadcast_loss
+        self.record = record
+        self.records: list[ActionRecord] = []
+        self._hooks: list[Callable[[], None]] = []
+        self._warmed_up = False
+        self._dispatch = {K.FORWARD: self._forward, K.BACKWARD: self._backward,
+                          K.BACKWARD_INPUT: self._backward_input, K.BACKWARD_WEIGHT: self._backward_weight}
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def is_first_holder(self) -> bool:
+        """This rank holds virtual stage 0 (feeds the inputs)."""
+        return self.stage == 0
+
+    @property
+    def is_last_holder(self) -> bool:
+        """This rank holds the last virtual stage (computes the loss)."""
+        return self.stage == self.num_stages - 1
+
+    def _is_first(self, chunk: int) -> bool:
+        return prev_hop(self.stage, chunk, self.num_stages) is None
+
+    def _is_last(self, chunk: int) -> bool:
+        return next_hop(self.stage, chunk, self.num_stages, self.virtual_stages) is None
+
+    def _peer(self, a: Action) -> int:
+        towards_next = a.kind in (K.SEND_ACT, K.RECV_GRAD)
+        hop = (next_hop(self.stage, a.chunk, self.num_stages, self.virtual_stages) if towards_next
+               else prev_hop(self.stage, a.chunk, self.num_stages))
+        assert hop is not None, f"{a} on stage {self.stage} has no peer"
+        return self.stage_ranks[hop[0]]
+
+    def register_backward_end_hook(self, fn: Callable[[], None]) -> None:
+        """``fn()`` runs once per step after the last microbatch's backward on this rank
+        (and after the tied-gradient sum): where the data-parallel reduction goes."""
+        self._hooks.append(fn)
+
+    # ------------------------------------------------------------------ the step
+    def train_batch(self, data_iter: Optional[Iterator]) -> Optional[torch.Tensor]:
+        """Forward and backward of ``num_microbatches`` microbatches; gradients accumulate.
+
+        Returns the mean loss (a 0-dim tensor) on the last stage - on every pipeline rank
+        when ``broadcast_loss`` - else None. Does not step the optimizer or zero grads.
+        """
+        needs_data = self.is_first_holder or self.is_last_holder
+        if needs_data and data_iter is None:
+            raise ValueError(f"stage {self.stage} feeds inputs or targets: train_batch needs a data_iter")
+        if not self._warmed_up:
+            # NCCL wants every rank of a group in its first collective; batched p2p may not be it.
+            comm.all_reduce(torch.zeros(1, device=self.device), self.pp_group)
+            self._warmed_up = True
+        self._reset(data_iter)
+        self.records = []
+        for is_comm, acts in comm_batches(self.actions):
+            if is_comm:
+                self._post(acts)
+            else:
+                a = acts[0]
+                t0 = time.perf_counter()
+                self._dispatch[a.kind](a.microbatch, a.chunk)
+                self._note(str(a), a.kind.value, a.microbatch, a.chunk, t0)
+        self._complete_upto(len(self._posted) - 1)
+        if needs_data and self._drawn != self.num_microbatches:
+            raise RuntimeError(f"stage {self.stage} drew {self._drawn} microbatches, expected {self.num_microbatches}")
+        leftovers = [k for k, v in self._state.items() if v]
+        assert not leftovers, f"state left after the step: {leftovers}"
+        if self.tied_params:
+            allreduce_tied_grads(self.tied_params, self.embedding_group)
+        for fn in self._hooks:
+            fn()
+        return self._step_loss()
+
+    def _reset(self, data_iter: Optional[Iterator]) -> None:
+        self._data_iter, self._drawn, self._batches = data_iter, 0, {}
+        self._losses: list[torch.Tensor] = []
+        # per (microbatch, chunk): stage input, forward root (output edge or scaled loss),
+        # output kept for its send, input grad to send, zero-bubble W state
+        self._state: dict[str, dict] = {n: {} for n in ("input", "root", "out", "dx", "w")}
+        self._recvs: dict[tuple, tuple[torch.Tensor, int]] = {}  # key -> (buffer, batch index)
+        self._posted: list[_Posted] = []
+        self._done = 0  # batches before this index have completed
+
+    def _note(self, name: str, kind: str, mb: int, chunk: int, t0: float) -> None:
+        if self.record:
+            self.records.append(ActionRecord(name, kind, mb, chunk, t0, time.perf_counter()))
+
+    def _step_loss(self) -> Optional[torch.Tensor]:
+        loss = None
+        if self.is_last_holder:
+            loss = torch.stack(self._losses).mean()
+        if self.broadcast_loss and self.num_stages > 1:
+            buf = loss.clone() if loss is not None else torch.zeros((), device=self.device)
+            comm.broadcast(buf, self.stage_ranks[-1], self.pp_group)
+            loss = buf
+        return loss
+
+    # ------------------------------------------------------------------ data
+    def _microbatch(self, mb: int) -> tuple[Any, Any]:
+        while self._drawn <= mb:
+            try:
+                item = next(self._data_iter)  # type: ignore[arg-type]
+            except StopIteration:
+                raise RuntimeError(f"data_iter ran out after {self._drawn} of {self.num_microbatches} "
+                                   f"microbatches: it must yield gradient_accumulation_steps items per step") from None
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError(f"data_iter must yield (inputs, targets) pairs, got {type(item).__name__}")
+            self._batches[self._drawn] = [_to(item[0], self.device), _to(item[1], self.device)]
+            self._drawn += 1
+        return self._batches[mb]
+
+    def _take(self, mb: int, index: int) -> Any:
+        """inputs (index 0) or targets (1) of microbatch ``mb``; the batch is dropped after its last use."""
+        batch = self._microbatch(mb)
+        value, batch[index] = batch[index], None
+        still_needed = (self.is_first_holder and batch[0] is not None) or (self.is_last_holder and batch[1] is not None)
+        if not still_needed:
+            del self._batches[mb]
+        return value
+
+    # ------------------------------------------------------------------ compute
+    def _run_chunk(self, chunk: int, x: Any) -> torch.Tensor:
+        module = self.chunks[chunk]
+        if self.activation_checkpointing:
+            return checkpoint(module, x, use_reentrant=False)
+        return module(x)
+
+    def _forward(self, mb: int, chunk: int) -> None:
+        key, st = (mb, chunk), self._state
+        if self._is_first(chunk):
+            x = self._take(mb, 0)
+        else:
+            x = self._wait_recv((K.RECV_ACT, mb, chunk)).requires_grad_()
+            st["input"][key] = x
+        out = self._run_chunk(chunk, x)
+        if self._is_last(chunk):
+            loss = self.loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            self._losses.append(loss.detach())
+            st["root"][key] = loss / self.num_microbatches
+            return
+        if tuple(out.shape) != self.activation_shape or out.dtype != self.activation_dtype:
+            raise ValueError(
+                f"stage {self.stage} chunk {chunk} output is {tuple(out.shape)} {out.dtype} but the executor "
+                f"was built for activation_shape={self.activation_shape} {self.activation_dtype}: every stage "
+                f"boundary must carry one tensor of that shape and dtype")
+        if out.grad_fn is None:
+            raise ValueError(f"stage {self.stage} chunk {chunk} output does not require grad: "
+                             f"a non-final chunk must have trainable parameters or a grad-requiring input")
+        st["out"][key] = out
+        # The backward restarts from the output's autograd edge, so the output's values
+        # can be dropped once sent.
+        st["root"][key] = get_gradient_edge(out)
+
+    def _output_grad(self, mb: int, chunk: int) -> Optional[torch.Tensor]:
+        return None if self._is_last(chunk) else self._wait_recv((K.RECV_GRAD, mb, chunk))
+
+    def _backward(self, mb: int, chunk: int) -> None:
+        key, st = (mb, chunk), self._state
+        grad = self._output_grad(mb, chunk)
+        x = st["input"].pop(key, None)
+        full_backward(st["root"].pop(key), grad)
+        st["out"].pop(key, None)
+        if x is not None:
+            st["dx"][key] = x.grad
+
+    def _backward_input(self, mb: int, chunk: int) -> None:
+        key, st = (mb, chunk), self._state
+        grad = self._output_grad(mb, chunk)
+        x = st["input"].pop(key, None)
+        params = [p for p in self.chunks[chunk].parameters()]
+        dx, st["w"][key] = backward_input(st["root"].pop(key), grad, x, params)
+        st["out"].pop(key, None)
+        if dx is not None:
+            st["dx"][key] = dx
+
+    def _backward_weight(self, mb: int, chunk: int) -> None:
+        backward_weight(self._state["w"].pop((mb, chunk)))
+
+    # ------------------------------------------------------------------ communication
+    def _post(self, acts: list[Action]) -> None:
+        """Post one batch of sends and receives; nothing waits here."""
+        t0 = time.perf_counter()
+        ops, batch = [], _Posted(index=len(self._posted))
+        for a in acts:
+            peer = self._peer(a)
+            key = (a.microbatch, a.chunk)
+            if a.kind in (K.RECV_ACT, K.RECV_GRAD):
+                buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.pp_group))
+                self._recvs[(a.kind, a.microbatch, a.chunk)] = (buf, batch.index)
+            else:
+                src = self._state["out"][key] if a.kind is K.SEND_ACT else self._state["dx"].pop(key)
+                t = src.detach()  # (B, S, H) activation or input grad; kept alive until sent
+                ops.append(dist.P2POp(dist.isend, t, peer, self.pp_group))
+                batch.sends.append((a, t))
+        batch.works = dist.batch_isend_irecv(ops)
+        self._posted.append(batch)
+        self._note(" ".join(map(str, acts)), "COMM", acts[0].microbatch, acts[0].chunk, t0)
+
+    def _wait_recv(self, key: tuple) -> torch.Tensor:
+        try:
+            buf, index = self._recvs.pop(key)
+        except KeyError:
+            raise RuntimeError(f"stage {self.stage}: {Action(*key)} was never posted before its use "
+                               f"(schedule bug)") from None
+        t0 = time.perf_counter()
+        self._complete_upto(index)
+        if time.perf_counter() - t0 > 1e-5:
+            self._note("WAIT", "WAIT", key[1], key[2], t0)
+        return buf
+
+    def _complete_upto(self, index: int) -> None:
+        """Wait for every batch posted up to ``index``, oldest first, as a FIFO stream does.
+
+        The simulator's model: a batch finishes only after the ones before it, so waiting for
+        them here adds no dependency the schedule was not checked against. Each work is
+        waited exactly once (a gloo work's wait() would block for a second message).
+        """
+        while self._done < len(self._posted) and self._done <= index:
+            batch = self._posted[self._done]
+            for w in batch.works:
+                w.wait()
+            for a, _ in batch.sends:
+                out = self._state["out"].get((a.microbatch, a.chunk)) if a.kind is K.SEND_ACT else None
+                if out is not None and self.free_sent_outputs and out._base is None:
+                    # sent: the values are no longer needed (backward starts from the edge)
+                    out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+            batch.works, batch.sends = [], []
+            self._done += 1
+
+
+@dataclass
+class _Posted:
+    """One posted batch of point-to-point ops."""
+
+    index: int
+    works: list = field(default_factory=list)
+    sends: list = field(default_factory=list)  # (action, tensor kept alive until sent)
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
