@@ -112,15 +112,84 @@ def _equivalence_rank(rank, world, configs):
     return out
 
 
-@pytest.mark.parametrize("world,configs", [(2, _FULL), (4, _SHORT)], ids=["dp2", "dp4"])
-def test_stages_match_single_process_adamw(world, configs):
-    """Stages 0-3, GA 1 and 4 (hook-launched reduction; at DP=2 also the explicit
-    reduce-once path the pipeline uses, and overlap_comm off)."""
-    results = run_ranks(_equivalence_rank, world, configs, timeout=240)
-    assert len(results[0]) == 4 * len(configs)
-    for cfg, (diff, same) in results[0].items():
+def _check_equivalence(results, configs):
+    assert len(results) == 4 * len(configs)
+    for cfg, (diff, same) in results.items():
         assert same, f"DP ranks disagree for {cfg}"
         assert diff < ATOL, f"{cfg}: max |param - reference| = {diff:.3g}"
+
+
+def test_stages_match_single_process_adamw_dp2():
+    """Stages 0-3 at DP=2: GA 1 and 4 with hook-launched reduction, GA 4 with the explicit
+    reduce-once path the pipeline uses, and overlap_comm off."""
+    results = run_ranks(_equivalence_rank, 2, _FULL, timeout=240)
+    _check_equivalence(results[0], _FULL)
+
+
+# ------------------------------------------------------------------ DP=4: equivalence + memory
+MEM_WIDTH, MEM_LAYERS = 2048, 5  # 5 * (2048 * 2048 + 2048) = 20,981,760 parameters
+
+
+def _memory_rank(rank, world):
+    """One bf16 step per stage on a 21M-parameter model; bytes held afterwards."""
+    import gc
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(MEM_WIDTH, MEM_WIDTH) for _ in range(MEM_LAYERS)])
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.data.uniform_(-0.02, 0.02, generator=gen)
+        model.to(torch.bfloat16)
+        opt = build_zero_optimizer(stage, model, _adamw, None,
+                                   precision=PrecisionPolicy(compute_dtype=torch.bfloat16))
+        x = torch.randn(2, MEM_WIDTH, generator=gen).bfloat16()
+        opt.backward(model(x).float().pow(2).mean())
+        assert opt.step()
+        out[stage] = opt.memory_bytes()
+        numel = sum(b.layout.numel for b in opt.buckets)  # (stage 3 params are empty now)
+        opt.remove_hooks()
+        del model, opt
+        gc.collect()
+    return out, numel
+
+
+def _dp4_rank(rank, world):
+    return _equivalence_rank(rank, world, _SHORT), _memory_rank(rank, world)
+
+
+@pytest.fixture(scope="module")
+def dp4_results():
+    return run_ranks(_dp4_rank, 4, timeout=300)
+
+
+def test_stages_match_single_process_adamw_dp4(dp4_results):
+    _check_equivalence(dp4_results[0][0], _SHORT)
+
+
+def test_memory_per_rank_is_a_quarter_at_dp4(dp4_results):
+    """Stage >= 1 shards optimizer state, >= 2 gradients, 3 parameters: each within 5% of the
+    stage-0 total / 4, and stage 0 matches the byte counts of the ZeRO formula."""
+    for mem, numel in (r[1] for r in dp4_results):
+        assert numel >= 20_000_000
+        full = mem[0]
+        # stage 0: bf16 params, fp32 gradient (the accumulator is the master gradient), 12 B/param state
+        assert full["params"] == pytest.approx(2 * numel, rel=1e-3)
+        assert full["grads"] == pytest.approx(4 * numel, rel=1e-3)
+        assert full["optimizer_state"] == pytest.approx(12 * numel, rel=1e-3)
+        for stage in (1, 2, 3):
+            m = mem[stage]
+            assert m["optimizer_state"] == pytest.approx(full["optimizer_state"] / 4, rel=0.05), stage
+            if stage >= 2:
+                assert m["grads"] == pytest.approx(full["grads"] / 4, rel=0.05), stage
+            else:
+                assert m["grads"] == pytest.approx(full["grads"] * (1 + 1 / 4), rel=0.05)  # + master shard
+            if stage == 3:
+                assert m["params"] == pytest.approx(full["params"] / 4, rel=0.05)
+            else:
+                assert m["params"] == pytest.approx(full["params"], rel=1e-3)
 
 
 # ------------------------------------------------------------------ fp16 / bf16 / state
