@@ -32,6 +32,35 @@ def _model(seed=0, dtype=torch.float32):
     return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 5)).to(dtype)
 
 
+class _SharedHead(nn.Module):
+    """Output head reusing the input layer's weight (tying inside one stage): under stage 3
+    the shared parameter gets a bucket of its own that both owner modules gather."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight  # (9, 7), the same Parameter as inp.weight
+
+    def forward(self, h):
+        return h @ self.weight
+
+
+class _TiedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 9, bias=False)
+        self.mid = nn.Linear(9, 9)
+        self.head = _SharedHead(self.inp.weight)
+        self.proj = nn.Linear(7, 5)
+
+    def forward(self, x):
+        return self.proj(self.head(torch.tanh(self.mid(self.inp(x)))))
+
+
+def _tied_model(seed=0):
+    torch.manual_seed(seed)
+    return _TiedModel()
+
+
 def _data(step):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 5, generator=g)
@@ -41,8 +70,8 @@ def _adamw(groups):
     return torch.optim.AdamW(groups, lr=LR, weight_decay=WD)
 
 
-def _reference():
-    model = _model()
+def _reference(model_fn=_model):
+    model = model_fn()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     for s in range(STEPS):
         x, y = _data(s)
@@ -69,8 +98,8 @@ def _params(opt, model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _train(rank, world, stage, ga, mode, **kw):
-    model = _model()
+def _train(rank, world, stage, ga, mode, model_fn=_model, **kw):
+    model = model_fn()
     opt = _build(stage, model, **kw)
     per_rank = BATCH // world
     micro = per_rank // ga
@@ -91,29 +120,34 @@ _FULL = ((1, "hooks", {}), (4, "hooks", {}), (4, "explicit", {}), (1, "hooks", {
 _SHORT = ((1, "hooks", {}), (4, "hooks", {}))
 
 
-def _equivalence_rank(rank, world, configs):
-    ref = _reference()
+def _equivalence_rank(rank, world, configs, tied_configs=()):
     out = {}
-    for stage in (0, 1, 2, 3):
-        for ga, mode, kw in configs:
-            opt, model = _train(rank, world, stage, ga, mode, **kw)
-            got = _params(opt, model)
-            diff = max((a - b).abs().max().item() for a, b in zip(got, ref))
-            # every DP rank must hold bit-identical parameters
-            flat = torch.cat([g.reshape(-1) for g in got])
-            lo, hi = flat.clone(), flat.clone()
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-            out[(stage, ga, mode, tuple(kw))] = (diff, torch.equal(lo, hi))
-            if stage == 3:
-                # sharded between uses: only the persistent biases (<= 12 elements) stay whole
-                assert all(p.numel() == 0 for p in model.parameters() if p.ndim == 2 or p.numel() > 12)
-                assert opt.prefetch_count > 0 and opt.gather_count > opt.prefetch_count
+    for model_fn, cfgs in ((_model, configs), (_tied_model, tied_configs)):
+        if not cfgs:
+            continue
+        ref = _reference(model_fn)
+        for stage in (0, 1, 2, 3):
+            for ga, mode, kw in cfgs:
+                opt, model = _train(rank, world, stage, ga, mode, model_fn=model_fn, **kw)
+                got = _params(opt, model)
+                diff = max((a - b).abs().max().item() for a, b in zip(got, ref))
+                # every DP rank must hold bit-identical parameters
+                flat = torch.cat([g.reshape(-1) for g in got])
+                lo, hi = flat.clone(), flat.clone()
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+                out[(model_fn.__name__, stage, ga, mode, tuple(kw))] = (diff, torch.equal(lo, hi))
+                if stage == 3:
+                    # sharded between uses: only parameters of <= 12 elements stay whole
+                    assert all(p.numel() == 0 for p in model.parameters() if p.ndim == 2 or p.numel() > 12)
+                    assert opt.gather_count > opt.prefetch_count
+                    if model_fn is _model:
+                        assert opt.prefetch_count > 0
     return out
 
 
-def _check_equivalence(results, configs):
-    assert len(results) == 4 * len(configs)
+def _check_equivalence(results, n_configs):
+    assert len(results) == 4 * n_configs
     for cfg, (diff, same) in results.items():
         assert same, f"DP ranks disagree for {cfg}"
         assert diff < ATOL, f"{cfg}: max |param - reference| = {diff:.3g}"
@@ -121,9 +155,10 @@ def _check_equivalence(results, configs):
 
 def test_stages_match_single_process_adamw_dp2():
     """Stages 0-3 at DP=2: GA 1 and 4 with hook-launched reduction, GA 4 with the explicit
-    reduce-once path the pipeline uses, and overlap_comm off."""
-    results = run_ranks(_equivalence_rank, 2, _FULL, timeout=240)
-    _check_equivalence(results[0], _FULL)
+    reduce-once path the pipeline uses, and overlap_comm off; plus a model whose input and
+    output layers share one weight."""
+    results = run_ranks(_equivalence_rank, 2, _FULL, _SHORT, timeout=240)
+    _check_equivalence(results[0], len(_FULL) + len(_SHORT))
 
 
 # ------------------------------------------------------------------ DP=4: equivalence + memory
@@ -166,7 +201,7 @@ def dp4_results():
 
 
 def test_stages_match_single_process_adamw_dp4(dp4_results):
-    _check_equivalence(dp4_results[0][0], _SHORT)
+    _check_equivalence(dp4_results[0][0], len(_SHORT))
 
 
 def test_memory_per_rank_is_a_quarter_at_dp4(dp4_results):
