@@ -132,10 +132,10 @@ class _Stage1(nn.Module):
 def _local_reference_slices(ref, stage, tp_rank, tp):
     """This rank's expected parameters (its TP slice of its stage's reference weights)."""
     b = "1" if stage == 0 else "2"
-    out = {f"block.col.weight": shard_tensor(ref[f"col{b}.weight"], 0, tp_rank, tp),
-           f"block.col.bias": shard_tensor(ref[f"col{b}.bias"], 0, tp_rank, tp),
-           f"block.row.weight": shard_tensor(ref[f"row{b}.weight"], 1, tp_rank, tp),
-           f"block.row.bias": ref[f"row{b}.bias"]}
+    out = {"block.col.weight": shard_tensor(ref[f"col{b}.weight"], 0, tp_rank, tp),
+           "block.col.bias": shard_tensor(ref[f"col{b}.bias"], 0, tp_rank, tp),
+           "block.row.weight": shard_tensor(ref[f"row{b}.weight"], 1, tp_rank, tp),
+           "block.row.bias": ref[f"row{b}.bias"]}
     if stage == 0:
         out.update({"emb": ref["E"], "scale": ref["g"]})
     else:
