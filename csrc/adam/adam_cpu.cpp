@@ -4,6 +4,7 @@
 // needs no -march flag. Threads come from the frontend (at::parallel_for over chunks).
 #include <atomic>
 #include <string>
+#include <type_traits>
 
 #include "adam_kernel.h"
 
@@ -12,32 +13,39 @@ namespace adam {
 namespace {
 
 template <int G>
-ENGINE_HD float load_grad(const void* g, int64_t i) {
+using GradT = std::conditional_t<G == kF32, float, uint16_t>;
+
+template <int G>
+ENGINE_HD float load_grad(const GradT<G>* g, int64_t i) {
   if constexpr (G == kF32) {
-    return static_cast<const float*>(g)[i];
+    return g[i];
   } else if constexpr (G == kBF16) {
-    return bf16_to_float(static_cast<const uint16_t*>(g)[i]);
+    return bf16_to_float(g[i]);
   } else {
-    return fp16_to_float(static_cast<const uint16_t*>(g)[i]);
+    return fp16_to_float(g[i]);
   }
 }
 
+// Restrict-qualified parameters (GCC honours restrict on parameters, not on locals
+// loaded from a struct): without them the vectorizer versions the loop on a run-time
+// alias check that sends the copy-writing variants down the scalar path.
 template <int G, int C>
-ENGINE_HD void span_impl(const Span& s, const Scalars& k) {
-  float* __restrict p = s.p;
-  float* __restrict m = s.m;
-  float* __restrict v = s.v;
-  uint16_t* __restrict c = static_cast<uint16_t*>(s.copy);
-  const int64_t n = s.n;
+ENGINE_HD void loop(float* __restrict p, const GradT<G>* __restrict g, float* __restrict m,
+                    float* __restrict v, uint16_t* __restrict c, int64_t n, const Scalars k) {
   for (int64_t i = 0; i < n; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
-    adamw_element(pi, load_grad<G>(s.g, i), mi, vi, k);
+    adamw_element(pi, load_grad<G>(g, i), mi, vi, k);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
     if constexpr (C == kBF16) c[i] = float_to_bf16(pi);
     if constexpr (C == kF16) c[i] = float_to_fp16(pi);
   }
+}
+
+template <int G, int C>
+ENGINE_HD void span_impl(const Span& s, const Scalars& k) {
+  loop<G, C>(s.p, static_cast<const GradT<G>*>(s.g), s.m, s.v, static_cast<uint16_t*>(s.copy), s.n, k);
 }
 
 #define ENGINE_ADAM_SWITCH_COPY(G, s, k)                 \

@@ -6,6 +6,7 @@
 // vectorizes each. The variant is picked once at run time from the CPU's features, so
 // the library itself needs no -march flag and runs on any x86-64.
 #include <algorithm>
+#include <cstring>
 
 #include <atomic>
 #include <string>
@@ -47,29 +48,65 @@ ENGINE_HD uint32_t flat_impl(const CastArgs& a, int64_t begin, int64_t end) {
   return cast_span<IN, F>(a.x, begin, a.out + begin, end - begin, a.scale);
 }
 
-// Tiles of kTileRows x kTileCols: cast each tile row (vectorized), then transpose the
-// tile's bytes, still in L1, into out_t. The input is read exactly once.
-constexpr int64_t kTileRows = 32;
-constexpr int64_t kTileCols = 256;
+// Transposed output, per block of kTileRows rows: (1) cast the block's rows straight
+// into `out` -- one contiguous, vectorized stream, the input is read exactly once;
+// (2) transpose the block, still in L2, into `out_t` through kTileRows x kTileCols local
+// tiles. Copying whole 64-byte rows into the tile and writing each out_t row segment
+// (64 bytes = one cache line) in one go avoids the L1 set thrashing that byte-wise
+// strided access causes when a row stride is a multiple of 4 KiB.
+constexpr int64_t kTileRows = 64;
+constexpr int64_t kTileCols = 64;
+
+// In-register transpose of an 8x8 byte block held as 8 little-endian uint64 rows:
+// swap the off-diagonal 4x4, then 2x2, then 1x1 blocks (three masked XOR rounds).
+ENGINE_HD void transpose8x8(uint64_t (&r)[8]) {
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t t = ((r[i] >> 32) ^ r[i + 4]) & 0x00000000FFFFFFFFull;
+    r[i] ^= t << 32;
+    r[i + 4] ^= t;
+  }
+  for (int i : {0, 1, 4, 5}) {
+    const uint64_t t = ((r[i] >> 16) ^ r[i + 2]) & 0x0000FFFF0000FFFFull;
+    r[i] ^= t << 16;
+    r[i + 2] ^= t;
+  }
+  for (int i : {0, 2, 4, 6}) {
+    const uint64_t t = ((r[i] >> 8) ^ r[i + 1]) & 0x00FF00FF00FF00FFull;
+    r[i] ^= t << 8;
+    r[i + 1] ^= t;
+  }
+}
+
+// tile (rn x cn bytes) -> dst (cn rows of rn bytes, row stride ld).
+ENGINE_HD void transpose_tile(const uint8_t (&tile)[kTileRows][kTileCols], int64_t rn, int64_t cn,
+                              uint8_t* dst, int64_t ld) {
+  const int64_t rn8 = rn & ~int64_t{7}, cn8 = cn & ~int64_t{7};
+  for (int64_t c = 0; c < cn8; c += 8) {    // 8 destination rows at a time ...
+    for (int64_t r = 0; r < rn8; r += 8) {  // ... each filled left to right
+      uint64_t blk[8];
+      for (int i = 0; i < 8; ++i) std::memcpy(&blk[i], &tile[r + i][c], 8);
+      transpose8x8(blk);
+      for (int i = 0; i < 8; ++i) std::memcpy(dst + (c + i) * ld + r, &blk[i], 8);
+    }
+  }
+  for (int64_t c = 0; c < cn; ++c) {  // ragged edges: fewer than 8 rows or columns left
+    for (int64_t r = c < cn8 ? rn8 : 0; r < rn; ++r) dst[c * ld + r] = tile[r][c];
+  }
+}
 
 template <int IN, int F>
 ENGINE_HD uint32_t rows_transpose_impl(const CastArgs& a, int64_t r0, int64_t r1) {
+  alignas(64) uint8_t tile[kTileRows][kTileCols];
   uint32_t m = 0;
   const int64_t rows = a.rows, cols = a.cols;
   for (int64_t rb = r0; rb < r1; rb += kTileRows) {
     const int64_t rn = std::min(kTileRows, r1 - rb);
+    const uint32_t mb = cast_span<IN, F>(a.x, rb * cols, a.out + rb * cols, rn * cols, a.scale);
+    m = mb > m ? mb : m;
     for (int64_t cb = 0; cb < cols; cb += kTileCols) {
       const int64_t cn = std::min(kTileCols, cols - cb);
-      for (int64_t r = 0; r < rn; ++r) {
-        const int64_t off = (rb + r) * cols + cb;
-        const uint32_t mr = cast_span<IN, F>(a.x, off, a.out + off, cn, a.scale);
-        m = mr > m ? mr : m;
-      }
-      for (int64_t c = 0; c < cn; ++c) {
-        const uint8_t* src = a.out + rb * cols + cb + c;  // column c of the tile
-        uint8_t* __restrict dst = a.out_t + (cb + c) * rows + rb;
-        for (int64_t r = 0; r < rn; ++r) dst[r] = src[r * cols];
-      }
+      for (int64_t r = 0; r < rn; ++r) std::memcpy(tile[r], a.out + (rb + r) * cols + cb, static_cast<size_t>(cn));
+      transpose_tile(tile, rn, cn, a.out_t + cb * rows + rb, rows);
     }
   }
   return m;
