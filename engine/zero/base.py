@@ -18,6 +18,12 @@ Usage per optimizer step (``ga`` micro-batches, loss already divided by ``ga``):
 
 A pipeline executor may instead keep the boundary off for every micro-batch and call
 :meth:`reduce_gradients` once after the last backward (gradients reduced exactly once).
+
+Gradients live in the optimizer's flat fp32 buffers: the hooks move each ``p.grad`` there
+and set it to None, so ``p.grad`` is None after backward; read :meth:`grad_norm` instead.
+Frozen parameters (``requires_grad=False``) are left alone (not flattened, not sharded).
+Parameters become views of flat buffers: build the optimizer after moving the model to its
+device and dtype, and do not move it afterwards.
 """
 
 from __future__ import annotations
@@ -82,6 +88,9 @@ class ZeroOptimizer:
                  loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
                  reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True, alignment: int = 8,
                  clip_grad: float = 0.0):
+        if not dist.is_initialized():
+            raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
+                               "engine.dist.env.init_distributed(), or gloo with world_size=1)")
         self.dp_group = dp_group
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = comm.group_rank(dp_group)

@@ -200,10 +200,12 @@ def dp4_results():
     return run_ranks(_dp4_rank, 4, timeout=300)
 
 
+@pytest.mark.slow
 def test_stages_match_single_process_adamw_dp4(dp4_results):
     _check_equivalence(dp4_results[0][0], len(_SHORT))
 
 
+@pytest.mark.slow
 def test_memory_per_rank_is_a_quarter_at_dp4(dp4_results):
     """Stage >= 1 shards optimizer state, >= 2 gradients, 3 parameters: each within 5% of the
     stage-0 total / 4, and stage 0 matches the byte counts of the ZeRO formula."""

@@ -31,6 +31,8 @@ from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowP
 from engine.topology import Topology
 from engine.zero import build_zero_optimizer
 
+pytestmark = pytest.mark.slow  # 8 ranks on 2 cores: about 30 s or more
+
 H, D, F = 8, 6, 12
 SEED, STD, LR, STEPS, BATCH = 7, 0.4, 1e-2, 3, 8
 
