@@ -1,8 +1,10 @@
 """The training entry point and its loop.
 
 1. Loss trajectory over layouts: 8 fp32 steps of the tiny reference GPT with the same
-   global batch at (dp, tp, pp) = (1,1,1), (2,1,1) x ZeRO 0-3, (1,2,1), (1,1,2) (1F1B and
-   GPipe) and (2,2,2) (ZeRO 0 and 1), through the loop launch/train.py runs
+   global batch at (dp, tp, pp) = (1,1,1), (2,1,1) x ZeRO 0-3, (1,2,1) (with and without
+   sequence parallelism), (1,1,2) (1F1B, GPipe, ZB-H1, activation checkpointing; interleaved
+   1F1B on a 4-layer model) and (2,2,2) (ZeRO 1; ZeRO 0 with sequence parallelism), through
+   the loop launch/train.py runs
    (engine.initialize + engine.runtime.trainer.train), against (1,1,1).
 2. launch/train.py under the real deepspeed launcher and under torchrun (2 CPU ranks):
    identical per-step losses, equal to the in-process trajectory; the output files.
@@ -39,17 +41,18 @@ RTOL = 2e-6
 STD = sysconfig.get_paths()["stdlib"]
 
 
-def tiny_config(cache_dir: str, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
-                schedule: str = "1f1b") -> dict:
+def tiny_config(cache_dir: str, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, schedule: str = "1f1b",
+                sp: bool = False, ckpt: int = 0, v: int = 1, layers: int = 2) -> dict:
     """The tiny reference GPT with a global batch of 8 sequences (micro-batch 2)."""
     return {
         "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "seed": 7, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
         "scheduler": {"type": "cosine", "params": {"warmup_num_steps": 2, "total_num_steps": 8}},
         "zero_optimization": {"stage": zero, "reduce_bucket_size": 5000},
-        "tensor_parallel": {"autotp_size": tp},
-        "pipeline": {"stages": pp, "partition": "uniform", "schedule": schedule},
-        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "seq_len": 16},
+        "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp},
+        "pipeline": {"stages": pp, "partition": "uniform", "schedule": schedule, "virtual_stages": v,
+                     "activation_checkpoint_interval": ckpt},
+        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": layers, "num_heads": 4, "seq_len": 16},
         "data": {"train_files": [os.path.join(STD, "textwrap.py"), os.path.join(STD, "argparse.py")],
                  "cache_dir": cache_dir},
     }
@@ -80,8 +83,10 @@ def _losses(path: str) -> list[float]:
 # ------------------------------------------------------------------ 1. trajectories
 @pytest.fixture(scope="module")
 def reference(cache_dir):
-    """The (1,1,1) trajectory."""
-    return run_ranks(_trajectories, 1, [tiny_config(cache_dir)], timeout=120)[0][0]
+    """The (1,1,1) trajectories of the 2-layer model and of a 4-layer one (for interleaving)."""
+    two, four = run_ranks(_trajectories, 1, [tiny_config(cache_dir), tiny_config(cache_dir, layers=4)],
+                          timeout=120)[0]
+    return {2: two, 4: four}
 
 
 def _trajectories(rank, world, configs):
@@ -94,16 +99,21 @@ def _trajectories(rank, world, configs):
         cfg = load_config(c, world_size=world)
         _, sampler = build_data(cfg)
         eng, *_ = engine.initialize(config=cfg)
-        out.append([r["loss"] for r in train(eng, sampler, STEPS, output_dir=None)])
+        losses = [r["loss"] for r in train(eng, sampler, STEPS, output_dir=None)]
+        # and eval_batch afterwards (forward-only pipeline walk) on another step's batch
+        g = eng.groups
+        mbs = sampler.local_microbatches(100, g.dp_rank, g.dp_size, cfg.train_micro_batch_size_per_gpu)
+        out.append(losses + [eng.eval_batch(iter(mbs)).item()])
     return out
 
 
 @pytest.mark.timeout(300)
 def test_loss_trajectory_is_the_same_for_every_layout(cache_dir, reference):
-    ref = reference
-    two = [dict(dp=2, zero=z) for z in range(4)] + [dict(tp=2, zero=1), dict(pp=2, zero=1),
-                                                    dict(pp=2, zero=0, schedule="gpipe")]
-    eight = [dict(dp=2, tp=2, pp=2, zero=1), dict(dp=2, tp=2, pp=2, zero=0)]
+    two = [dict(dp=2, zero=z) for z in range(4)] + [
+        dict(tp=2, zero=1), dict(tp=2, zero=0, sp=True),
+        dict(pp=2, zero=1), dict(pp=2, zero=0, schedule="gpipe"), dict(pp=2, zero=1, schedule="zb-h1"),
+        dict(pp=2, zero=0, ckpt=1), dict(pp=2, zero=1, schedule="interleaved-1f1b", v=2, layers=4)]
+    eight = [dict(dp=2, tp=2, pp=2, zero=1), dict(dp=2, tp=2, pp=2, zero=0, sp=True)]
     runs = {}
     for world, layouts in ((2, two), (8, eight)):
         per_rank = run_ranks(_trajectories, world, [tiny_config(cache_dir, **k) for k in layouts], timeout=240)
@@ -111,8 +121,9 @@ def test_loss_trajectory_is_the_same_for_every_layout(cache_dir, reference):
             runs[str(k)] = losses
         for r in per_rank[1:]:  # every rank reports the same (global-batch) loss
             assert r == per_rank[0]
-    assert ref[-1] < ref[0] - 0.1, f"the tiny model did not learn: {ref}"
+    assert reference[2][STEPS - 1] < reference[2][0] - 0.1, f"the tiny model did not learn: {reference[2]}"
     for name, losses in runs.items():
+        ref = reference[4 if "'layers': 4" in name else 2]
         assert losses == pytest.approx(ref, rel=RTOL), f"{name}: {losses} vs (1,1,1) {ref}"
 
 
@@ -146,7 +157,7 @@ def test_deepspeed_launcher_and_torchrun_give_the_same_losses(tmp_path, cache_di
     assert tr.returncode == 0, tr.stdout[-3000:] + tr.stderr[-3000:]
     a, b = _losses(str(ds_out)), _losses(str(tr_out))
     assert len(a) == steps and a == b  # same layout, same machine: bit-identical
-    assert a == pytest.approx(reference[:steps], rel=RTOL)  # and the in-process loop's, up to layout
+    assert a == pytest.approx(reference[2][:steps], rel=RTOL)  # and the in-process loop's, up to layout
     assert "sample (greedy):" in tr.stdout and "loss" in tr.stderr  # progress bar on rank 0
 
     recs = [json.loads(line) for line in open(tr_out / "metrics.jsonl")]
