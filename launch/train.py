@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="set by the deepspeed launcher; the rank is read from the environment")
     p.add_argument("--sample-tokens", type=int, default=48, metavar="N",
                    help="greedy tokens to generate on rank 0 at the end (0: no sample)")
-    p.add_argument("--prompt", default="def ", help="prompt of the final sample")
+    p.add_argument("--prompt", default="    def __init__(self", help="prompt of the final sample")
     p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                    help="per-device peak TFLOP/s for MFU where the device is not in the table (e.g. CPUs)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
