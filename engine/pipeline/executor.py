@@ -177,6 +177,7 @@ class PipelineExecutor:
                 self._post(acts)
             else:
                 a = acts[0]
+                self._await_inputs(a)  # blocked time is recorded as WAIT, not as compute
                 t0 = time.perf_counter()
                 self._dispatch[a.kind](a.microbatch, a.chunk)
                 self._note(str(a), a.kind.value, a.microbatch, a.chunk, t0)
@@ -199,6 +200,7 @@ class PipelineExecutor:
         self._state: dict[str, dict] = {n: {} for n in ("input", "root", "out", "dx", "w")}
         self._recvs: dict[tuple, tuple[torch.Tensor, int]] = {}  # key -> (buffer, batch index)
         self._posted: list[_Posted] = []
+        self._arrived: dict[tuple, torch.Tensor] = {}  # received and waited for, not yet consumed
         self._done = 0  # batches before this index have completed
 
     def _note(self, name: str, kind: str, mb: int, chunk: int, t0: float) -> None:
@@ -250,7 +252,7 @@ class PipelineExecutor:
         if self._is_first(chunk):
             x = self._take(mb, 0)
         else:
-            x = self._wait_recv((K.RECV_ACT, mb, chunk)).requires_grad_()
+            x = self._arrived.pop((K.RECV_ACT, mb, chunk)).requires_grad_()
             st["input"][key] = x
         out = self._run_chunk(chunk, x)
         if self._is_last(chunk):
@@ -274,7 +276,17 @@ class PipelineExecutor:
         st["root"][key] = get_gradient_edge(out)
 
     def _output_grad(self, mb: int, chunk: int) -> Optional[torch.Tensor]:
-        return None if self._is_last(chunk) else self._wait_recv((K.RECV_GRAD, mb, chunk))
+        return None if self._is_last(chunk) else self._arrived.pop((K.RECV_GRAD, mb, chunk))
+
+    def _await_inputs(self, a: Action) -> None:
+        """Wait for the received tensor compute ``a`` consumes, if any."""
+        if a.kind is K.FORWARD and not self._is_first(a.chunk):
+            key = (K.RECV_ACT, a.microbatch, a.chunk)
+        elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and not self._is_last(a.chunk):
+            key = (K.RECV_GRAD, a.microbatch, a.chunk)
+        else:
+            return
+        self._arrived[key] = self._wait_recv(key)
 
     def _backward(self, mb: int, chunk: int) -> None:
         key, st = (mb, chunk), self._state

@@ -151,11 +151,8 @@ def backward_weight(state: WeightGradState) -> None:
                 pins.append(j.register_prehook(lambda _go, c=captured: c))
         try:
             if edges:
-                dws = torch.autograd.grad(edges, g.params, grad_outputs=grads, retain_graph=True,
-                                          allow_unused=True)
-                for p, dw in zip(g.params, dws):
-                    if dw is not None:
-                        p.grad = dw if p.grad is None else p.grad.add_(dw)
+                # through the parameters' AccumulateGrad nodes, so .grad hooks (ZeRO) fire
+                torch.autograd.backward(edges, grad_tensors=grads, inputs=g.params, retain_graph=True)
         finally:
             for h in pins:
                 h.remove()

@@ -59,6 +59,19 @@ class Head(nn.Module):
         return self.norm(x) @ self.weight.t()
 
 
+class _KeepOutputs(nn.Module):
+    """Keeps a reference to every output of the wrapped chunk (to see them released)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.outs = inner, []
+
+    def forward(self, x):
+        y = self.inner(x)
+        self.outs.append(y)
+        return y
+
+
 def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
@@ -96,6 +109,9 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
     bounds = partition_layers([1] * len(layers), p * v, "uniform")
     idx = [list(layers_of(bounds, rank, p, c)) for c in range(v)]
     chunks = [nn.Sequential(*[layers[i] for i in ids]) for ids in idx]
+    probe = None
+    if rank == 0 and not checkpointing:  # rank 0 chunk 0 sends every output it makes
+        probe = chunks[0] = _KeepOutputs(chunks[0])
     # (pipeline param, reference param) for every parameter of this rank's chunks
     pairs = [(pp, rp) for ids in idx for i in ids
              for pp, rp in zip(layers[i].parameters(), ref_layers[i].parameters())]
@@ -122,6 +138,9 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
         for pp, rp in pairs:
             torch.testing.assert_close(pp.grad, ref_grads[id(rp)], **STATE_TOL)
         grads_seen.append([pp.grad.clone() for pp, _ in pairs])
+        if probe is not None:  # sent outputs were released (their values are not needed for backward)
+            assert len(probe.outs) == m and all(o.numel() == 0 for o in probe.outs), schedule
+            probe.outs.clear()
         assert len(calls) == step + 1 and all(torch.equal(a, b) for a, b in zip(calls[-1], grads_seen[-1]))
         opt.step()
         for pp, rp in pairs:
@@ -182,9 +201,13 @@ def test_split_backward_equals_full_backward(checkpointing):
         out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) if checkpointing else model(x)
         return x, out
 
+    fired = []  # ZeRO reduces gradients from post-accumulate hooks: they must fire in both ways
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.append(n))
     x, out = forward()
     full_backward(out, g)
     ref_dx, ref = x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref_fired, fired[:] = sorted(fired), []
 
     x, out = forward()
     dx, state = backward_input(out, g, x, list(model.parameters()))
@@ -193,6 +216,7 @@ def test_split_backward_equals_full_backward(checkpointing):
     backward_weight(state)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == ref.keys() and "unused" not in got
+    assert sorted(fired) == ref_fired == sorted(ref)
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
 
@@ -222,3 +246,28 @@ def _wrong_shape(rank, world_size):
 def test_wrong_activation_shape_is_a_clear_error():
     with pytest.raises(RankFailure, match=r"output is \(2, 3, 8\).*activation_shape=\(2, 4, 8\)"):
         run_ranks(_wrong_shape, 2, timeout=60)
+
+
+# ------------------------------------------------------------------ measured bubble (sleep stages)
+@pytest.mark.slow
+def test_bubble_benchmark_measures_the_analytic_bubble(tmp_path):
+    """benchmarks/bubble.py on 4 CPU ranks, 8 microbatches: 1F1B within 0.03 of (p-1)/(m+p-1),
+    ZB-H1 below 1F1B. Stages sleep 50 ms forward / 100 ms backward, so scheduling noise of a
+    few ms per action stays small against the 0.03 margin."""
+    import importlib
+    import os
+    import sys
+
+    # importable by name: the benchmark's rank processes are spawned and re-import it
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")))
+    bubble = importlib.import_module("bubble")
+    got = {}
+    for name in ("1f1b", "zb-h1"):
+        # the script's own entry point, minus the subprocess: main() prints, run() returns the dict
+        ns = bubble.parse_args(["--stages", "4", "--microbatches", "8", "--schedule", name, "--out-dir", str(tmp_path)])
+        got[name] = bubble.run(ns)
+        assert os.path.getsize(got[name]["trace"]) > 0 and os.path.getsize(got[name]["png"]) > 0
+    one = got["1f1b"]
+    assert one["analytic_bubble"] == pytest.approx(3 / 11, abs=1e-4)
+    assert abs(one["measured_bubble"] - one["analytic_bubble"]) <= 0.03, one
+    assert got["zb-h1"]["measured_bubble"] < one["measured_bubble"], got

@@ -142,3 +142,51 @@ def test_comm_latency_on_the_critical_path():
     # F0, transfer, F0 + B0 on rank 1, transfer, B0 on rank 0
     assert simulate(_acts(rows), 1, costs=B2F).makespan == 6
     assert simulate(_acts(rows), 1, costs=B2F, comm_cost=0.5).makespan == 7
+
+
+# ------------------------------------------------------------------ timeline of a recorded step
+def _records():
+    from engine.pipeline.executor import ActionRecord
+    # stage 0: F0 [0,1] ... B0 [3,5]; stage 1: F0 [1,2] B0 [2,4]: 6 busy of 2 x 5
+    return [[ActionRecord("F0", "F", 0, 0, 10.0, 11.0), ActionRecord("SEND_ACT0", "COMM", 0, 0, 11.0, 11.1),
+             ActionRecord("WAIT", "WAIT", 0, 0, 11.1, 13.0), ActionRecord("B0", "B", 0, 0, 13.0, 15.0)],
+            [ActionRecord("F0", "F", 0, 0, 11.0, 12.0), ActionRecord("B0", "B", 0, 0, 12.0, 14.0)]]
+
+
+def test_measured_bubble_and_chrome_trace():
+    from engine.pipeline.timeline import chrome_trace, measured_bubble
+
+    assert measured_bubble(_records()) == pytest.approx(1 - 6 / 10)
+    events = [e for e in chrome_trace(_records())["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["ts"], e["dur"]) for e in events if e["cat"] == "F"] == [
+        (1, "F0", 0.0, pytest.approx(1e6)), (2, "F0", pytest.approx(1e6), pytest.approx(1e6))]
+    assert {e["tid"] for e in events if e["cat"] in ("COMM", "WAIT")} == {1}
+
+
+def test_png_writers(tmp_path):
+    import struct
+    import zlib
+
+    from engine.pipeline.timeline import write_gantt_png, write_png
+
+    path = tmp_path / "raw.png"
+    write_png(str(path), [[(255, 0, 0), (0, 0, 255)]] * 3)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", data[16:24]) == (2, 3)  # IHDR width, height
+    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
+    assert zlib.decompress(idat)[:7] == b"\x00\xff\x00\x00\x00\x00\xff"  # filter byte, red, blue
+    gantt = tmp_path / "gantt.png"
+    assert write_gantt_png(_records(), str(gantt)) in ("matplotlib", "raw")
+    assert gantt.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_raw_gantt_raster_colours():
+    from engine.pipeline import timeline
+
+    px = timeline._raster(_records(), width=101, row=2, gap=1)  # 5 time units -> 20 px each
+    stage0, stage1 = px[0], px[3]
+    assert len(px) == 2 * 3 and len(stage0) == 101
+    assert stage0[5] == timeline._COLOURS["F"] and stage0[30] == timeline._IDLE
+    assert stage0[70] == timeline._COLOURS["B"] and stage1[30] == timeline._COLOURS["F"]
+    assert stage1[90] == timeline._IDLE  # stage 1 finished at 4 of 5

@@ -1,0 +1,200 @@
+"""Measure the pipeline bubble of the real executor on CPU ranks and compare it with theory.
+
+    python benchmarks/bubble.py --stages 4 --microbatches 8 --schedule 1f1b [--json]
+
+Starts ``--stages`` processes on gloo, each holding a synthetic stage of known cost: the
+forward sleeps ``f`` (``--forward-ms``), the backward ``2f`` - ``f`` on the input-gradient
+path and ``f`` on the weight-gradient path, so zb-h1's split backward is ``f`` + ``f``.
+(With interleaved-1f1b each of the v chunks costs ``f/v``.) After a warm-up step it runs
+one measured step through :class:`engine.pipeline.executor.PipelineExecutor`, gathers
+every rank's action timestamps and prints the measured bubble next to the analytic one
+(and the simulator's prediction for the same costs). Writes a Chrome trace (open in
+chrome://tracing or ui.perfetto.dev) and a PNG Gantt chart.
+
+--json prints one JSON object: measured_bubble, analytic_bubble, simulated_bubble, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from engine.pipeline.executor import PipelineExecutor  # noqa: E402
+from engine.pipeline.schedule import SCHEDULES, build_all  # noqa: E402
+from engine.pipeline.simulate import bubble_formula, simulate  # noqa: E402
+from engine.pipeline.timeline import measured_bubble, write_chrome_trace, write_gantt_png  # noqa: E402
+
+SHAPE = (2, 4, 8)  # (micro batch, seq, hidden) of the synthetic activations
+
+
+class _SleepInputPath(torch.autograd.Function):
+    """The input-gradient path: forward sleeps f, backward sleeps f."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _SleepWeightPath(torch.autograd.Function):
+    """The weight-gradient path: free forward, backward sleeps f."""
+
+    @staticmethod
+    def forward(ctx, w, seconds):
+        ctx.seconds = seconds
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepStage(torch.nn.Module):
+    """y = sleep_x(x) * sleep_w(w): F = f, full B = 2f, input grad f + weight grad f."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.w = torch.nn.Parameter(torch.ones(SHAPE[-1]))
+
+    def forward(self, x):  # (B, S, H) -> (B, S, H)
+        return _SleepInputPath.apply(x, self.seconds) * _SleepWeightPath.apply(self.w, self.seconds)
+
+
+def _data(m: int):
+    # inputs require grad so that the first stage's backward also runs its input path (2f)
+    return iter([(torch.randn(SHAPE, requires_grad=True), torch.zeros(())) for _ in range(m)])
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int, out_q) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    p, m, v = args.stages, args.microbatches, args.virtual_stages
+    store = dist.TCPStore("127.0.0.1", port, p, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=p,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        chunks = [SleepStage(args.forward_ms / 1e3 / v) for _ in range(v)]
+        ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=None,
+                              num_microbatches=m, activation_shape=SHAPE,
+                              loss_fn=lambda out, _t: out.mean(), schedule=args.schedule)
+        for _ in range(args.steps):
+            dist.barrier()
+            ex.train_batch(_data(m))
+        records = [None] * p if rank == 0 else None
+        dist.gather_object(ex.records, records, dst=0)
+        if rank == 0:
+            out_q.put(records)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict:
+    store = dist.TCPStore("127.0.0.1", 0, args.stages + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, args, store.port, q), daemon=True)
+             for r in range(args.stages)]
+    for proc in procs:
+        proc.start()
+    try:
+        records = q.get(timeout=300)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    if any(proc.exitcode for proc in procs):
+        raise SystemExit(f"a rank failed (exit codes {[proc.exitcode for proc in procs]})")
+    return _report(args, records)
+
+
+def _report(args: argparse.Namespace, records) -> dict:
+    p, m, v, name = args.stages, args.microbatches, args.virtual_stages, args.schedule
+    try:
+        analytic = bubble_formula(name, p, m, v)
+    except ValueError:
+        analytic = None  # zb-h1 with fewer microbatches than stages: no closed form
+    # the simulator with this benchmark's costs: zb-h1's first stage has no input path to
+    # split off (its inputs are data), so its weight pass is the whole 2f backward
+    f = 1.0 / v
+
+    def costs(rank, a):
+        if name == "zb-h1" and rank == 0 and a.chunk == 0:
+            return {"F": f, "I": 1e-9, "W": 2 * f}[a.kind.value]
+        return {"F": f, "B": 2 * f, "I": f, "W": f}[a.kind.value]
+
+    simulated = simulate(build_all(name, p, m, v), m, v, costs=costs).bubble_fraction
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"bubble_{name}_p{p}_m{m}" + (f"_v{v}" if v > 1 else ""))
+    write_chrome_trace(records, stem + ".trace.json", title=f"{name} p={p} m={m}")
+    measured = measured_bubble(records)
+    writer = write_gantt_png(records, stem + ".png",
+                             title=f"{name}, p={p}, m={m}: measured bubble {measured:.3f}"
+                                   + (f", analytic {analytic:.3f}" if analytic is not None else ""))
+    t0 = min(r.start for recs in records for r in recs)
+    t1 = max(r.end for recs in records for r in recs)
+    return {"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
+            "forward_ms": args.forward_ms, "measured_bubble": round(measured, 4),
+            "analytic_bubble": None if analytic is None else round(analytic, 4),
+            "simulated_bubble": round(simulated, 4), "step_ms": round((t1 - t0) * 1e3, 1),
+            "trace": stem + ".trace.json", "png": stem + ".png", "png_writer": writer}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    ap.add_argument("--virtual-stages", type=int, default=None,
+                    help="model chunks per rank (interleaved-1f1b only; default 2 there, else 1)")
+    ap.add_argument("--forward-ms", type=float, default=50.0, help="forward cost of one stage (backward is 2x)")
+    ap.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
+    if args.stages < 1 or args.microbatches < 1 or args.steps < 1 or args.forward_ms <= 0:
+        ap.error("--stages, --microbatches and --steps must be >= 1 and --forward-ms > 0")
+    build_all(args.schedule, args.stages, args.microbatches, args.virtual_stages)  # clear error early
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        analytic = "n/a" if result["analytic_bubble"] is None else f"{result['analytic_bubble']:.3f}"
+        print(f"{result['schedule']} p={result['stages']} m={result['microbatches']}"
+              f"{' v=%d' % result['virtual_stages'] if result['virtual_stages'] > 1 else ''}: "
+              f"measured bubble {result['measured_bubble']:.3f}, analytic {analytic}, "
+              f"simulated {result['simulated_bubble']:.3f} (step {result['step_ms']} ms)\n"
+              f"trace: {result['trace']}\npng:   {result['png']} ({result['png_writer']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
