@@ -193,10 +193,6 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.fp8.enabled and not cfg.bf16.enabled:
         raise ConfigError("fp8.enabled needs bf16.enabled true: the FP8 GEMMs take bf16 inputs and every "
                           "other op runs in bf16 (fp16 loss scaling is not combined with FP8 scaling)")
-    if cfg.zero.stage >= 2 and cfg.pp > 1:
-        raise ConfigError(f"zero_optimization.stage {cfg.zero.stage} cannot be combined with pipeline "
-                          f"parallelism (pipeline.stages = {cfg.pp}): gradients and parameters would be "
-                          "re-partitioned every microbatch. Use stage 0 or 1 with pipelines (as DeepSpeed requires)")
     _check_pipeline_schedule(cfg.pipeline, cfg.model, cfg.gradient_accumulation_steps)
     if cfg.tensor_parallel.sequence_parallel and cfg.model.seq_len % cfg.tp:
         raise ConfigError(f"tensor_parallel.sequence_parallel splits the sequence over the {cfg.tp} TP ranks, "

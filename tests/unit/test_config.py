@@ -137,7 +137,6 @@ MALFORMED = [
     ("zero-alias-twice", [("zero_optimization.prefetch_bucket_size", 10),
                           ("zero_optimization.stage3_prefetch_bucket_size", 10)], 2,
      ["zero_optimization.prefetch_bucket_size", "zero_optimization.stage3_prefetch_bucket_size"]),
-    ("zero2-with-pp", [("zero_optimization.stage", 2), *PP2], 4, ["zero_optimization.stage", "pipeline.stages"]),
     ("cpu-checkpointing", [("activation_checkpointing.cpu_checkpointing", True)], 2,
      ["activation_checkpointing.cpu_checkpointing"]),
     ("number-checkpoints", [("activation_checkpointing.number_checkpoints", 0)], 2,
