@@ -16,10 +16,11 @@ Construction protocol (why it is written this way):
 * Subgroups do NOT inherit the default group's timeout (torch uses 30 min for gloo), so
   the collective timeout is passed to each ``new_group`` explicitly.
 
-The embedding group is the first and last pipeline stage with this rank's (dp, tp)
-coordinates: the two ranks holding the tied input embedding and output head, whose
-gradients are summed over it. With pp == 1 it is the single-rank group ``[rank]``
-(the embedding and head live on the same rank, so the all-reduce is the identity).
+The embedding group of a (dp, tp) coordinate is its first and last pipeline stage: the
+two ranks holding the tied input embedding and output head, whose gradients are summed
+over it. A rank on a middle stage holds neither and is in no embedding group
+(``embedding_group is None``, ``embedding_ranks == ()``). With pp == 1 the group is the
+single rank itself (embedding and head on one rank, so the all-reduce is the identity).
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ class ParallelGroups:
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
-    embedding_group: dist.ProcessGroup
+    embedding_group: Optional[dist.ProcessGroup]  # None on middle pipeline stages
     model_parallel_group: dist.ProcessGroup
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     pp_ranks: tuple[int, ...]
-    embedding_ranks: tuple[int, ...]
+    embedding_ranks: tuple[int, ...]  # () on middle pipeline stages
     model_parallel_ranks: tuple[int, ...]
 
     @classmethod
@@ -91,13 +92,12 @@ class ParallelGroups:
         timeout = (_default_timeout() if timeout_s is None
                    else datetime.timedelta(seconds=timeout_s))
 
-        def make(all_groups: list[list[int]]) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
-            mine = None
-            for ranks in all_groups:  # same order on every rank
+        def make(all_groups: list[list[int]]) -> tuple[Optional[dist.ProcessGroup], tuple[int, ...]]:
+            mine: tuple[Optional[dist.ProcessGroup], tuple[int, ...]] = (None, ())
+            for ranks in all_groups:  # same order on every rank, members or not
                 group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=False)
                 if rank in ranks:
                     mine = (group, tuple(ranks))
-            assert mine is not None, f"rank {rank} in no group of {all_groups}"
             return mine
 
         tp = make(topology.groups(Axis.TP))
@@ -156,7 +156,13 @@ class ParallelGroups:
         """Global rank of the next stage (same dp, tp); None on the last stage."""
         return self.topology.next_stage_rank(self.rank)
 
+    @property
+    def in_embedding_group(self) -> bool:
+        """True on the first and last pipeline stage (the ranks holding tied embeddings)."""
+        return self.embedding_group is not None
+
     def all_groups(self) -> list[dist.ProcessGroup]:
-        """This rank's groups in creation order (what :func:`engine.dist.env.shutdown` drains)."""
-        return [self.tp_group, self.dp_group, self.pp_group, self.embedding_group,
-                self.model_parallel_group]
+        """This rank's groups in creation order."""
+        groups = [self.tp_group, self.dp_group, self.pp_group, self.embedding_group,
+                  self.model_parallel_group]
+        return [g for g in groups if g is not None]

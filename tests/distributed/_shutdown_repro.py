@@ -38,6 +38,50 @@ def _work(mode: str) -> None:
     else:
         import datetime
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    _collectives()
+    if mode == "none":
+        return
+    if mode == "destroy":
+        dist.destroy_process_group()
+    elif mode == "barrier":
+        dist.barrier()
+        dist.destroy_process_group()
+    elif mode == "fix":
+        shutdown()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+def _harness_fn(rank: int, world_size: int) -> int:
+    _collectives()
+    return rank
+
+
+def _harness(runs: int, world: int) -> int:
+    """The same workload under tests/harness.py's run_ranks (which tears down itself)."""
+    import resource
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from harness import RankFailure, run_ranks
+
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    tally: collections.Counter = collections.Counter()
+    start = time.monotonic()
+    for i in range(runs):
+        try:
+            assert run_ranks(_harness_fn, world, timeout=300) == list(range(world))
+            tally["ok"] += 1
+        except RankFailure as exc:
+            kind = "abort" if "code -6" in str(exc) else "error"
+            tally[kind] += 1
+            print(f"run {i}: {kind}: {str(exc)[:300]}", flush=True)
+    print(f"harness world={world} runs={runs} {dict(tally)} ({time.monotonic() - start:.0f}s)")
+    return 0
+
+
+def _collectives() -> None:
+    import torch
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # sync collectives on the default group
@@ -71,18 +115,7 @@ def _work(mode: str) -> None:
     works[0].wait()
     works.append(dist.all_reduce(torch.ones(64), group=mine, async_op=True))
     late = dist.all_reduce(torch.ones(64), group=pairs[rank // 2], async_op=True)  # never waited
-
-    if mode == "none":
-        return
-    if mode == "destroy":
-        dist.destroy_process_group()
-    elif mode == "barrier":
-        dist.barrier()
-        dist.destroy_process_group()
-    elif mode == "fix":
-        shutdown()
-    else:
-        raise SystemExit(f"unknown mode {mode}")
+    del late
 
 
 def _free_port() -> int:
@@ -91,7 +124,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool) -> int:
+def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool,
+           gdb_dir: str = "") -> int:
     tally: collections.Counter = collections.Counter()
     samples: dict[str, str] = {}
     start = time.monotonic()
@@ -102,14 +136,27 @@ def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool) -> i
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                        LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="repro",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, __file__, "work", "--mode", mode],
-                                          env=env, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True))
+            cmd = [sys.executable, __file__, "work", "--mode", mode]
+            if gdb_dir:  # backtrace of every thread when a rank aborts (diagnosis only)
+                cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "run",
+                       "-ex", "thread apply all bt 25", "-ex", "kill",
+                       "--args"] + cmd
+                env["GDB_LOG"] = os.path.join(gdb_dir, f"run{i}_rank{r}.txt")
+            procs.append(subprocess.Popen(cmd,
+                                          env=env, text=True,
+                                          stdout=subprocess.PIPE if gdb_dir else subprocess.DEVNULL,
+                                          stderr=subprocess.STDOUT if gdb_dir else subprocess.PIPE))
         outcome = "ok"
         try:
             for r, p in enumerate(procs):
                 try:
-                    _, err = p.communicate(timeout=timeout)
+                    out, err = p.communicate(timeout=timeout)
+                    err = out if gdb_dir else err
+                    if gdb_dir and ("SIGABRT" in err or "terminate called" in err):
+                        with open(os.path.join(gdb_dir, f"run{i}_rank{r}.txt"), "w") as f:
+                            f.write(err)
+                        err += "\nterminate called (under gdb)"
+                        p.returncode = p.returncode or -6
                 except subprocess.TimeoutExpired:
                     outcome = "hang"
                     samples.setdefault(outcome, f"rank {r} still running after {timeout}s")
@@ -136,17 +183,20 @@ def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool) -> i
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["drive", "work"])
+    p.add_argument("role", choices=["drive", "work", "harness"])
     p.add_argument("--mode", default="none")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("-v", action="store_true")
+    p.add_argument("--gdb-dir", default="", help="run ranks under gdb, keep abort backtraces here")
     a = p.parse_args()
+    if a.role == "harness":
+        return _harness(a.runs, a.world)
     if a.role == "work":
         _work(a.mode)
         return 0
-    return _drive(a.runs, a.world, a.mode, a.timeout, a.v)
+    return _drive(a.runs, a.world, a.mode, a.timeout, a.v, a.gdb_dir)
 
 
 if __name__ == "__main__":

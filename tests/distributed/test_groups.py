@@ -1,0 +1,118 @@
+"""ParallelGroups on 8 gloo ranks: every group's all-reduce of the rank id gives the sum
+over the members that Topology (pure, tested exhaustively in tests/unit) says it has.
+
+Exact integer sums in float64, so the comparison is exact (no tolerance). One spawn of 8
+ranks checks several layouts, because starting 8 interpreters dominates the cost.
+"""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from engine.dist.groups import ParallelGroups
+from engine.topology import Topology
+from harness import run_ranks
+
+LAYOUTS = [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1), (1, 1, 8)]
+
+
+def _group_sums(rank, world_size):
+    out = {}
+    for dp, tp, pp in LAYOUTS:
+        topo = Topology(dp=dp, tp=tp, pp=pp, world_size=world_size)
+        groups = ParallelGroups.build(topo, timeout_s=40.0)
+        sums = {}
+        for name in ("tp", "dp", "pp", "embedding", "model_parallel"):
+            group = getattr(groups, f"{name}_group")
+            if group is None:  # middle pipeline stage: no embedding group
+                sums[name] = (None, list(getattr(groups, f"{name}_ranks")))
+                continue
+            t = torch.tensor([float(rank)], dtype=torch.float64)
+            dist.all_reduce(t, group=group)
+            sums[name] = (t.item(), list(getattr(groups, f"{name}_ranks")),
+                          dist.get_world_size(group), dist.get_rank(group))
+        # subgroups carry the requested timeout, not torch's 30-minute default
+        backend = groups.dp_group._get_backend(torch.device("cpu"))
+        sums["timeout"] = backend.options._timeout.total_seconds()
+        sums["facts"] = (groups.coord, groups.tp_rank, groups.dp_rank, groups.pp_rank,
+                         groups.tp_size, groups.dp_size, groups.pp_size, groups.is_first_stage,
+                         groups.is_last_stage, groups.prev_stage_rank, groups.next_stage_rank)
+        # p2p between pipeline neighbours uses the global ranks the groups report
+        if groups.pp_size > 1:
+            send = torch.tensor([float(rank)])
+            recv = torch.tensor([-1.0])
+            ops = []
+            if groups.next_stage_rank is not None:
+                ops.append(dist.P2POp(dist.isend, send, groups.next_stage_rank))
+            if groups.prev_stage_rank is not None:
+                ops.append(dist.P2POp(dist.irecv, recv, groups.prev_stage_rank))
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            sums["from_prev"] = recv.item()
+        out[(dp, tp, pp)] = sums
+    # inherit the default group's timeout when none is given
+    inherited = ParallelGroups.build(Topology(dp=world_size, world_size=world_size))
+    out["inherited"] = inherited.tp_group._get_backend(torch.device("cpu")).options._timeout
+    return out
+
+
+def test_group_allreduce_sums_match_topology():
+    results = run_ranks(_group_sums, 8, timeout=120, collective_timeout=45)
+    for rank, res in enumerate(results):
+        assert res["inherited"] == datetime.timedelta(seconds=45)
+        for dp, tp, pp in LAYOUTS:
+            topo = Topology(dp=dp, tp=tp, pp=pp)
+            got = res[(dp, tp, pp)]
+            want = {
+                "tp": topo.ranks_along("tp", rank),
+                "dp": topo.ranks_along("dp", rank),
+                "pp": topo.ranks_along("pp", rank),
+                "embedding": topo.embedding_ranks(rank),
+                "model_parallel": topo.model_parallel_ranks(rank),
+            }
+            c = topo.coord(rank)
+            if 0 < c.pp < pp - 1:  # a middle stage holds no embedding
+                assert got["embedding"] == (None, [])
+                del want["embedding"]
+            for name, members in want.items():
+                total, ranks, size, group_rank = got[name]
+                assert ranks == members, (rank, (dp, tp, pp), name)
+                assert total == float(sum(members)), (rank, (dp, tp, pp), name, total)
+                assert size == len(members) and group_rank == members.index(rank)
+            assert got["facts"] == (c, c.tp, c.dp, c.pp, tp, dp, pp, c.pp == 0, c.pp == pp - 1,
+                                    topo.prev_stage_rank(rank), topo.next_stage_rank(rank))
+            assert got["timeout"] == 40.0
+            if pp > 1 and c.pp > 0:
+                assert got["from_prev"] == float(topo.prev_stage_rank(rank))
+        # the layouts above include the special cases: pp == 1 (singleton embedding group)
+        # and dp == 1 (model-parallel group is the world)
+        assert results[rank][(2, 4, 1)]["embedding"][1] == [rank]
+        assert results[rank][(1, 4, 2)]["model_parallel"][1] == list(range(8))
+    # (1, 1, 8): only ranks 0 and 7 hold the embedding; they sum to 7
+    assert [r[(1, 1, 8)]["embedding"][0] for r in results] == [7.0] + [None] * 6 + [7.0]
+
+
+def _errors(rank, world_size):
+    msgs = []
+    try:
+        ParallelGroups.build(Topology(dp=2, tp=2, pp=1))
+    except ValueError as e:
+        msgs.append(str(e))
+    try:
+        ParallelGroups.build(Topology(dp=2, tp=1), rank=1 - rank)
+    except ValueError as e:
+        msgs.append(str(e))
+    groups = ParallelGroups.build(Topology(dp=2))
+    try:
+        groups.tp_group = None
+    except Exception as e:  # frozen dataclass
+        msgs.append(type(e).__name__)
+    return msgs
+
+
+def test_build_errors_and_immutability():
+    for msgs in run_ranks(_errors, 2, timeout=60):
+        assert "needs 4 ranks but the job has 2" in msgs[0]
+        assert "is not this process's rank" in msgs[1]
+        assert msgs[2] == "FrozenInstanceError"
