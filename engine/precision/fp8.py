@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,14 +98,17 @@ _CONFIG_KEYS = {"recipe": "scaling", "format": "fp8_format", "amax_history_len":
                 "amax_compute_algo": "amax_compute_algo", "margin": "margin"}
 
 
-def fp8_recipe_from_config(section: Optional[Mapping[str, Any]]) -> Optional[Fp8Recipe]:
+def fp8_recipe_from_config(section: Any) -> Optional[Fp8Recipe]:
     """The JSON ``"fp8"`` section -> a recipe, or None when absent or ``"enabled": false``.
 
-    Example: ``{"enabled": true, "recipe": "delayed", "format": "hybrid",
-    "amax_history_len": 16, "amax_compute_algo": "max", "margin": 0}``.
+    `section`: a mapping, or the loaded config's ``cfg.fp8`` (engine.config's FP8Config,
+    anything with ``to_dict()``). Example: ``{"enabled": true, "recipe": "delayed",
+    "format": "hybrid", "amax_history_len": 16, "amax_compute_algo": "max", "margin": 0}``.
     """
     if section is None:
         return None
+    if hasattr(section, "to_dict"):
+        section = section.to_dict()
     unknown = sorted(set(section) - set(_CONFIG_KEYS) - {"enabled"})
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in the fp8 section; allowed: {['enabled', *_CONFIG_KEYS]}")
@@ -297,6 +300,9 @@ def fp8_states(module: nn.Module) -> list[Fp8LinearState]:
 
 def update_fp8_scales(states: Iterable[Fp8LinearState], group: Optional[dist.ProcessGroup] = None) -> None:
     """Once per optimizer step, after backward: reduce, rescale, roll (module docstring).
+
+    Every rank of `group` must pass its states in the same order (same layer structure):
+    the fresh amaxes of all of them travel in one stacked all-reduce.
 
     For ``current`` scaling only the history roll happens (scales are per cast). One
     collective for all tensors: the fresh amaxes are stacked, MAX-reduced, written back.

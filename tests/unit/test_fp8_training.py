@@ -54,6 +54,12 @@ def test_recipe_from_config():
         fp8_recipe_from_config({"enabled": True, "amax_history_len": 0})
     with pytest.raises(ConfigError, match="enabled"):
         fp8_recipe_from_config({"enabled": "yes"})
+    # the loaded JSON config's section (engine.config) works as is
+    from engine.config.schema import FP8Config
+
+    assert fp8_recipe_from_config(FP8Config(enabled=True, recipe="current", margin=1)) == \
+        Fp8Recipe(scaling="current", margin=1)
+    assert fp8_recipe_from_config(FP8Config()) is None
 
 
 def test_compute_scale_formula_and_guards():
