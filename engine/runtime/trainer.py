@@ -94,6 +94,9 @@ def train(engine: Any, sampler: GlobalBatchSampler, steps: int, *, output_dir: O
             rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
             writer.write(rec)
             records.append(rec)
+            if is_writer and cfg.steps_per_print and rec["step"] % cfg.steps_per_print == 0:
+                logger.info("step %d: loss %.4f, lr %.3g, grad norm %s, %.0f tokens/s", rec["step"], rec["loss"],
+                            rec["lr"], rec["grad_norm"], rec["tokens_per_s"])
             if on_step is not None:
                 on_step(rec)
     finally:

@@ -10,6 +10,7 @@ or an LR schedule stepped at every micro-batch gives errors of the order of lr =
 """
 
 import math
+import types
 
 import pytest
 import torch
@@ -164,7 +165,8 @@ def _fp16_skip(rank, world):
 def _dataloader(rank, world):
     """training_data -> DeepSpeed's dataloader: micro-batches of each DP rank's shard."""
     data = torch.utils.data.TensorDataset(torch.arange(40).float().view(20, 2), torch.zeros(20, 1))
-    _, _, loader, _ = engine.initialize(model=nn.Linear(2, 1), config=_config(0, ga=2), training_data=data)
+    args = types.SimpleNamespace(deepspeed_config=_config(0, ga=2), local_rank=rank)  # DeepSpeed-style args
+    _, _, loader, _ = engine.initialize(args=args, model=nn.Linear(2, 1), training_data=data)
     rows = [x[:, 0].long().tolist() for x, _ in loader]
     return rows
 

@@ -4,8 +4,9 @@
    global batch at (dp, tp, pp) = (1,1,1), (2,1,1) x ZeRO 0-3, (1,2,1) (with and without
    sequence parallelism), (1,1,2) (1F1B, GPipe, ZB-H1, activation checkpointing; interleaved
    1F1B on a 4-layer model) and (2,2,2) (ZeRO 1; ZeRO 0 with sequence parallelism), through
-   the loop launch/train.py runs
-   (engine.initialize + engine.runtime.trainer.train), against (1,1,1).
+   the loop launch/train.py runs (engine.initialize + engine.runtime.trainer.train), against
+   (1,1,1); then eval_batch, and the weights gathered into one dense model on rank 0 (the
+   sampling path) give the same eval loss.
 2. launch/train.py under the real deepspeed launcher and under torchrun (2 CPU ranks):
    identical per-step losses, equal to the in-process trajectory; the output files.
 3. Ctrl-C: every rank of a Slurm-style launch stops promptly.
@@ -84,14 +85,15 @@ def _losses(path: str) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(cache_dir):
     """The (1,1,1) trajectories of the 2-layer model and of a 4-layer one (for interleaving)."""
-    two, four = run_ranks(_trajectories, 1, [tiny_config(cache_dir), tiny_config(cache_dir, layers=4)],
-                          timeout=120)[0]
+    (two, _), (four, _) = run_ranks(_trajectories, 1, [tiny_config(cache_dir), tiny_config(cache_dir, layers=4)],
+                                    timeout=120)[0]
     return {2: two, 4: four}
 
 
 def _trajectories(rank, world, configs):
     import engine
     from engine.config import load_config
+    from engine.runtime.generate import gather_reference_model
     from engine.runtime.trainer import build_data, train
 
     out = []
@@ -103,10 +105,19 @@ def _trajectories(rank, world, configs):
         # and eval_batch afterwards (forward-only pipeline walk) on another step's batch
         g = eng.groups
         mbs = sampler.local_microbatches(100, g.dp_rank, g.dp_size, cfg.train_micro_batch_size_per_gpu)
-        out.append(losses + [eng.eval_batch(iter(mbs)).item()])
+        losses.append(eng.eval_batch(iter(mbs)).item())
+        # the trained weights gathered into one dense model on rank 0 (the sampling path)
+        dense = gather_reference_model(eng)
+        dense_loss = None if dense is None else dense(*_pair(sampler.batch_at(100))).item()
+        out.append((losses, dense_loss))
     return out
 
 
+def _pair(batch):
+    return batch.inputs, batch.targets
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_loss_trajectory_is_the_same_for_every_layout(cache_dir, reference):
     two = [dict(dp=2, zero=z) for z in range(4)] + [
@@ -117,10 +128,12 @@ def test_loss_trajectory_is_the_same_for_every_layout(cache_dir, reference):
     runs = {}
     for world, layouts in ((2, two), (8, eight)):
         per_rank = run_ranks(_trajectories, world, [tiny_config(cache_dir, **k) for k in layouts], timeout=240)
-        for k, losses in zip(layouts, per_rank[0]):
+        for k, (losses, dense_loss) in zip(layouts, per_rank[0]):
             runs[str(k)] = losses
+            # the gathered dense model computes the eval loss the distributed engine computed
+            assert dense_loss == pytest.approx(losses[-1], rel=RTOL), f"{k}: gathered model"
         for r in per_rank[1:]:  # every rank reports the same (global-batch) loss
-            assert r == per_rank[0]
+            assert [x[0] for x in r] == [x[0] for x in per_rank[0]]
     assert reference[2][STEPS - 1] < reference[2][0] - 0.1, f"the tiny model did not learn: {reference[2]}"
     for name, losses in runs.items():
         ref = reference[4 if "'layers': 4" in name else 2]
@@ -140,6 +153,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deepspeed_launcher_and_torchrun_give_the_same_losses(tmp_path, cache_dir, reference):
     cfg = _write_config(tmp_path, cache_dir, dp=2, zero=1)
