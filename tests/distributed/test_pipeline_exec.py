@@ -155,7 +155,7 @@ def _equivalence(rank, world_size, m, num_blocks):
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
         grads, records = _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group)
         out[schedule] = [str(r.name) for r in records if r.kind in ("F", "B", "I", "W")]
-        if schedule != "gpipe":
+        if schedule != "gpipe" and p == 2:  # (p=2 only, to keep the suite fast)
             # activation checkpointing recomputes the same ops: bitwise-equal gradients
             ck, _ = _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=True)
             assert all(torch.equal(a, b) for sa, sb in zip(grads, ck) for a, b in zip(sa, sb)), schedule
@@ -271,3 +271,75 @@ def test_bubble_benchmark_measures_the_analytic_bubble(tmp_path):
     assert one["analytic_bubble"] == pytest.approx(3 / 11, abs=1e-4)
     assert abs(one["measured_bubble"] - one["analytic_bubble"]) <= 0.03, one
     assert got["zb-h1"]["measured_bubble"] < one["measured_bubble"], got
+
+
+# ------------------------------------------------------------------ TP=2 x PP=2 with the reference GPT
+def _gpt_tp_pp(rank, world_size):
+    """Every schedule on (tp, pp) = (2, 2) against the dense single-process GPT.
+
+    Tolerance as in test_tp_model.py: rtol 1e-5 plus atol 1e-5 * max|expected| (TP changes
+    the summation order of the row-parallel reductions; SGD so a 1-ulp gradient difference
+    cannot flip an update's sign on a near-zero element).
+    """
+    from engine.dist.groups import ParallelGroups
+    from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers
+    from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from engine.tensor_parallel.layers import gather_full_tensor
+    from engine.topology import Topology
+
+    groups = ParallelGroups.build(Topology(dp=1, tp=2, pp=2))
+    cfg = ModelConfig(vocab_size=37, hidden_size=16, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=8,
+                      tie_embeddings=True)
+    seed, batch, m, p = 77, 2, 4, 2
+
+    def close(actual, expected, what):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(),
+                                   msg=lambda e: f"{what}: {e}")
+
+    def batches(step):
+        g = torch.Generator().manual_seed(300 + step)
+        return [(torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g),
+                 torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=g)) for _ in range(m)]
+
+    stage = groups.pp_rank
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
+        ref = GPT(cfg, None, seed=seed)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        bounds = partition_layers([1] * num_stage_layers(cfg), p * v, "uniform")
+        chunks, named = [], []  # named: (name, pipeline param, dense param)
+        for c in range(v):
+            rng = layers_of(bounds, stage, p, c)
+            layers = build_stage_layers(cfg, groups.tp_group, seed=seed, start=rng.start, stop=rng.stop)
+            chunks.append(nn.Sequential(*layers))
+            for i, layer in zip(rng, layers):
+                dense = dict(ref.layers[i].named_parameters())
+                named += [(f"layer {i} {n}", prm, dense[n]) for n, prm in layer.named_parameters()]
+        tied = [prm for n, prm, _ in named if n in ("layer 0 weight", f"layer {num_stage_layers(cfg) - 1} weight")]
+        assert len(tied) == 1, [n for n, _, _ in named]  # the embedding on stage 0, the head copy on stage 1
+        ex = PipelineExecutor(chunks, stage=stage, stage_ranks=list(groups.pp_ranks), pp_group=groups.pp_group,
+                              num_microbatches=m, activation_shape=(batch, cfg.seq_len, cfg.hidden_size),
+                              loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, groups.tp_group),
+                              schedule=schedule, tied_params=tied, embedding_group=groups.embedding_group)
+        opt = torch.optim.SGD([prm for c in chunks for prm in c.parameters()], lr=0.1, momentum=0.9)
+        for step in range(2):
+            data = batches(step)
+            ref_opt.zero_grad()
+            ref_losses = []
+            for ids, y in data:
+                loss = ref(ids, y)
+                (loss / m).backward()
+                ref_losses.append(loss.detach())
+            opt.zero_grad()
+            loss = ex.train_batch(iter(data) if stage in (0, p - 1) else None)
+            close(loss, torch.stack(ref_losses).mean(), f"{schedule} step {step} loss")
+            for n, prm, dense in named:
+                close(gather_full_tensor(prm.grad, prm, groups.tp_group), dense.grad, f"{schedule} step {step} grad {n}")
+            ref_opt.step()
+            opt.step()
+        for n, prm, dense in named:
+            close(gather_full_tensor(prm.detach(), prm, groups.tp_group), dense.detach(), f"{schedule} {n} after 2 steps")
+    return True
+
+
+def test_tp2_pp2_gpt_matches_dense_model():
+    assert run_ranks(_gpt_tp_pp, 4, timeout=150) == [True] * 4
