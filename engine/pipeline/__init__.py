@@ -9,8 +9,10 @@
 """
 
 from engine.pipeline.actions import Action, ActionKind, ScheduleError, parse_action
+from engine.pipeline.partition import PARTITION_METHODS, layers_of, partition_layers
 from engine.pipeline.schedule import SCHEDULES, build_all, build_schedule, schedule_table
 from engine.pipeline.simulate import SimResult, bubble_formula, simulate
 
 __all__ = ["Action", "ActionKind", "ScheduleError", "parse_action", "SCHEDULES", "build_all",
-           "build_schedule", "schedule_table", "SimResult", "bubble_formula", "simulate"]
+           "build_schedule", "schedule_table", "SimResult", "bubble_formula", "simulate",
+           "PARTITION_METHODS", "partition_layers", "layers_of"]

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from engine.dist import comm
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
 from engine.pipeline.schedule import build_schedule
-from engine.pipeline.split_backward import WeightGradState, backward_input, backward_weight, full_backward
+from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
 
 __all__ = ["ActionRecord", "PipelineExecutor", "allreduce_tied_grads", "broadcast_tied_weights"]
 

@@ -12,7 +12,6 @@ per stage and then all-reduced, the reference interleaves them) and AdamW's divi
 sqrt(v) that carries that rounding into the parameters.
 """
 
-import copy
 
 import pytest
 import torch
