@@ -210,7 +210,8 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
     if cfg.pp > 1:
         from engine.runtime.pipe import PipelineRunner
 
-        pipeline = PipelineRunner(chunks, cfg, groups, loss, device=device, dtype=dtype)
+        pipeline = PipelineRunner(chunks, cfg, groups, loss, device=device, dtype=dtype,
+                                  loss_scale=lambda: opt.loss_scale)
     sched = build_scheduler(cfg, opt, client_sched)
     engine_loss = None if (cfg.pp > 1 or isinstance(module, ReferenceModel)) else loss
     engine = Engine(cfg, module, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,

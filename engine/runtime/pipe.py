@@ -39,7 +39,7 @@ class PipelineRunner:
     per-step losses on the last stage and None elsewhere."""
 
     def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: LossFn,
-                 *, device: torch.device, dtype: torch.dtype) -> None:
+                 *, device: torch.device, dtype: torch.dtype, loss_scale: Callable[[], float] = lambda: 1.0) -> None:
         from engine.engine import split_microbatch  # the engine module imports this one lazily
 
         self._split = split_microbatch
@@ -49,9 +49,15 @@ class PipelineRunner:
         self.stage, self.num_stages = groups.pp_rank, cfg.pp
         self.stage_ranks = list(groups.pp_ranks)
         self.shape = activation_shape(cfg)
+        # The executor runs the backward itself, so the fp16 loss scale goes into the loss it
+        # differentiates (the ZeRO optimizer divides the reduced gradients by it); the scale
+        # is fixed within a step and a power of two, so unscaling the reported loss is exact.
+        self._loss_scale = loss_scale
+        self._scale = 1.0
         self.executor = PipelineExecutor(
             self.chunks, stage=self.stage, stage_ranks=self.stage_ranks, pp_group=groups.pp_group,
-            num_microbatches=cfg.gradient_accumulation_steps, activation_shape=self.shape, loss_fn=loss_fn,
+            num_microbatches=cfg.gradient_accumulation_steps, activation_shape=self.shape,
+            loss_fn=self._scaled_loss,
             schedule=cfg.pipeline.schedule, activation_dtype=dtype, device=device,
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
             broadcast_loss=False, record=False)
@@ -60,10 +66,17 @@ class PipelineRunner:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
+    def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(out, targets)
+        return loss if self._scale == 1.0 else loss * self._scale
+
     def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
         pairs = iter([self._split(mb) for mb in microbatches])
+        self._scale = float(self._loss_scale())
         loss = self.executor.train_batch(pairs)
-        return [loss] if self.is_last else None
+        if not self.is_last:
+            return None
+        return [loss if self._scale == 1.0 else loss / self._scale]
 
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
