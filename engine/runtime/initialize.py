@@ -26,8 +26,7 @@ from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
-from engine.runtime.model import (ReferenceModel, StageChunk, build_reference_chunks, chunks_from_layers,
-                                  load_full_weights)
+from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
                                   optimizer_factory, precision_policy)
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

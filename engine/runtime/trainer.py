@@ -18,7 +18,6 @@ import logging
 import os
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from engine.config import Config

@@ -3,7 +3,8 @@
 1. Loss trajectory over layouts: 8 fp32 steps of the tiny reference GPT with the same
    global batch at (dp, tp, pp) = (1,1,1), (2,1,1) x ZeRO 0-3, (1,2,1) (with and without
    sequence parallelism), (1,1,2) (1F1B, GPipe, ZB-H1, activation checkpointing; interleaved
-   1F1B on a 4-layer model) and (2,2,2) (ZeRO 1; ZeRO 0 with sequence parallelism), through
+   1F1B on a 4-layer model) and (2,2,2) (ZeRO 1; ZeRO 0 with sequence parallelism; ZeRO 3
+   with GPipe), through
    the loop launch/train.py runs (engine.initialize + engine.runtime.trainer.train), against
    (1,1,1); then eval_batch, and the weights gathered into one dense model on rank 0 (the
    sampling path) give the same eval loss.
@@ -124,7 +125,8 @@ def test_loss_trajectory_is_the_same_for_every_layout(cache_dir, reference):
         dict(tp=2, zero=1), dict(tp=2, zero=0, sp=True),
         dict(pp=2, zero=1), dict(pp=2, zero=0, schedule="gpipe"), dict(pp=2, zero=1, schedule="zb-h1"),
         dict(pp=2, zero=0, ckpt=1), dict(pp=2, zero=1, schedule="interleaved-1f1b", v=2, layers=4)]
-    eight = [dict(dp=2, tp=2, pp=2, zero=1), dict(dp=2, tp=2, pp=2, zero=0, sp=True)]
+    eight = [dict(dp=2, tp=2, pp=2, zero=1), dict(dp=2, tp=2, pp=2, zero=0, sp=True),
+             dict(dp=2, tp=2, pp=2, zero=3, schedule="gpipe")]
     runs = {}
     for world, layouts in ((2, two), (8, eight)):
         per_rank = run_ranks(_trajectories, world, [tiny_config(cache_dir, **k) for k in layouts], timeout=240)
