@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from engine.ops.adam import adamw_step
+from engine.ops.adam import adamw_step, fused_adamw_available
 
 __all__ = ["FusedAdamW"]
 
@@ -109,27 +109,33 @@ class FusedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            # bucket key -> (params, grads, exp_avgs, exp_avg_sqs, copies)
-            buckets: dict[tuple, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
                 self._check_param(p)
-                state = self._init_state(p)
-                state["step"] += 1
-                copy = self._param_copies.get(p)
-                key = (p.device, p.grad.dtype, None if copy is None else copy.dtype, state["step"].item())
+            states = [self._init_state(p) for p in params]
+            steps = [st["step"] for st in states]
+            torch._foreach_add_(steps, 1.0)  # one call, as torch's own AdamW does
+            step_values = torch.stack(steps).tolist()
+            # (device, grad dtype, copy dtype, step, contiguous) -> (params, grads, m, v, copies)
+            buckets: dict[tuple, tuple[list, list, list, list, list]] = defaultdict(lambda: ([], [], [], [], []))
+            for p, st, step in zip(params, states, step_values):
+                copy = self._param_copies.get(p) if self._param_copies else None
+                contiguous = p.is_contiguous() and p.grad.is_contiguous()  # states follow p's layout
+                key = (p.device, p.grad.dtype, None if copy is None else copy.dtype, step, contiguous)
                 b = buckets[key]
                 b[0].append(p)
                 b[1].append(p.grad)
-                b[2].append(state["exp_avg"])
-                b[3].append(state["exp_avg_sq"])
+                b[2].append(st["exp_avg"])
+                b[3].append(st["exp_avg_sq"])
                 if copy is not None:
                     b[4].append(copy)
             beta1, beta2 = group["betas"]
-            for (_, _, copy_dtype, step), (ps, gs, ms, vs, cs) in buckets.items():
+            for (device, _, copy_dtype, step, contiguous), (ps, gs, ms, vs, cs) in buckets.items():
                 adamw_step(ps, gs, ms, vs, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=step,
                            bias_correction=group["bias_correction"], maximize=group["maximize"],
-                           param_copies=cs if copy_dtype is not None else None)
+                           param_copies=cs if copy_dtype is not None else None,
+                           use_kernel=contiguous and fused_adamw_available(device))
         return loss

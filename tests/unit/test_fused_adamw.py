@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import engine.ops.adam as adam_ops
+import engine.optim.fused_adamw as fused_adamw_mod
 from engine.ops.adam import adamw_reference, adamw_step, fused_adamw_available
 from engine.ops.builder import get_builder
 from engine.optim import FusedAdamW
@@ -176,6 +177,7 @@ def test_params_without_grad_are_skipped_and_closure_works(kernel):
 def test_fallback_without_kernel_equals_torch(monkeypatch):
     """With the op unavailable the reference runs (torch ops: bit-identical to torch AdamW)."""
     monkeypatch.setattr(adam_ops, "fused_adamw_available", lambda device: False)
+    monkeypatch.setattr(fused_adamw_mod, "fused_adamw_available", lambda device: False)
     a, b, _, _ = run_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                           lambda ps: FusedAdamW(ps, lr=1e-2, weight_decay=0.1), steps=10)
     for pa, pb in zip(a, b):
