@@ -1,0 +1,388 @@
+"""``save_checkpoint(engine, save_dir, tag)``: every rank writes what it owns, atomically.
+
+Protocol (collective over the default group; every rank calls it):
+
+1. The ranks agree on the tag (a tag that differs across ranks is reported per
+   ``checkpoint.tag_validation``: Fail raises, Warn logs; rank 0's tag is used) and on a
+   nonce; rank 0 creates ``<save_dir>/.tmp-<tag>-<nonce>/`` (removing leftovers of
+   crashed saves).
+2. Each rank that owns optimizer state writes its shard file (safetensors, hashed while
+   written, fsynced) and sends rank 0 its fragment table, RNG states and file digest.
+3. Rank 0 writes ``metadata.json`` and the client state, checks every shard file is
+   there with its recorded size, renames the directory to ``<save_dir>/<tag>`` (an
+   existing tag is moved aside first and deleted after), then rewrites ``latest``
+   (temporary file + rename) and prunes old ``global_step*`` tags (``keep_last``).
+4. Rank 0 tells every rank the outcome; a failure anywhere is raised on every rank.
+
+A crash or kill before the rename leaves only a ``.tmp-*`` directory that nothing reads;
+after it, ``latest`` still names the previous tag until it is replaced in one rename.
+So ``latest`` always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import engine as _engine_pkg
+from engine.checkpoint.format import (CLIENT_STATE_FILE, FORMAT, FORMAT_VERSION, OLD_PREFIX, TMP_PREFIX,
+                                      CheckpointError, Fragment, SafetensorsWriter, check_tag, encode_bytes,
+                                      fsync_dir, read_latest, shard_file_name, tag_step, tensor_key, write_latest,
+                                      write_metadata)
+from engine.checkpoint.layout import local_pieces, owns_group, parameter_names, stage_chunks, tied_names
+
+__all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- collectives
+def _world() -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("checkpoints are collective: torch.distributed must be initialised (the engine does it)")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree_on_tag(tag: str, policy: str, what: str) -> str:
+    """All ranks' tags compared; returns rank 0's. ``policy``: Fail / Warn / Ignore."""
+    rank, world = _world()
+    tags: list[Any] = [None] * world
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) > 1:
+        detail = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags) if t != tags[0])
+        msg = (f"{what}: the checkpoint tag differs across ranks (rank 0: {tags[0]!r}; {detail}); every rank "
+               f"must pass the same tag")
+        if policy.lower() == "fail":
+            raise CheckpointError(msg + " (checkpoint.tag_validation = Fail)")
+        if policy.lower() == "warn" and rank == 0:
+            logger.warning("%s; using rank 0's tag", msg)
+    return tags[0]
+
+
+# ---------------------------------------------------------------------------- local state
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """This process's RNG states as JSON values: Python, NumPy, torch CPU (and CUDA)."""
+    version, state, gauss = random.getstate()
+    np_state = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [version, list(state), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch_cpu": encode_bytes(torch.get_rng_state().numpy().tobytes()),
+        "torch_cuda": None,
+    }
+    if device.type == "cuda":
+        out["torch_cuda"] = encode_bytes(torch.cuda.get_rng_state(device).numpy().tobytes())
+    return out
+
+
+def _split_state(state: dict[str, Any], master: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An inner-optimizer state entry -> (element-wise tensors, scalars as JSON)."""
+    elementwise, scalars = {}, {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == master.numel():
+            elementwise[k] = v.detach().reshape(-1)
+        elif isinstance(v, torch.Tensor) and v.numel() == 1:
+            scalars[k] = {"value": v.item(), "dtype": str(v.dtype).replace("torch.", "")}
+        elif isinstance(v, (int, float, bool)):
+            scalars[k] = {"value": v, "dtype": None}
+        else:
+            raise CheckpointError(f"optimizer state entry {k!r} ({type(v).__name__}) is neither element-wise nor a "
+                                  f"scalar: this optimizer's state cannot be checkpointed")
+    return elementwise, scalars
+
+
+def _group_options(group: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in group.items():
+        if k in ("params", "param_names"):
+            continue
+        if isinstance(v, torch.Tensor):
+            v = v.item()
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
+    """Write this rank's shard file; returns what rank 0 needs for the metadata."""
+    opt, groups = engine.optimizer, engine.groups
+    coord = groups.coord
+    names, aliases = parameter_names(engine.module)
+    originals, copies = tied_names(opt, names)
+    pieces = local_pieces(opt, names, groups.tp_rank, engine.config.tp)
+    fname = shard_file_name(coord.pp, coord.tp, coord.dp)
+    tensors: list[tuple[str, torch.Tensor]] = []
+    scalar_state: dict[str, dict[str, Any]] = {}
+    param_groups: dict[str, dict[str, Any]] = {}
+    elementwise_keys: list[str] = []
+    owned = set()
+    for gi, g in enumerate(opt.groups):
+        pg = str(g.key.param_group)
+        param_groups.setdefault(pg, _group_options(opt.optimizer.param_groups[gi]))
+        elementwise, scalars = _split_state(opt.optimizer.state.get(g.master, {}), g.master)
+        if scalars:
+            scalar_state.setdefault(pg, scalars)
+        if not owns_group(opt, g, groups.dp_rank, groups.tp_rank):
+            continue
+        owned.add(gi)
+        tensors.append((tensor_key(gi, "master"), g.master.detach()))
+        for k, v in elementwise.items():
+            tensors.append((tensor_key(gi, k), v))
+            if k not in elementwise_keys:
+                elementwise_keys.append(k)
+    fragments: dict[str, list[list[Any]]] = {}
+    shapes: dict[str, list[int]] = {}
+    for pc in pieces:
+        if pc.group not in owned:
+            continue
+        frag = Fragment(fname, pc.group, pc.offset, pc.numel, pc.start, pc.local_shape, pc.tp)
+        fragments.setdefault(pc.name, []).append(frag.to_json())
+        shapes[pc.name] = list(frag.full_shape())
+    file_info = None
+    if tensors:
+        writer = SafetensorsWriter(os.path.join(tmp_dir, fname), [(k, t.dtype, t.shape) for k, t in tensors],
+                                   metadata={"format": FORMAT, "rank": str(groups.rank)})
+        try:
+            for _, t in tensors:
+                writer.write(t)
+            digest = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        file_info = {"name": fname, "sha256": digest, "bytes": writer.bytes, "rank": groups.rank,
+                     "coord": {"pp": coord.pp, "tp": coord.tp, "dp": coord.dp}}
+    return {"rank": groups.rank, "file": file_info, "fragments": fragments, "shapes": shapes, "aliases": aliases,
+            "tied_originals": originals, "tied_copies": copies, "scalar_state": scalar_state,
+            "param_groups": param_groups, "elementwise_keys": elementwise_keys,
+            "optimizer_class": type(opt.optimizer).__name__, "rng": capture_rng(engine.device)}
+
+
+# ---------------------------------------------------------------------------- metadata (rank 0)
+def _json_state(obj: Any, what: str) -> Any:
+    import json
+
+    try:
+        json.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"the {what} state cannot be stored as JSON ({exc})") from None
+    return obj
+
+
+def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    cfg = engine.config
+    params: dict[str, dict[str, Any]] = {}
+    aliases: dict[str, str] = {}
+    originals: dict[int, str] = {}
+    files: dict[str, Any] = {}
+    elementwise: list[str] = []
+    scalar_state: dict[str, Any] = {}
+    param_groups: dict[str, Any] = {}
+    for part in parts:  # rank order: pipeline stage 0 first, so names come in model order
+        for name, frags in part["fragments"].items():
+            entry = params.setdefault(name, {"shape": part["shapes"][name], "fragments": []})
+            entry["fragments"].extend(frags)
+        aliases.update(part["aliases"])
+        originals.update({int(k): v for k, v in part["tied_originals"].items()})
+        if part["file"] is not None:
+            files[part["file"]["name"]] = {k: v for k, v in part["file"].items() if k != "name"}
+        elementwise += [k for k in part["elementwise_keys"] if k not in elementwise]
+        for pg, sc in part["scalar_state"].items():
+            scalar_state.setdefault(pg, sc)
+        for pg, opts in part["param_groups"].items():
+            param_groups.setdefault(pg, opts)
+    for part in parts:
+        for copy_name, idx in part["tied_copies"].items():
+            if int(idx) not in originals:
+                raise CheckpointError(f"tied parameter {copy_name} has no original on any pipeline stage")
+            aliases[copy_name] = originals[int(idx)]
+    sched = engine.lr_scheduler
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "engine_version": _engine_pkg.__version__,
+        "torch_version": torch.__version__, "tag": tag, "time": time.time(),
+        "topology": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "world_size": cfg.world_size,
+                     "zero_stage": cfg.zero.stage, "virtual_stages": cfg.pipeline.virtual_stages},
+        "config": cfg.to_dict(),
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "micro_steps": engine.micro_steps, "skipped_steps": engine.optimizer.skipped_steps},
+        # the data sampler is a pure function of (seed, step): the step is the data position
+        "data_position": {"global_steps": engine.global_steps, "consumed_samples": engine.global_samples},
+        "lr_scheduler": None if sched is None else _json_state(sched.state_dict(), "LR scheduler"),
+        # per-group lists in the scheduler state follow rank 0's inner groups: their user param groups
+        "lr_scheduler_groups": [g.key.param_group for g in engine.optimizer.groups],
+        "loss_scaler": _json_state(engine.optimizer.loss_scaler.state_dict(), "loss scaler"),
+        "optimizer": {"class": parts[0]["optimizer_class"], "param_groups": param_groups,
+                      "elementwise_state": elementwise, "scalar_state": scalar_state},
+        "params": params, "aliases": aliases, "files": files,
+        "rng": {str(p["rank"]): p["rng"] for p in parts},
+        "client_state": None,
+    }
+
+
+def _write_client_state(tmp_dir: str, client_state: dict[str, Any]) -> dict[str, Any]:
+    """torch.save of the client state, refused unless it loads back with weights_only=True
+    (checkpoints are data: a class instance in it would need code to load)."""
+    buf = io.BytesIO()
+    torch.save(client_state, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError / RuntimeError variants
+        raise CheckpointError("client_state must hold only tensors and plain Python values (dict, list, tuple, "
+                              f"str, int, float, bool, None) so that it loads without running code: {exc}") from None
+    path = os.path.join(tmp_dir, CLIENT_STATE_FILE)
+    data = buf.getvalue()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    import hashlib
+
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rank": 0, "coord": None}
+
+
+# ---------------------------------------------------------------------------- publish (rank 0)
+def _check_files(tmp_dir: str, files: dict[str, Any]) -> None:
+    for name, info in files.items():
+        path = os.path.join(tmp_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} was not written (rank {info['rank']}): the checkpoint is incomplete")
+        size = os.path.getsize(path)
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, rank {info['rank']} wrote {info['bytes']}")
+
+
+def _publish(save_dir: str, tmp_dir: str, tag: str, nonce: str, update_latest: bool) -> str:
+    """Rename the finished directory to its tag (moving an existing one aside first), then
+    point ``latest`` at it."""
+    final = os.path.join(save_dir, tag)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(save_dir, f"{OLD_PREFIX}{tag}-{nonce}")
+        os.rename(final, old)
+    os.rename(tmp_dir, final)
+    fsync_dir(save_dir)
+    if update_latest:
+        write_latest(save_dir, tag)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def prune_tags(save_dir: str, keep_last: int, keep: str) -> list[str]:
+    """Delete all but the newest ``keep_last`` ``global_stepN`` tags (by N), never ``keep``
+    nor the tag ``latest`` names. Returns the deleted tags."""
+    latest = read_latest(save_dir)
+    tags = sorted((t for t in os.listdir(save_dir) if tag_step(t) is not None
+                   and os.path.isdir(os.path.join(save_dir, t))), key=lambda t: tag_step(t))
+    doomed = [t for t in tags[:max(0, len(tags) - keep_last)] if t not in (keep, latest)]
+    for t in doomed:
+        shutil.rmtree(os.path.join(save_dir, t), ignore_errors=True)
+    return doomed
+
+
+def _clean_leftovers(save_dir: str) -> None:
+    """Remove directories of saves that crashed (``.tmp-*``) and moved-aside tags whose
+    replacement was published (``.old-<tag>-*`` when ``<tag>`` exists)."""
+    for d in os.listdir(save_dir):
+        path = os.path.join(save_dir, d)
+        if d.startswith(TMP_PREFIX) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif d.startswith(OLD_PREFIX) and os.path.isdir(path):
+            tag = d[len(OLD_PREFIX):].rsplit("-", 1)[0]
+            if os.path.isdir(os.path.join(save_dir, tag)):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- entry point
+def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
+                    client_state: Optional[dict[str, Any]] = None, *, keep_last: Optional[int] = None,
+                    save_latest: bool = True) -> str:
+    """Save ``engine`` (model shards, fp32 master weights, optimizer state, LR schedule, loss
+    scaler, counters, RNG states) under ``<save_dir>/<tag>`` and point ``latest`` at it.
+
+    Collective: every rank calls it with the same arguments. ``tag`` defaults to
+    ``global_step{engine.global_steps}``; ``client_state``: a dict of tensors and plain
+    values, returned by :func:`~engine.checkpoint.load_checkpoint` (rank 0's is stored);
+    ``keep_last``: keep only the newest N ``global_step*`` tags (default:
+    ``checkpoint.keep_last`` of the config; None keeps all). Returns the checkpoint path.
+    """
+    rank, _ = _world()
+    if stage_chunks(engine.module) is None and engine.config.pp > 1:
+        raise CheckpointError("pipeline engines must hold StageChunks to be checkpointed")
+    tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    if client_state is not None and not isinstance(client_state, dict):
+        raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
+    tag = agree_on_tag(tag, engine.config.checkpoint.tag_validation, "save_checkpoint")
+    keep_last = engine.config.checkpoint.keep_last if keep_last is None else keep_last
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (or None to keep every checkpoint), got {keep_last}")
+    nonce = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    save_dir = os.path.abspath(save_dir)
+    tmp_dir = os.path.join(save_dir, f"{TMP_PREFIX}{tag}-{nonce}")
+    err = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _clean_leftovers(save_dir)
+            os.makedirs(tmp_dir)
+        except OSError as exc:
+            err = f"cannot create {tmp_dir}: {exc}"
+    err = _broadcast(err)
+    if err is not None:
+        raise CheckpointError(err)
+
+    t0 = time.perf_counter()
+    try:
+        local: Any = _write_local(engine, tmp_dir)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        local = f"rank {rank}: {type(exc).__name__}: {exc}"
+    parts: Optional[list[Any]] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    status = None
+    if rank == 0:
+        status = _finish(engine, save_dir, tmp_dir, tag, nonce, parts, client_state, keep_last, save_latest)
+    status = _broadcast(status)
+    if status["error"] is not None:
+        raise CheckpointError(f"save_checkpoint({tag!r}) failed, nothing was published: {status['error']}")
+    logger.info("saved checkpoint %s in %.2fs", status["path"], time.perf_counter() - t0)
+    return status["path"]
+
+
+def _finish(engine: Any, save_dir: str, tmp_dir: str, tag: str, nonce: str, parts: list[Any],
+            client_state: Optional[dict[str, Any]], keep_last: Optional[int], save_latest: bool) -> dict[str, Any]:
+    """Rank 0: metadata, checks, publish, prune. Returns ``{"path", "error"}``."""
+    failed = [p for p in parts if isinstance(p, str)]
+    try:
+        if failed:
+            raise CheckpointError("; ".join(failed))
+        meta = _merge(engine, tag, parts)
+        if client_state is not None:
+            meta["files"][CLIENT_STATE_FILE] = _write_client_state(tmp_dir, client_state)
+            meta["client_state"] = CLIENT_STATE_FILE
+        _check_files(tmp_dir, meta["files"])
+        write_metadata(tmp_dir, meta)
+        fsync_dir(tmp_dir)
+        path = _publish(save_dir, tmp_dir, tag, nonce, save_latest)
+        if keep_last is not None:
+            deleted = prune_tags(save_dir, keep_last, tag)
+            if deleted:
+                logger.info("removed old checkpoints %s (keep_last=%d)", deleted, keep_last)
+        return {"path": path, "error": None}
+    except Exception as exc:  # noqa: BLE001 - every rank raises it
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        return {"path": None, "error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError)
+                else str(exc)}
