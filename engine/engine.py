@@ -271,6 +271,19 @@ class Engine(nn.Module):
             comm.broadcast(out, last, self.groups.pp_group)
         return out
 
+    # ------------------------------------------------------------------ teardown
+    def destroy(self) -> None:
+        """Release what ties the process groups to this engine (DeepSpeed's ``destroy``): the
+        optimizer's gradient hooks on the parameters (a reference cycle through autograd's
+        C++ hook storage that garbage collection cannot break), the pipeline and the groups.
+        Call it before :func:`engine.dist.env.shutdown`; the engine cannot train afterwards."""
+        remove = getattr(self.optimizer, "remove_hooks", None)
+        if remove is not None:
+            remove()
+        self.pipeline = None
+        self.groups = None
+        self._dp_group = None
+
     # ------------------------------------------------------------------ memory
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer state (ZeRO's own

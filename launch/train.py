@@ -147,6 +147,7 @@ def _train(args: argparse.Namespace, cfg, dataset, sampler, env, engine) -> None
             tok = dataset.tokenizer
             ids = greedy_generate(model, tok.encode(args.prompt), args.sample_tokens)
             print("sample (greedy):\n" + tok.decode(ids), flush=True)
+    eng.destroy()  # let the process groups go before shutdown() tears them down
 
 
 def _shutdown() -> None:

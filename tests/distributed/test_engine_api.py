@@ -9,8 +9,10 @@ A missing 1/gradient_accumulation_steps, a dropped reduction, clipping on the wr
 or an LR schedule stepped at every micro-batch gives errors of the order of lr = 1e-2.
 """
 
+import gc
 import math
 import types
+import weakref
 
 import pytest
 import torch
@@ -166,8 +168,14 @@ def _dataloader(rank, world):
     """training_data -> DeepSpeed's dataloader: micro-batches of each DP rank's shard."""
     data = torch.utils.data.TensorDataset(torch.arange(40).float().view(20, 2), torch.zeros(20, 1))
     args = types.SimpleNamespace(deepspeed_config=_config(0, ga=2), local_rank=rank)  # DeepSpeed-style args
-    _, _, loader, _ = engine.initialize(args=args, model=nn.Linear(2, 1), training_data=data)
+    eng, opt, loader, _ = engine.initialize(args=args, model=nn.Linear(2, 1), training_data=data)
     rows = [x[:, 0].long().tolist() for x, _ in loader]
+    # destroy() breaks the optimizer <-> parameter-hook cycle, so the groups can be freed
+    ref = weakref.ref(opt)
+    eng.destroy()
+    del eng, opt, loader
+    gc.collect()
+    assert ref() is None, "the optimizer (and its process groups) outlived engine.destroy()"
     return rows
 
 
