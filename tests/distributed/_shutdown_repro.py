@@ -10,10 +10,12 @@ Not collected by pytest (leading underscore). Two roles:
 runs in which any rank aborted (negative exit code / ``terminate called`` on stderr) or
 failed otherwise. Modes say how a worker ends:
 
-    none      return from main without any teardown (what many scripts do)
+    none      return from main without any teardown, async work still pending
+    plain     every async op waited, then return without any teardown (many scripts)
     destroy   dist.destroy_process_group() straight away
     barrier   dist.barrier(); dist.destroy_process_group()   (the test harness's order)
     fix       engine.dist.env.shutdown()
+    *_keep    the same, but the subgroups stay referenced from a module global
 """
 
 from __future__ import annotations
@@ -32,14 +34,19 @@ def _work(mode: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    keep_groups = mode.endswith("_keep")
+    mode = mode[:-len("_keep")] if keep_groups else mode
     if mode == "fix":
         from engine.dist.env import init_distributed, shutdown
         init_distributed(timeout_s=60.0)
     else:
         import datetime
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    _collectives()
-    if mode == "none":
+    keep = _collectives(wait_all=mode == "plain")
+    if keep_groups:  # groups outlive main(), as a module-level engine object would
+        _KEPT.append(keep)
+    del keep
+    if mode in ("none", "plain"):
         return
     if mode == "destroy":
         dist.destroy_process_group()
@@ -47,9 +54,15 @@ def _work(mode: str) -> None:
         dist.barrier()
         dist.destroy_process_group()
     elif mode == "fix":
+        from engine.dist.env import gloo_worker_threads
         shutdown()
+        if not _KEPT:
+            assert gloo_worker_threads() == 0, f"{gloo_worker_threads()} gloo threads left"
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+_KEPT: list = []
 
 
 def _harness_fn(rank: int, world_size: int) -> int:
@@ -78,7 +91,7 @@ def _harness(runs: int, world: int) -> int:
     return 0
 
 
-def _collectives() -> None:
+def _collectives(wait_all: bool = False) -> list:
     import torch
     import torch.distributed as dist
 
@@ -88,7 +101,7 @@ def _collectives() -> None:
     t = torch.full((1024,), float(rank))
     dist.all_reduce(t)
     out = torch.empty(world * 16)
-    dist.all_gather_into_tensor(out, torch.full((16,), float(rank)))
+    dist.all_gather_single(out, torch.full((16,), float(rank)))
     dist.broadcast(t, src=0)
 
     # subgroups: every rank creates every group in the same order
@@ -115,7 +128,11 @@ def _collectives() -> None:
     works[0].wait()
     works.append(dist.all_reduce(torch.ones(64), group=mine, async_op=True))
     late = dist.all_reduce(torch.ones(64), group=pairs[rank // 2], async_op=True)  # never waited
-    del late
+    if wait_all:
+        for w in works + [late]:
+            w.wait()
+    del late, works
+    return [lo, hi, pairs]
 
 
 def _free_port() -> int:

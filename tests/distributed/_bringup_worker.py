@@ -1,0 +1,80 @@
+"""One rank of tests/distributed/test_bringup.py, started as a real process.
+
+    python _bringup_worker.py SCENARIO
+
+The environment is what a launcher would set (torchrun-style RANK, WORLD_SIZE, ...);
+VICTIM names the rank that misbehaves in the failure scenarios and TIMEOUT_S / GRACE_S
+the collective timeout and the check-in grace period. The rank prints one JSON line
+with what it saw and exits normally, so the test also sees exit-time aborts.
+
+Scenarios: ok (init, collectives, groups, shutdown), die (victim os._exit(3)s), raise
+(victim raises inside failure_guard), hang (victim sleeps past the timeout).
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def main(scenario: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from engine.dist.env import PeerFailureError, failure_guard, gloo_worker_threads, \
+        init_distributed, shutdown
+    from engine.dist.groups import ParallelGroups
+    from engine.topology import Topology
+
+    torch.set_num_threads(1)
+    timeout_s = float(os.environ["TIMEOUT_S"])
+    env = init_distributed(timeout_s=timeout_s)
+    out = {"rank": env.rank, "world": env.world_size, "local_rank": env.local_rank,
+           "launcher": env.launch.launcher, "device": str(env.device), "backend": env.backend,
+           "dist": [dist.get_rank(), dist.get_world_size(), dist.get_backend()]}
+    t = torch.tensor([float(env.rank)], dtype=torch.float64)
+    dist.all_reduce(t)
+    out["sum"] = t.item()
+
+    if scenario in ("ok", "single"):
+        world = env.world_size
+        groups = ParallelGroups.build(Topology(dp=world // 2 or 1, tp=2 if world > 1 else 1,
+                                               world_size=world), timeout_s=timeout_s)
+        s = torch.tensor([float(env.rank)], dtype=torch.float64)
+        dist.all_reduce(s, group=groups.tp_group)
+        work = dist.all_reduce(torch.ones(8), group=groups.dp_group, async_op=True)
+        out["tp_sum"], out["tp_ranks"] = s.item(), list(groups.tp_ranks)
+        del groups, work  # no references may outlive shutdown (docs/launching.md)
+        shutdown()
+        out["initialized_after"] = dist.is_initialized()
+        out["gloo_threads_after"] = gloo_worker_threads()
+        print(json.dumps(out), flush=True)
+        return 0
+
+    victim = int(os.environ["VICTIM"])
+    grace_s = float(os.environ["GRACE_S"])
+    if env.rank == victim:
+        if scenario == "die":
+            os._exit(3)
+        if scenario == "hang":
+            time.sleep(600)  # the test kills us
+        if scenario == "raise":
+            with failure_guard(env, "training step"):
+                raise ValueError("bad batch on the victim")
+    start = time.monotonic()
+    try:
+        with failure_guard(env, "gradient all-reduce", grace_s=grace_s):
+            for _ in range(3):
+                dist.all_reduce(t)
+        out["error"] = None
+    except PeerFailureError as exc:
+        out["error"] = str(exc)
+    out["elapsed"] = time.monotonic() - start
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
