@@ -25,6 +25,7 @@ import io
 import logging
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -44,6 +45,8 @@ from engine.checkpoint.layout import local_pieces, owns_group, parameter_names, 
 __all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
 
 logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -145,9 +148,10 @@ def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
             tensors.append((tensor_key(gi, k), v))
             if k not in elementwise_keys:
                 elementwise_keys.append(k)
+    order = {name: i for i, name in enumerate(names.values())}   # model order, not flat-group order
     fragments: dict[str, list[list[Any]]] = {}
     shapes: dict[str, list[int]] = {}
-    for pc in pieces:
+    for pc in sorted(pieces, key=lambda pc: order[pc.name]):
         if pc.group not in owned:
             continue
         frag = Fragment(fname, pc.group, pc.offset, pc.numel, pc.start, pc.local_shape, pc.tp)
@@ -169,6 +173,7 @@ def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
     return {"rank": groups.rank, "file": file_info, "fragments": fragments, "shapes": shapes, "aliases": aliases,
             "tied_originals": originals, "tied_copies": copies, "scalar_state": scalar_state,
             "param_groups": param_groups, "elementwise_keys": elementwise_keys,
+            "order": {name: order[name] for name in fragments},
             "optimizer_class": type(opt.optimizer).__name__, "rng": capture_rng(engine.device)}
 
 
@@ -181,6 +186,11 @@ def _json_state(obj: Any, what: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"the {what} state cannot be stored as JSON ({exc})") from None
     return obj
+
+
+def _layer_index(name: str) -> int:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else -1
 
 
 def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -205,6 +215,12 @@ def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]
             scalar_state.setdefault(pg, sc)
         for pg, opts in part["param_groups"].items():
             param_groups.setdefault(pg, opts)
+    # model order: by layer, then as the module lists them (any rank holding a layer agrees on that)
+    position: dict[str, int] = {}
+    for part in parts:
+        for name, pos in part["order"].items():
+            position.setdefault(name, pos)
+    params = dict(sorted(params.items(), key=lambda kv: (_layer_index(kv[0]), position[kv[0]])))
     for part in parts:
         for copy_name, idx in part["tied_copies"].items():
             if int(idx) not in originals:
