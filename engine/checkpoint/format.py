@@ -41,7 +41,8 @@ import torch
 __all__ = ["FORMAT", "FORMAT_VERSION", "METADATA_FILE", "LATEST_FILE", "CLIENT_STATE_FILE", "CheckpointError",
            "TPSlice", "Fragment", "shard_file_name", "tensor_key", "sha256_file", "fsync_dir", "seal_metadata",
            "write_metadata", "read_metadata", "read_latest", "write_latest", "tag_step", "check_tag",
-           "resolve_checkpoint_dir", "SafetensorsWriter", "encode_bytes", "decode_bytes", "DTYPE_NAMES"]
+           "resolve_checkpoint_dir", "SafetensorsWriter", "encode_bytes", "decode_bytes", "DTYPE_NAMES",
+           "unpickling_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,15 @@ def encode_bytes(b: bytes) -> str:
 
 def decode_bytes(s: str) -> bytes:
     return base64.b64decode(s.encode("ascii"))
+
+
+def unpickling_error(exc: BaseException) -> str:
+    """The telling line of a ``torch.load(weights_only=True)`` refusal (torch's message is long)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        if "GLOBAL" in ln:
+            return ln
+    return lines[0] if lines else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------- files

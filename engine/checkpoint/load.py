@@ -23,7 +23,6 @@ the engine computes depends on them).
 from __future__ import annotations
 
 import logging
-import os
 import random
 from typing import Any, Optional
 
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.format import (CheckpointError, Fragment, decode_bytes, read_latest, read_metadata,
-                                      resolve_checkpoint_dir)
+                                      resolve_checkpoint_dir, unpickling_error)
 from engine.checkpoint.layout import local_pieces, parameter_names
 from engine.checkpoint.reader import ShardReader
 from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed_mask, numel_of, take_local
@@ -165,7 +164,8 @@ def _read_local(engine: Any, path: str, meta: dict[str, Any], load_optimizer_sta
             try:
                 client = torch.load(full, weights_only=True, map_location="cpu")
             except Exception as exc:  # noqa: BLE001 - unpickling errors of every kind
-                raise CheckpointError(f"{full} cannot be loaded as data (weights_only=True): {exc}") from None
+                raise CheckpointError(f"{full} cannot be loaded as data (torch.load with weights_only=True refuses "
+                                      f"it: {unpickling_error(exc)})") from None
         return sd, used, client
     finally:
         reader.close()
@@ -208,7 +208,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, *, lo
             raise CheckpointError(bad[0])
         if all(t is None for t, _ in errs):
             if rank == 0:
-                logger.warning("no checkpoint to load: %s has no 'latest' file", os.path.join(load_dir, "latest"))
+                logger.warning("no checkpoint to load: %s has no 'latest' file", load_dir)
             return None, None
         tag = errs[0][0]
     tag = agree_on_tag(tag, engine.config.checkpoint.tag_validation, "load_checkpoint")

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 import engine as _engine_pkg
-from engine.checkpoint.format import (CLIENT_STATE_FILE, FORMAT, FORMAT_VERSION, OLD_PREFIX, TMP_PREFIX,
+from engine.checkpoint.format import (CLIENT_STATE_FILE, FORMAT, FORMAT_VERSION, LATEST_FILE, OLD_PREFIX, TMP_PREFIX,
                                       CheckpointError, Fragment, SafetensorsWriter, check_tag, encode_bytes,
-                                      fsync_dir, read_latest, shard_file_name, tag_step, tensor_key, write_latest,
-                                      write_metadata)
+                                      fsync_dir, read_latest, shard_file_name, tag_step, tensor_key, unpickling_error,
+                                      write_latest, write_metadata)
 from engine.checkpoint.layout import local_pieces, owns_group, parameter_names, stage_chunks, tied_names
 
 __all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
@@ -258,7 +258,8 @@ def _write_client_state(tmp_dir: str, client_state: dict[str, Any]) -> dict[str,
         torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError / RuntimeError variants
         raise CheckpointError("client_state must hold only tensors and plain Python values (dict, list, tuple, "
-                              f"str, int, float, bool, None) so that it loads without running code: {exc}") from None
+                              f"str, int, float, bool, None) so that it loads with torch.load(weights_only=True), "
+                              f"without running code: {unpickling_error(exc)}") from None
     path = os.path.join(tmp_dir, CLIENT_STATE_FILE)
     data = buf.getvalue()
     with open(path, "wb") as f:
@@ -311,11 +312,14 @@ def prune_tags(save_dir: str, keep_last: int, keep: str) -> list[str]:
 
 
 def _clean_leftovers(save_dir: str) -> None:
-    """Remove directories of saves that crashed (``.tmp-*``) and moved-aside tags whose
-    replacement was published (``.old-<tag>-*`` when ``<tag>`` exists)."""
+    """Remove directories of saves that crashed (``.tmp-*``), temporary ``latest`` files of
+    an interrupted update, and moved-aside tags whose replacement was published
+    (``.old-<tag>-*`` when ``<tag>`` exists)."""
     for d in os.listdir(save_dir):
         path = os.path.join(save_dir, d)
-        if d.startswith(TMP_PREFIX) and os.path.isdir(path):
+        if d.startswith(f"{LATEST_FILE}.tmp-") and os.path.isfile(path):
+            os.remove(path)
+        elif d.startswith(TMP_PREFIX) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         elif d.startswith(OLD_PREFIX) and os.path.isdir(path):
             tag = d[len(OLD_PREFIX):].rsplit("-", 1)[0]

@@ -1,0 +1,230 @@
+"""Checkpoint atomicity and safe loading (tiny reference GPT, one process, fp32, CPU).
+
+1. SIGKILL in the middle of a save (three moments: half-way through the shard file,
+   after the metadata but before the directory is published, and after publishing but
+   before ``latest`` is replaced): ``latest`` still names the previous checkpoint, which
+   loads and gives exactly the weights it was saved with; the next save succeeds and
+   removes the leftovers.
+2. Corrupted, truncated or missing shard files, edited or truncated metadata, a dangling
+   ``latest``, a checkpoint of another model, a client state that would need code to load
+   (refused at save) or that was replaced by a pickle carrying code (refused at load, even
+   with a re-sealed metadata file): each is a CheckpointError naming the file and what is
+   wrong, and a failed load leaves the engine's weights untouched.
+3. ``keep_last`` prunes old ``global_step*`` tags after publishing; saving over an existing
+   tag replaces it; a directory without ``latest`` loads nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+import _ckpt_common as C
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PHASES = ("shard", "metadata", "latest")
+
+
+def _kill_mid_save(root: str) -> dict:
+    """Start one child per phase, SIGKILL each once it blocks inside the save."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = {}
+    for phase in PHASES:
+        d = os.path.join(root, f"killed_{phase}")
+        procs[phase] = subprocess.Popen([sys.executable, os.path.join(HERE, "_ckpt_kill_child.py"), d, phase,
+                                         d + ".marker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    try:
+        for phase, p in procs.items():
+            marker = os.path.join(root, f"killed_{phase}.marker")
+            while not os.path.exists(marker):
+                if p.poll() is not None:
+                    out = p.stdout.read().decode()[-3000:]
+                    raise AssertionError(f"{phase} child exited with {p.returncode}: {out}")
+                assert time.monotonic() < deadline, f"{phase}: the child never reached the save"
+                time.sleep(0.1)
+            time.sleep(0.2)
+            p.send_signal(signal.SIGKILL)
+            assert p.wait(30) == -signal.SIGKILL
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {phase: sorted(os.listdir(os.path.join(root, f"killed_{phase}"))) for phase in PHASES}
+
+
+def _expect_error(fn) -> str:
+    from engine.checkpoint import CheckpointError
+
+    try:
+        fn()
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("no CheckpointError")
+
+
+def _corrupt_variants(root: str, good: str, ckpt: str) -> dict:
+    """Copies of a good save directory, each broken in one way; returns {variant: dir}."""
+    from engine.checkpoint.format import read_metadata, seal_metadata
+
+    shard = next(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    out = {}
+
+    def variant(name, edit):
+        d = os.path.join(root, name)
+        shutil.copytree(good, d)
+        edit(os.path.join(d, os.path.basename(ckpt)))
+        out[name] = d
+
+    def flip(c):
+        p = os.path.join(c, shard)
+        with open(p, "r+b") as f:
+            f.seek(os.path.getsize(p) // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+
+    def truncate(c):
+        p = os.path.join(c, shard)
+        os.truncate(p, os.path.getsize(p) // 2)
+
+    def edit_metadata(c):
+        p = os.path.join(c, "metadata.json")
+        meta = json.load(open(p))
+        meta["counters"]["global_steps"] += 1
+        json.dump(meta, open(p, "w"))
+
+    def truncate_metadata(c):
+        p = os.path.join(c, "metadata.json")
+        os.truncate(p, os.path.getsize(p) // 3)
+
+    def evil_client_state(c):
+        """A pickle that runs code when unpickled, with the metadata re-sealed to match."""
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("touch " + os.path.join(root, "pwned"),))
+        p = os.path.join(c, "client_state.pt")
+        torch.save({"x": Evil()}, p)
+        meta = read_metadata(c)
+        import hashlib
+        meta["files"]["client_state.pt"].update(sha256=hashlib.sha256(open(p, "rb").read()).hexdigest(),
+                                                bytes=os.path.getsize(p))
+        json.dump(seal_metadata(meta), open(os.path.join(c, "metadata.json"), "w"))
+
+    variant("flipped", flip)
+    variant("truncated", truncate)
+    variant("missing", lambda c: os.remove(os.path.join(c, shard)))
+    variant("metadata_edited", edit_metadata)
+    variant("metadata_truncated", truncate_metadata)
+    variant("evil_client_state", evil_client_state)
+    variant("dangling_latest", lambda c: open(os.path.join(os.path.dirname(c), "latest"), "w").write("global_step9"))
+    return out, shard
+
+
+def _safety(rank, world, root):
+    from engine.checkpoint import load_checkpoint, read_latest, save_checkpoint
+
+    cfg = C.config(layers=2)
+    res = {"killed": {}}
+    # 1. every killed save directory still loads its previous checkpoint, then saves again cleanly
+    for phase in PHASES:
+        d = os.path.join(root, f"killed_{phase}")
+        eng = C.build(cfg)
+        path, _ = load_checkpoint(eng, d)
+        ref = torch.load(d + ".marker.ref.pt", weights_only=True)
+        got = C.dense_state(eng)
+        same = all(torch.equal(got[k], ref[k]) for k in ref)
+        save_checkpoint(eng, d)
+        res["killed"][phase] = dict(path=path, steps=eng.global_steps, same=same, latest=read_latest(d),
+                                    after=sorted(os.listdir(d)))
+    # 2. a good checkpoint and broken copies of it
+    eng = C.build(cfg)
+    C.train(eng, 1)
+    good = os.path.join(root, "good")
+    ckpt = save_checkpoint(eng, good, client_state={"epoch": 1})
+    variants, shard = _corrupt_variants(root, good, ckpt)
+    fresh = C.build(cfg)
+    before = C.dense_state(fresh)
+    res["errors"] = {name: _expect_error(lambda d=d: load_checkpoint(fresh, d)) for name, d in variants.items()}
+    after = C.dense_state(fresh)
+    res["untouched"] = all(torch.equal(before[k], after[k]) for k in before) and fresh.global_steps == 0
+    res["shard"], res["ckpt"] = shard, ckpt
+    res["wider"] = _expect_error(lambda: load_checkpoint(C.build(C.config(layers=2, model=dict(
+        C.config()["model"], hidden_size=64, num_layers=2))), good))
+    res["shallower"] = _expect_error(lambda: load_checkpoint(C.build(C.config(layers=1)), good))
+    res["unsafe_client"] = _expect_error(lambda: save_checkpoint(eng, good, tag="code",
+                                                                 client_state={"m": torch.nn.Linear(2, 2)}))
+    res["unsafe_client_published"] = os.path.exists(os.path.join(good, "code")) or read_latest(good) != "global_step1"
+    # 3. keep_last, overwriting a tag, nothing to load
+    kept = os.path.join(root, "kept")
+    for _ in range(4):
+        C.train(eng, 1)
+        save_checkpoint(eng, kept, keep_last=2)
+    save_checkpoint(eng, kept, tag="custom", keep_last=2)
+    res["kept"] = sorted(os.listdir(kept))
+    save_checkpoint(eng, kept, tag="custom")  # overwrite an existing tag
+    res["overwritten"] = sorted(os.listdir(kept))
+    res["nothing"] = load_checkpoint(C.build(cfg), os.path.join(root, "empty"))
+    return res
+
+
+@pytest.fixture(scope="module")
+def safety(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt_safety"))
+    listing = _kill_mid_save(root)
+    return root, listing, run_ranks(_safety, 1, root, timeout=300)[0]
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_during_a_save_leaves_latest_loadable(safety):
+    root, listing, res = safety
+    assert any(n.startswith(".tmp-global_step3") for n in listing["shard"]), listing["shard"]
+    assert any(n.startswith(".tmp-global_step3") for n in listing["metadata"]), listing["metadata"]
+    assert "global_step3" in listing["latest"]  # published, but latest not yet switched
+    for phase in PHASES:
+        r = res["killed"][phase]
+        assert r["path"].endswith(os.path.join(f"killed_{phase}", "global_step2")), (phase, r)
+        assert r["steps"] == 2 and r["same"], (phase, r)
+        # the next save publishes and clears what the killed one left behind
+        assert r["latest"] == "global_step2"  # saved again at the loaded step
+        assert not [n for n in r["after"] if n.startswith(".") or ".tmp-" in n], r["after"]
+
+
+@pytest.mark.timeout(600)
+def test_broken_checkpoints_are_rejected_naming_the_file(safety):
+    root, _, res = safety
+    e, shard = res["errors"], res["shard"]
+    assert shard in e["flipped"] and "checksum mismatch" in e["flipped"]
+    assert shard in e["truncated"] and "truncated" in e["truncated"]
+    assert shard in e["missing"] and "missing" in e["missing"]
+    assert "metadata.json" in e["metadata_edited"] and "checksum mismatch" in e["metadata_edited"]
+    assert "metadata.json" in e["metadata_truncated"] and "not valid JSON" in e["metadata_truncated"]
+    assert "client_state.pt" in e["evil_client_state"] and "weights_only" in e["evil_client_state"]
+    assert not os.path.exists(os.path.join(root, "pwned"))
+    assert "global_step9" in e["dangling_latest"] and "does not exist" in e["dangling_latest"]
+    assert res["untouched"]
+    assert "layers.0.weight" in res["wider"] and "[128, 32]" in res["wider"] and "[128, 64]" in res["wider"]
+    assert "model.hidden_size: checkpoint 32, this run 64" in res["wider"]
+    assert "layers.2.norm.weight" in res["shallower"] and "different model" in res["shallower"]
+    assert "model.num_layers: checkpoint 2, this run 1" in res["shallower"]
+    assert "weights_only" in res["unsafe_client"] or "plain Python values" in res["unsafe_client"]
+    assert not res["unsafe_client_published"]
+
+
+@pytest.mark.timeout(600)
+def test_keep_last_overwrite_and_empty_directory(safety):
+    _, _, res = safety
+    assert res["kept"] == ["custom", "global_step4", "global_step5", "latest"], res["kept"]
+    assert res["overwritten"] == ["custom", "global_step4", "global_step5", "latest"], res["overwritten"]
+    assert res["nothing"] == (None, None)
