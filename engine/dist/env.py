@@ -624,6 +624,7 @@ def shutdown(drain: bool = True) -> None:
     if drain:
         for group in _groups_in_creation_order():
             dist.barrier(group=group)
+        group = None  # a local reference would keep the last group (and its threads) alive
     dist.destroy_process_group()
     gc.collect()
     alive = gloo_worker_threads()
