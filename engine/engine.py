@@ -32,6 +32,8 @@ import torch.nn as nn
 from engine.config import Config
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
+from engine.errors import ConfigError
+from engine.precision.fp8 import fp8_states, update_fp8_scales
 from engine.zero import ZeroOptimizer
 
 __all__ = ["Engine", "split_microbatch"]
@@ -81,6 +83,14 @@ class Engine(nn.Module):
         self._last_grad_norm: Optional[float] = None
         self._last_lr: Optional[list[float]] = None
         self._dp_group = groups.dp_group if groups is not None else None
+        # FP8 layers: amaxes MAX-reduced over TP and then DP (= over TP x DP, so scales are the
+        # same on every rank and replica and do not depend on the layout), once per step.
+        self._fp8_states = fp8_states(module)
+        if config.fp8.enabled and not self._fp8_states:
+            raise ConfigError("fp8.enabled but the model has no FP8 layer (the reference model's blocks get them "
+                              "from the config; a custom module needs engine.precision.fp8.Fp8Linear)")
+        self._fp8_groups = [] if groups is None else [
+            g for g, n in ((groups.tp_group, groups.tp_size), (groups.dp_group, groups.dp_size)) if n > 1]
 
     # ------------------------------------------------------------------ DeepSpeed-named queries
     def train_batch_size(self) -> int:
@@ -179,6 +189,8 @@ class Engine(nn.Module):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _optimizer_step(self) -> None:
+        if self._fp8_states:
+            update_fp8_scales(self._fp8_states, self._fp8_groups)
         self._last_grad_norm = self.optimizer.grad_norm()  # reduces the gradients first
         self._last_lr = self.get_lr()
         taken = self.optimizer.step()
@@ -206,12 +218,15 @@ class Engine(nn.Module):
         return out
 
     def _micro_loss(self, mb: Any) -> torch.Tensor:
-        """Loss of one micro-batch without pipeline parallelism."""
+        """Loss of one micro-batch without pipeline parallelism. Document ids of a packed
+        ``engine.data.Batch`` (``data.document_masking``) go to the module as ``doc_ids=``."""
+        doc_ids = getattr(mb, "input_doc_ids", None)
+        extra = {} if doc_ids is None else {"doc_ids": doc_ids.to(self.device)}
         if self.loss_fn is not None:
             inputs, targets = split_microbatch(mb)
-            return self.loss_fn(self.module(inputs.to(self.device)), targets.to(self.device))
+            return self.loss_fn(self.module(inputs.to(self.device), **extra), targets.to(self.device))
         if hasattr(mb, "inputs") and hasattr(mb, "targets"):
-            return self.module(mb.inputs.to(self.device), mb.targets.to(self.device))
+            return self.module(mb.inputs.to(self.device), mb.targets.to(self.device), **extra)
         if isinstance(mb, dict):
             return self.module(**mb)
         if isinstance(mb, (tuple, list)):

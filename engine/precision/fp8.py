@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -185,15 +185,17 @@ def _reduce_max(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Te
 
 
 def _quantize(t: torch.Tensor, meta: ScalingMeta, recipe: Fp8Recipe, group: Optional[dist.ProcessGroup],
-              transpose: bool):
-    """(fp8, scale_inv, fp8_t or None) of a 2-D tensor under the recipe; records its amax."""
+              transpose: bool, record: bool = True):
+    """(fp8, scale_inv, fp8_t or None) of a 2-D tensor under the recipe; records its amax
+    unless ``record`` is False (evaluation forwards must not feed the training history)."""
     if recipe.scaling == "current":
         amax = _reduce_max(t.detach().abs().amax().float(), group)
         scale = compute_scale(amax, torch.ones_like(meta.scale), fp8_max(meta.dtype), recipe.margin)
     else:
         scale = meta.scale
     res = fp8_cast(t, scale, meta.dtype, transpose=transpose)
-    meta.record_amax(res[1])
+    if record:
+        meta.record_amax(res[1])
     return res[0], 1.0 / scale, (res[2] if transpose else None)
 
 
@@ -209,13 +211,13 @@ def _mm(a: torch.Tensor, a_inv: torch.Tensor, b_t: torch.Tensor, b_inv: torch.Te
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, state: Fp8LinearState, group, backend: str):
+    def forward(ctx, x, weight, bias, state: Fp8LinearState, group, backend: str, record: bool):
         recipe = state.recipe
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)  # (M, K)
         transpose = backend == "scaled_mm"  # the backward GEMMs need column-major copies
-        x8, x_inv, x8_t = _quantize(x2, state.input, recipe, group, transpose)
-        w8, w_inv, w8_t = _quantize(weight, state.weight, recipe, group, transpose)
+        x8, x_inv, x8_t = _quantize(x2, state.input, recipe, group, transpose, record)
+        w8, w_inv, w8_t = _quantize(weight, state.weight, recipe, group, transpose, record)
         y = _mm(x8, x_inv, w8, w_inv, backend, x.dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -239,16 +241,19 @@ class _Fp8LinearFn(torch.autograd.Function):
             dx = ((g8.float() * g_inv) @ (w8.float() * w_inv)).to(ctx.x_dtype)   # (M, K)
             dw = (g8.float() * g_inv).t() @ (x8.float() * x_inv)                  # (N, K)
         db = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
-        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), db, None, None, None
+        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), db, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: Fp8LinearState,
-               tp_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None) -> torch.Tensor:
+               tp_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
+               record_amax: bool = True) -> torch.Tensor:
     """y = x W^T + b with FP8 GEMMs. x (..., K), weight (N, K) (a TP shard is fine), bias (N,).
 
     Scales follow ``state.recipe``; amaxes are MAX-reduced over ``tp_group`` (pass the
     TP group, or a TP x DP group to also share scales across data-parallel replicas).
     backend: None = :func:`fp8_backend`, or force 'emulate' / 'scaled_mm'.
+    record_amax: False for forwards that must not enter the delayed-scaling history
+    (evaluation); the backward always records (it only runs in training).
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
@@ -261,7 +266,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         backend = fp8_backend(x.device, m, weight.shape[0], weight.shape[1])
     if backend not in ("emulate", "scaled_mm"):
         raise ValueError(f"fp8_linear: backend must be 'emulate' or 'scaled_mm', got {backend!r}")
-    return _Fp8LinearFn.apply(x, weight, bias, state, tp_group, backend)
+    return _Fp8LinearFn.apply(x, weight, bias, state, tp_group, backend, bool(record_amax))
 
 
 class Fp8Linear(nn.Module):
@@ -290,7 +295,7 @@ class Fp8Linear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.fp8_state, self.tp_group)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_state, self.tp_group, record_amax=self.training)
 
 
 def fp8_states(module: nn.Module) -> list[Fp8LinearState]:
@@ -298,11 +303,14 @@ def fp8_states(module: nn.Module) -> list[Fp8LinearState]:
     return [m.fp8_state for m in module.modules() if isinstance(getattr(m, "fp8_state", None), Fp8LinearState)]
 
 
-def update_fp8_scales(states: Iterable[Fp8LinearState], group: Optional[dist.ProcessGroup] = None) -> None:
+def update_fp8_scales(states: Iterable[Fp8LinearState],
+                      group: Union[None, dist.ProcessGroup, Sequence[Optional[dist.ProcessGroup]]] = None) -> None:
     """Once per optimizer step, after backward: reduce, rescale, roll (module docstring).
 
     Every rank of `group` must pass its states in the same order (same layer structure):
-    the fresh amaxes of all of them travel in one stacked all-reduce.
+    the fresh amaxes of all of them travel in one stacked all-reduce. `group` may also be a
+    sequence of groups (e.g. ``[tp_group, dp_group]``): the MAX is taken over each in turn,
+    which equals the MAX over their product (TP x DP) without building that group.
 
     For ``current`` scaling only the history roll happens (scales are per cast). One
     collective for all tensors: the fresh amaxes are stacked, MAX-reduced, written back.
@@ -312,7 +320,8 @@ def update_fp8_scales(states: Iterable[Fp8LinearState], group: Optional[dist.Pro
     if not metas:
         return
     fresh = torch.stack([m.amax_history[0] for m in metas])  # (3 * layers,)
-    _reduce_max(fresh, group)
+    for g in (group if isinstance(group, (list, tuple)) else [group]):
+        _reduce_max(fresh, g)
     recipe_of = {id(m): s.recipe for s in states for m in s.metas()}
     for m, amax_now in zip(metas, fresh):
         recipe = recipe_of[id(m)]
