@@ -3,24 +3,36 @@ self-attention and the SwiGLU MLP, all tensor-parallel through engine.tensor_par
 
 Activation layout: (B, S, H) batch first; with sequence parallelism the residual stream
 is (B, S/tp, H) and the TP regions (attention, MLP) see the full sequence.
+
+Attention inputs (optional, per forward; see :func:`attention_inputs`): a boolean mask
+``(B, 1, S, S)`` (True = query i may attend key j; it replaces the causal default, so it
+must be causal itself) and position ids ``(B, S)`` for the rotary embedding. Packed
+documents give both from their document ids: the document-causal mask and positions that
+restart at 0 in each document, so each document is computed as if it were alone.
+
+FP8 (``fp8_recipe``): the q/k/v, output, gate/up and down projections run their GEMMs in
+FP8 (engine.precision.fp8); norms, attention itself, the embedding and the LM head do not.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.data.packing import document_causal_mask, position_ids_from_doc_ids
 from engine.models.config import ModelConfig
+from engine.precision.fp8 import Fp8Recipe
 from engine.tensor_parallel.attrs import set_tp_attrs
 from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowParallelLinear
 from engine.tensor_parallel.mappings import copy_to_tp_region, tp_world_size
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "Attention", "SwiGLU", "Block"]
+__all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "attention_inputs", "forward_layers", "Attention",
+           "SwiGLU", "Block"]
 
 ProcessGroup = Optional[dist.ProcessGroup]
 Device = Optional[Union[torch.device, str]]
@@ -69,10 +81,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, seq_len: int, position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions ``0..seq_len-1`` (S, d), or of ``position_ids`` (B, S) as
+        (B, 1, S, d) (broadcast over heads). Position ids must be < seq_len (document
+        positions are), which keeps the table lookup free of a device sync."""
         if seq_len > self.cos.shape[0]:
             self._build(seq_len)
-        return self.cos[:seq_len], self.sin[:seq_len]
+        if position_ids is None:
+            return self.cos[:seq_len], self.sin[:seq_len]
+        table_cos, table_sin = self.cos[:seq_len], self.sin[:seq_len]
+        return table_cos[position_ids].unsqueeze(1), table_sin[position_ids].unsqueeze(1)  # (B, 1, S, d)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,14 +102,67 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def attention_inputs(seq_len: Optional[int], doc_ids: Optional[torch.Tensor] = None,
+                     attn_mask: Optional[torch.Tensor] = None,
+                     position_ids: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Checked ``(attn_mask (B, 1, S, S) bool or None, position_ids (B, S) int64 or None)``.
+
+    ``doc_ids`` (B, S), document ids of packed rows (``engine.data.Batch.input_doc_ids``),
+    give the document-causal mask and per-document positions; they exclude ``attn_mask``
+    and ``position_ids``. Built once per forward and shared by every block. ``seq_len``:
+    the full sequence length S, or None to take it from the tensors given (a pipeline
+    stage's hidden states may be (B, S/tp, H) and cannot tell).
+    """
+    if seq_len is None:
+        given = doc_ids if doc_ids is not None else (position_ids if position_ids is not None else attn_mask)
+        if given is None:
+            return None, None
+        seq_len = given.shape[-1]
+    if doc_ids is not None:
+        if attn_mask is not None or position_ids is not None:
+            raise ValueError("pass either doc_ids or attn_mask/position_ids, not both (doc_ids imply the "
+                             "document-causal mask and per-document positions)")
+        if doc_ids.dim() != 2 or doc_ids.shape[1] != seq_len or doc_ids.is_floating_point():
+            raise ValueError(f"doc_ids must be integer (batch, seq) = (B, {seq_len}) like the token ids, got "
+                             f"{tuple(doc_ids.shape)} {doc_ids.dtype}")
+        return document_causal_mask(doc_ids), position_ids_from_doc_ids(doc_ids)
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1 \
+                or tuple(attn_mask.shape[2:]) != (seq_len, seq_len):
+            raise ValueError(f"attn_mask must be a bool (B, 1, S, S) tensor with S = {seq_len} (True = may "
+                             f"attend; one mask for all heads), got {tuple(attn_mask.shape)} {attn_mask.dtype}")
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.is_floating_point():
+            raise ValueError(f"position_ids must be integer (B, {seq_len}), got {tuple(position_ids.shape)} "
+                             f"{position_ids.dtype}")
+        if position_ids.device.type == "cpu" and position_ids.numel() and \
+                not 0 <= int(position_ids.min()) <= int(position_ids.max()) < seq_len:
+            raise ValueError(f"position_ids must lie in [0, {seq_len}) (checked on CPU only)")
+    return attn_mask, position_ids
+
+
+def forward_layers(layers: Sequence[nn.Module], x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                   position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run ``layers`` in order; blocks (``takes_attention_inputs``) also get the mask and
+    positions, other layers (embedding, head) only the activation."""
+    for layer in layers:
+        if getattr(layer, "takes_attention_inputs", False):
+            x = layer(x, attn_mask=attn_mask, position_ids=position_ids)
+        else:
+            x = layer(x)
+    return x
+
+
 class Attention(nn.Module):
     """Causal self-attention with heads split over TP ranks: fused column-parallel q/k/v
     (rank r holds heads ``[r*nh/tp, (r+1)*nh/tp)`` and the matching kv heads), SDPA, and a
     row-parallel output projection. Grouped-query attention when num_kv_heads < num_heads.
-    Input/output (B, S, H), or (B, S/tp, H) with sequence parallelism."""
+    Input/output (B, S, H), or (B, S/tp, H) with sequence parallelism. Optional
+    ``attn_mask`` / ``position_ids`` (module docstring) cover the full sequence S."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
-                 seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None) -> None:
+                 seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None, *,
+                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         world = tp_world_size(tp_group)
         d = cfg.head_dim
@@ -102,14 +173,15 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], tp_group,
             init=NormalInit(cfg.init_std, seed, f"blocks.{layer}.attn.qkv"),
-            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+            sequence_parallel=sequence_parallel, device=device, dtype=dtype, fp8_recipe=fp8_recipe)
         self.proj = RowParallelLinear(
             cfg.num_heads * d, cfg.hidden_size, tp_group,
             init=NormalInit(std_out, seed, f"blocks.{layer}.attn.proj"),
-            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+            sequence_parallel=sequence_parallel, device=device, dtype=dtype, fp8_recipe=fp8_recipe)
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         qkv = self.qkv(x)                                                 # (B, S, (nh + 2 nkv) d / tp)
         b, s, _ = qkv.shape
         d, nh, nkv = self.head_dim, self.local_heads, self.local_kv_heads
@@ -117,9 +189,17 @@ class Attention(nn.Module):
         q = q.view(b, s, nh, d).transpose(1, 2)                           # (B, nh/tp, S, d)
         k = k.view(b, s, nkv, d).transpose(1, 2)                          # (B, nkv/tp, S, d)
         v = v.view(b, s, nkv, d).transpose(1, 2)
-        cos, sin = self.rotary(s)
+        cos, sin = self.rotary(s, position_ids)                           # (S, d) or (B, 1, S, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # (B, nh/tp, S, d)
+        if attn_mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # (B, nh/tp, S, d)
+        else:
+            if nh != nkv:
+                # Repeat the kv heads (what enable_gqa means): GPU kernels that take a mask
+                # (memory-efficient attention) do not all take enable_gqa.
+                k = k.repeat_interleave(nh // nkv, dim=1)                 # (B, nh/tp, S, d)
+                v = v.repeat_interleave(nh // nkv, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # mask (B, 1, S, S)
         o = o.transpose(1, 2).reshape(b, s, nh * d)                       # (B, S, nh d / tp)
         return self.proj(o)                                               # (B, S, H) or (B, S/tp, H)
 
@@ -129,16 +209,17 @@ class SwiGLU(nn.Module):
     down row-parallel."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
-                 seed: int, device: Device = None, dtype: Dtype = None) -> None:
+                 seed: int, device: Device = None, dtype: Dtype = None, *,
+                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         f = cfg.ffn_hidden_size
         std_out = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.gate_up = ColumnParallelLinear(
             cfg.hidden_size, [f, f], tp_group, init=NormalInit(cfg.init_std, seed, f"blocks.{layer}.mlp.gate_up"),
-            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+            sequence_parallel=sequence_parallel, device=device, dtype=dtype, fp8_recipe=fp8_recipe)
         self.down = RowParallelLinear(
             f, cfg.hidden_size, tp_group, init=NormalInit(std_out, seed, f"blocks.{layer}.mlp.down"),
-            sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+            sequence_parallel=sequence_parallel, device=device, dtype=dtype, fp8_recipe=fp8_recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)                       # (B, S, F/tp) each
@@ -146,17 +227,23 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; hidden -> hidden."""
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; hidden -> hidden.
+    Takes the optional attention inputs (module docstring) as keywords."""
+
+    takes_attention_inputs = True  # forward_layers passes attn_mask / position_ids
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
-                 seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None) -> None:
+                 seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None, *,
+                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
-        self.attn = Attention(cfg, layer, tp_group, sequence_parallel, seed, rotary, device, dtype)
+        self.attn = Attention(cfg, layer, tp_group, sequence_parallel, seed, rotary, device, dtype,
+                              fp8_recipe=fp8_recipe)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
-        self.mlp = SwiGLU(cfg, layer, tp_group, sequence_parallel, seed, device, dtype)
+        self.mlp = SwiGLU(cfg, layer, tp_group, sequence_parallel, seed, device, dtype, fp8_recipe=fp8_recipe)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), attn_mask, position_ids)
         return x + self.mlp(self.mlp_norm(x))

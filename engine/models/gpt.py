@@ -13,6 +13,11 @@
 Hidden states are batch first. With ``sequence_parallel`` the hidden states between
 layers are (B, S/tp, H): TP rank r holds positions ``[r*S/tp, (r+1)*S/tp)``.
 
+Blocks also take optional attention inputs (``attn_mask``, ``position_ids``; see
+``blocks.attention_inputs``): :func:`forward_layers` passes them to the blocks only.
+``fp8_recipe`` makes the blocks' linear layers FP8; the embedding and the LM head stay in
+the model dtype (as Transformer Engine recipes keep them).
+
 ``GPT`` is exactly the composition of that list (``GPT.layers``), a plain ``nn.Module``
 that needs no torch.distributed when ``tp_group=None``. Every weight is drawn from
 ``(seed, its name)`` (block weights by block index), so the model is identical whatever
@@ -28,8 +33,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.errors import ConfigError
-from engine.models.blocks import Block, RMSNorm, RotaryEmbedding
+from engine.models.blocks import Block, RMSNorm, RotaryEmbedding, attention_inputs, forward_layers
 from engine.models.config import ModelConfig
+from engine.precision.fp8 import Fp8Recipe
 from engine.tensor_parallel.attrs import mark_tied_copy
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import (
@@ -93,11 +99,13 @@ def num_stage_layers(cfg: ModelConfig) -> int:
 
 def build_stage_layers(cfg: ModelConfig, tp_group: ProcessGroup = None, *, sequence_parallel: bool = False,
                        seed: int = 1234, start: int = 0, stop: Optional[int] = None,
-                       device: Device = None, dtype: Dtype = None) -> list[nn.Module]:
+                       device: Device = None, dtype: Dtype = None,
+                       fp8_recipe: Optional[Fp8Recipe] = None) -> list[nn.Module]:
     """Layers ``[start, stop)`` of ``[embedding, block_0 .. block_{L-1}, head]``.
 
     Building a slice gives the same parameters as slicing the full list (seeds are per
     layer), except that a tied head built without the embedding holds its own marked copy.
+    ``fp8_recipe``: the blocks' linear layers run their GEMMs in FP8 (not the embedding/head).
     """
     total = num_stage_layers(cfg)
     stop = total if stop is None else stop
@@ -119,7 +127,8 @@ def build_stage_layers(cfg: ModelConfig, tp_group: ProcessGroup = None, *, seque
                                                  init=NormalInit(cfg.init_std, seed, EMBEDDING_KEY),
                                                  sequence_parallel=sequence_parallel, device=device, dtype=dtype))
         elif i <= cfg.num_layers:
-            layers.append(Block(cfg, i - 1, tp_group, sequence_parallel, seed, rotary, device, dtype))
+            layers.append(Block(cfg, i - 1, tp_group, sequence_parallel, seed, rotary, device, dtype,
+                                fp8_recipe=fp8_recipe))
         else:
             tied = layers[0].weight if (cfg.tie_embeddings and start == 0) else None
             layers.append(FinalNormAndHead(cfg, tp_group, sequence_parallel, seed, tied, device, dtype))
@@ -132,24 +141,30 @@ class GPT(nn.Module):
     ``forward(ids (B, S))`` returns the logits (B, S, V_pad/tp) (see the module docstring);
     ``forward(ids, targets (B, S))`` returns the mean cross-entropy over the tokens whose
     target is not ``ignore_index``, computed without gathering the logits.
+
+    Packed documents: ``forward(ids, doc_ids=(B, S))`` keeps attention inside each document
+    and restarts rotary positions per document, so every document gets the logits it would
+    get alone; or give ``attn_mask`` (B, 1, S, S) bool and/or ``position_ids`` (B, S).
     """
 
     def __init__(self, cfg: ModelConfig, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
-                 seed: int = 1234, *, device: Device = None, dtype: Dtype = None) -> None:
+                 seed: int = 1234, *, device: Device = None, dtype: Dtype = None,
+                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList(build_stage_layers(cfg, tp_group, sequence_parallel=sequence_parallel,
-                                                       seed=seed, device=device, dtype=dtype))
+                                                       seed=seed, device=device, dtype=dtype,
+                                                       fp8_recipe=fp8_recipe))
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                ignore_index: int = -100) -> torch.Tensor:
+                doc_ids: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
         if ids.dim() != 2:
             raise ValueError(f"GPT expects token ids of shape (batch, seq), got {tuple(ids.shape)}")
-        h = ids
-        for layer in self.layers:
-            h = layer(h)
+        mask, pos = attention_inputs(ids.shape[1], doc_ids, attn_mask, position_ids)
+        h = forward_layers(self.layers, ids, mask, pos)
         if targets is None:
             return h
         return vocab_parallel_cross_entropy(h, targets, self.tp_group, ignore_index=ignore_index)

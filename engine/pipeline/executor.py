@@ -24,6 +24,12 @@ first feeds ``inputs`` to its chunk, the last gives ``targets`` to ``loss_fn``);
 ranks may pass ``None``. The loss of each microbatch is scaled by ``1/num_microbatches``
 before its backward, so the accumulated gradients are those of the mean loss.
 
+Side inputs (``side_inputs=True``): items are ``(inputs, targets, kwargs)`` and EVERY rank
+draws them (every rank needs a data_iter); each chunk's forward of that microbatch is
+called as ``chunk(x, **kwargs)``. This is how data-side tensors every stage needs (the
+document ids of packed sequences) reach the middle stages without extra communication:
+all stages of a data-parallel replica read the same micro-batches.
+
 Memory: an output is kept only until its backward; its data is released as soon as its
 send completes (the backward restarts from its autograd edge, which does not need the
 values). ``activation_checkpointing=True`` recomputes each chunk's forward in backward.
@@ -95,7 +101,7 @@ class PipelineExecutor:
                  device: Optional[torch.device] = None, activation_checkpointing: bool = False,
                  free_sent_outputs: bool = True, tied_params: Sequence[torch.nn.Parameter] = (),
                  embedding_group: Optional[dist.ProcessGroup] = None, broadcast_loss: bool = True,
-                 record: bool = True) -> None:
+                 record: bool = True, side_inputs: bool = False) -> None:
         self.chunks = list(chunks)
         self.stage, self.num_stages = stage, len(stage_ranks)
         self.virtual_stages = len(self.chunks)
@@ -121,6 +127,7 @@ class PipelineExecutor:
         self.tied_params, self.embedding_group = list(tied_params), embedding_group
         self.broadcast_loss = broadcast_loss
         self.record = record
+        self.side_inputs = side_inputs
         self.records: list[ActionRecord] = []
         self._hooks: list[Callable[[], None]] = []
         self._warmed_up = False
@@ -163,9 +170,10 @@ class PipelineExecutor:
         Returns the mean loss (a 0-dim tensor) on the last stage - on every pipeline rank
         when ``broadcast_loss`` - else None. Does not step the optimizer or zero grads.
         """
-        needs_data = self.is_first_holder or self.is_last_holder
+        needs_data = self.is_first_holder or self.is_last_holder or self.side_inputs
         if needs_data and data_iter is None:
-            raise ValueError(f"stage {self.stage} feeds inputs or targets: train_batch needs a data_iter")
+            raise ValueError(f"stage {self.stage} feeds inputs or targets (or side inputs): train_batch needs a "
+                             "data_iter")
         if not self._warmed_up:
             # NCCL wants every rank of a group in its first collective; batched p2p may not be it.
             comm.all_reduce(torch.zeros(1, device=self.device), self.pp_group)
@@ -184,7 +192,7 @@ class PipelineExecutor:
         self._complete_upto(len(self._posted) - 1)
         if needs_data and self._drawn != self.num_microbatches:
             raise RuntimeError(f"stage {self.stage} drew {self._drawn} microbatches, expected {self.num_microbatches}")
-        leftovers = [k for k, v in self._state.items() if v]
+        leftovers = [k for k, v in self._state.items() if v] + (["side"] if self._side else [])
         assert not leftovers, f"state left after the step: {leftovers}"
         if self.tied_params:
             allreduce_tied_grads(self.tied_params, self.embedding_group)
@@ -194,6 +202,7 @@ class PipelineExecutor:
 
     def _reset(self, data_iter: Optional[Iterator]) -> None:
         self._data_iter, self._drawn, self._batches = data_iter, 0, {}
+        self._side: dict[int, list] = {}  # microbatch -> [kwargs, forwards left on this rank]
         self._losses: list[torch.Tensor] = []
         # per (microbatch, chunk): stage input, forward root (output edge or scaled loss),
         # output kept for its send, input grad to send, zero-bubble W state
@@ -219,17 +228,38 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ data
     def _microbatch(self, mb: int) -> tuple[Any, Any]:
+        self._draw_upto(mb)
+        return self._batches[mb]
+
+    def _draw_upto(self, mb: int) -> None:
         while self._drawn <= mb:
             try:
                 item = next(self._data_iter)  # type: ignore[arg-type]
             except StopIteration:
                 raise RuntimeError(f"data_iter ran out after {self._drawn} of {self.num_microbatches} "
                                    f"microbatches: it must yield gradient_accumulation_steps items per step") from None
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            if self.side_inputs:
+                if not (isinstance(item, (tuple, list)) and len(item) == 3 and isinstance(item[2], dict)):
+                    raise TypeError("with side_inputs=True data_iter must yield (inputs, targets, kwargs dict) "
+                                    f"triples, got {type(item).__name__}")
+            elif not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise TypeError(f"data_iter must yield (inputs, targets) pairs, got {type(item).__name__}")
-            self._batches[self._drawn] = [_to(item[0], self.device), _to(item[1], self.device)]
+            if self.is_first_holder or self.is_last_holder:
+                self._batches[self._drawn] = [_to(item[0], self.device), _to(item[1], self.device)]
+            if self.side_inputs:
+                self._side[self._drawn] = [_to(item[2], self.device), self.virtual_stages]
             self._drawn += 1
-        return self._batches[mb]
+
+    def _side_kwargs(self, mb: int) -> dict:
+        """Keyword inputs of microbatch ``mb`` for one chunk forward; dropped after the last chunk's."""
+        if not self.side_inputs:
+            return {}
+        self._draw_upto(mb)
+        entry = self._side[mb]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._side[mb]
+        return entry[0]
 
     def _take(self, mb: int, index: int) -> Any:
         """inputs (index 0) or targets (1) of microbatch ``mb``; the batch is dropped after its last use."""
@@ -241,11 +271,11 @@ class PipelineExecutor:
         return value
 
     # ------------------------------------------------------------------ compute
-    def _run_chunk(self, chunk: int, x: Any) -> torch.Tensor:
+    def _run_chunk(self, chunk: int, x: Any, kwargs: dict) -> torch.Tensor:
         module = self.chunks[chunk]
         if self.activation_checkpointing:
-            return checkpoint(module, x, use_reentrant=False)
-        return module(x)
+            return checkpoint(module, x, use_reentrant=False, **kwargs)
+        return module(x, **kwargs)
 
     def _forward(self, mb: int, chunk: int) -> None:
         key, st = (mb, chunk), self._state
@@ -254,7 +284,7 @@ class PipelineExecutor:
         else:
             x = self._arrived.pop((K.RECV_ACT, mb, chunk)).requires_grad_()
             st["input"][key] = x
-        out = self._run_chunk(chunk, x)
+        out = self._run_chunk(chunk, x, self._side_kwargs(mb))
         if self._is_last(chunk):
             loss = self.loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
             if loss.dim() != 0:

@@ -10,6 +10,12 @@ rank's pipeline chunk(s) and tensor-parallel shard.
 - :func:`chunks_from_layers`: a user's list of layers cut the same way, with a parameter
   shared by the first and last stage (a tied embedding) split into a marked copy;
 - :class:`StageChunk`: a contiguous run of layers, optionally activation-checkpointed.
+
+Config features honoured here: ``data.document_masking`` (every forward takes the
+micro-batch's document ids, ``doc_ids=`` (B, S); the blocks get the document-causal mask and
+per-document rotary positions) and ``fp8.enabled`` (the blocks' linear layers run FP8 GEMMs
+with the config's recipe; the embedding and LM head stay bf16; the engine renews the
+scales once per optimizer step).
 """
 
 from __future__ import annotations
@@ -25,14 +31,16 @@ from torch.utils.checkpoint import checkpoint
 from engine.config import Config
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
+from engine.models.blocks import attention_inputs, forward_layers
 from engine.pipeline.partition import layers_of, partition_layers
+from engine.precision.fp8 import fp8_recipe_from_config, fp8_states
 from engine.tensor_parallel.attrs import is_tp_sharded, mark_tied_copy, tp_partition_dim
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import shard_tensor
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["StageChunk", "ReferenceModel", "reference_layer_params", "stage_bounds", "build_reference_chunks",
-           "load_full_weights", "chunks_from_layers", "check_reference_support"]
+           "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids"]
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
@@ -45,39 +53,51 @@ class StageChunk(nn.Module):
     ``checkpoint_interval > 0``: the blocks (layers that are neither the embedding nor the
     head) are recomputed in backward in runs of that many (activation checkpointing);
     the reference model has no dropout, so the recomputation is exact.
+
+    ``forward(x, doc_ids=None, attn_mask=None, position_ids=None)``: the optional attention
+    inputs (``engine.models.blocks.attention_inputs``) are built once and given to every
+    block of the chunk; ``doc_ids`` (B, S) is what reaches every pipeline stage (data side).
+    ``document_masking`` (``data.document_masking``; None: not checked): every forward must
+    give ``doc_ids`` when True and must not when False (config and data must agree).
     """
 
     def __init__(self, layers: Sequence[nn.Module], start: int, num_layers_total: int,
-                 checkpoint_interval: int = 0) -> None:
+                 checkpoint_interval: int = 0, document_masking: Optional[bool] = None) -> None:
         super().__init__()
+        self.document_masking = document_masking
         self.layers = nn.ModuleList(layers)
         self.start = start
         self.is_first = start == 0
         self.is_last = start + len(layers) == num_layers_total
         self.checkpoint_interval = checkpoint_interval
 
-    def _run(self, lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[lo:hi]:
-            x = layer(x)
-        return x
+    def _run(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+             pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return forward_layers(self.layers[lo:hi], x, mask, pos)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.document_masking is not None:
+            check_doc_ids(doc_ids, self.document_masking)
+        mask, pos = attention_inputs(None, doc_ids, attn_mask, position_ids)  # (B, 1, S, S), (B, S)
         n = len(self.layers)
         if self.checkpoint_interval <= 0 or not torch.is_grad_enabled():
-            return self._run(0, n, x)
+            return self._run(0, n, x, mask, pos)
         lo = 1 if self.is_first else 0                 # the embedding takes integer ids: not checkpointed
         hi = n - 1 if self.is_last else n              # nor the head (its logits are needed anyway)
         x = self._run(0, lo, x)
         for a in range(lo, hi, self.checkpoint_interval):
             b = min(a + self.checkpoint_interval, hi)
-            x = checkpoint(self._run, a, b, x, use_reentrant=False)
+            x = checkpoint(self._run, a, b, x, mask, pos, use_reentrant=False)
         return self._run(hi, n, x)
 
 
 class ReferenceModel(nn.Module):
     """The whole model as one chunk (``pp == 1``), called like :class:`engine.models.GPT`:
     ``forward(ids)`` -> logits (B, S, V_pad/tp); ``forward(ids, targets)`` -> mean
-    vocab-parallel cross-entropy (so the DeepSpeed loop works with TP too)."""
+    vocab-parallel cross-entropy (so the DeepSpeed loop works with TP too).
+    ``doc_ids`` (B, S): the packed rows' document ids (``data.document_masking``; the chunk
+    checks that config and data agree)."""
 
     def __init__(self, chunk: StageChunk, tp_group: ProcessGroup) -> None:
         super().__init__()
@@ -85,8 +105,8 @@ class ReferenceModel(nn.Module):
         self.tp_group = tp_group
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                ignore_index: int = -100) -> torch.Tensor:
-        logits = self.chunk(ids)
+                doc_ids: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
+        logits = self.chunk(ids, doc_ids)
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, ignore_index=ignore_index)
@@ -106,14 +126,19 @@ def stage_bounds(layer_params: Sequence[int], cfg: Config) -> list[int]:
     return partition_layers(list(layer_params), cfg.pp * cfg.pipeline.virtual_stages, cfg.pipeline.partition)
 
 
+def check_doc_ids(doc_ids: Optional[torch.Tensor], document_masking: bool) -> None:
+    """A micro-batch's document ids must be there exactly when ``data.document_masking`` is on."""
+    if document_masking and doc_ids is None:
+        raise ValueError("data.document_masking is true but this micro-batch has no document ids: feed "
+                         "engine.data batches built with document_masking=True (launch/train.py does), or pass "
+                         "doc_ids=(B, S); or set data.document_masking to false")
+    if not document_masking and doc_ids is not None:
+        raise ValueError("this micro-batch carries document ids but data.document_masking is false: set it to "
+                         "true to keep attention inside documents, or build the data without document_masking")
+
+
 def check_reference_support(cfg: Config) -> None:
-    """Config features the reference model cannot honour yet: an error, never a silent no-op."""
-    if cfg.data.document_masking:
-        raise ConfigError("data.document_masking: the reference model's attention takes no document mask "
-                          "yet; set data.document_masking to false")
-    if cfg.fp8.enabled:
-        raise ConfigError("fp8.enabled: FP8 GEMMs are not wired into the reference model's layers yet; "
-                          "set fp8.enabled to false")
+    """Config features the reference model cannot honour: an error or a warning, never a silent no-op."""
     if cfg.activation_checkpointing.partition_activations:
         # a memory saving only (results are identical): say so rather than pretend
         logger.warning("activation_checkpointing.partition_activations is not implemented: checkpointed "
@@ -122,16 +147,23 @@ def check_reference_support(cfg: Config) -> None:
 
 def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: ProcessGroup, *, device: torch.device,
                            dtype: torch.dtype) -> list[StageChunk]:
-    """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded."""
+    """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded; with
+    ``fp8.enabled`` the blocks' linear layers are FP8 (embedding and LM head stay bf16)."""
     check_reference_support(cfg)
     total = num_stage_layers(cfg.model)
     bounds = stage_bounds(reference_layer_params(cfg.model), cfg)
+    recipe = fp8_recipe_from_config(cfg.fp8)
+    if recipe is not None:
+        logger.info("FP8 GEMMs in the blocks' linear layers (recipe %s, format %s); embedding and LM head in %s",
+                    recipe.scaling, recipe.fp8_format, dtype)
     chunks = []
     for c in range(cfg.pipeline.virtual_stages):
         rng = layers_of(bounds, pp_rank, cfg.pp, c)
         layers = build_stage_layers(cfg.model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
-                                    seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype)
-        chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval))
+                                    seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype,
+                                    fp8_recipe=recipe)
+        chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval,
+                                 document_masking=cfg.data.document_masking))
     return chunks
 
 
@@ -171,6 +203,14 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int) -
     layers = list(layers)
     if not layers or not all(isinstance(m, nn.Module) for m in layers):
         raise TypeError("model must be a non-empty list of nn.Module layers")
+    if cfg.data.document_masking and not any(getattr(m, "takes_attention_inputs", False) for m in layers):
+        raise ConfigError("data.document_masking: none of the given layers takes an attention mask (layers with "
+                          "takes_attention_inputs = True get attn_mask= and position_ids=, like "
+                          "engine.models' blocks); set data.document_masking to false")
+    if cfg.fp8.enabled and not any(fp8_states(m) for m in layers):
+        raise ConfigError("fp8.enabled: the given layers hold no FP8 layer (only the reference model's blocks "
+                          "are made FP8 from the config; use engine.precision.fp8.Fp8Linear in your layers), "
+                          "or set fp8.enabled to false")
     counts = [sum(p.numel() for p in m.parameters()) for m in layers]
     bounds = stage_bounds(counts, cfg)
     pieces = len(bounds) - 1
@@ -199,7 +239,8 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int) -
                                 copies[id(p)] = nn.Parameter(p.detach().clone())
                                 mark_tied_copy(copies[id(p)])
                             mod._parameters[name] = copies[id(p)]
-        chunks.append(StageChunk(mine, rng.start, len(layers), cfg.pipeline.activation_checkpoint_interval))
+        chunks.append(StageChunk(mine, rng.start, len(layers), cfg.pipeline.activation_checkpoint_interval,
+                                 document_masking=cfg.data.document_masking))
     if cfg.pp > 1:
         local = {id(p): p for ch in chunks for p in ch.parameters()}
         order = sorted(shared, key=lambda pid: next(i for i, m in enumerate(layers)

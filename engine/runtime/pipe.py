@@ -5,6 +5,11 @@ ZeRO optimizer's buffers through its hooks; the engine reduces and steps once af
 last micro-batch). Evaluation is forward-only: each micro-batch walks the chain of
 virtual stages in order, one blocking send/receive per hop (a single token passing along
 the chain, so it cannot deadlock), which is simple and fast enough for evaluation.
+
+Document masking (``data.document_masking``): stage boundaries still carry one hidden-state
+tensor; the micro-batch's document ids (B, S) are data, and every stage of a data-parallel
+replica is given the same micro-batches (the sampler ignores tp and pp), so each stage takes
+them from its own copy (the executor's ``side_inputs``) and nothing extra is sent.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from engine.config import Config
 from engine.dist.groups import ParallelGroups
 from engine.pipeline.actions import next_hop, prev_hop
 from engine.pipeline.executor import PipelineExecutor
+from engine.runtime.model import check_doc_ids
 
-__all__ = ["PipelineRunner", "activation_shape"]
+__all__ = ["PipelineRunner", "activation_shape", "microbatch_doc_ids"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,6 +38,14 @@ def activation_shape(cfg: Config) -> tuple[int, int, int]:
     if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
         s //= cfg.tp
     return (cfg.train_micro_batch_size_per_gpu, s, cfg.model.hidden_size)
+
+
+def microbatch_doc_ids(mb: Any) -> Optional[torch.Tensor]:
+    """The input document ids (B, S) of a micro-batch: ``engine.data.Batch.input_doc_ids``
+    or a dict's ``"doc_ids"``; None when it has none."""
+    if isinstance(mb, dict):
+        return mb.get("doc_ids")
+    return getattr(mb, "input_doc_ids", None)
 
 
 class PipelineRunner:
@@ -49,6 +63,7 @@ class PipelineRunner:
         self.stage, self.num_stages = groups.pp_rank, cfg.pp
         self.stage_ranks = list(groups.pp_ranks)
         self.shape = activation_shape(cfg)
+        self.document_masking = cfg.data.document_masking
         # The executor runs the backward itself, so the fp16 loss scale goes into the loss it
         # differentiates (the ZeRO optimizer divides the reduced gradients by it); the scale
         # is fixed within a step and a power of two, so unscaling the reported loss is exact.
@@ -60,7 +75,7 @@ class PipelineRunner:
             loss_fn=self._scaled_loss,
             schedule=cfg.pipeline.schedule, activation_dtype=dtype, device=device,
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
-            broadcast_loss=False, record=False)
+            broadcast_loss=False, record=False, side_inputs=self.document_masking)
 
     @property
     def is_last(self) -> bool:
@@ -70,8 +85,19 @@ class PipelineRunner:
         loss = self.loss_fn(out, targets)
         return loss if self._scale == 1.0 else loss * self._scale
 
+    def _side(self, mb: Any) -> dict:
+        """Chunk keyword inputs of a micro-batch: ``{"doc_ids": (B, S)}`` with document masking."""
+        doc_ids = microbatch_doc_ids(mb)
+        check_doc_ids(doc_ids, self.document_masking)
+        return {} if doc_ids is None else {"doc_ids": doc_ids.to(self.device)}
+
+    def _item(self, mb: Any) -> tuple:
+        inputs, targets = self._split(mb)
+        side = self._side(mb)
+        return (inputs, targets, side) if self.document_masking else (inputs, targets)
+
     def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        pairs = iter([self._split(mb) for mb in microbatches])
+        pairs = iter([self._item(mb) for mb in microbatches])
         self._scale = float(self._loss_scale())
         loss = self.executor.train_batch(pairs)
         if not self.is_last:
@@ -84,6 +110,7 @@ class PipelineRunner:
         losses = []
         for mb in microbatches:
             inputs, targets = self._split(mb)
+            side = self._side(mb)
             for c in range(v):
                 prev = prev_hop(self.stage, c, self.num_stages)
                 if prev is None:
@@ -91,7 +118,7 @@ class PipelineRunner:
                 else:
                     x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                     dist.recv(x, self.stage_ranks[prev[0]], group=self.groups.pp_group)
-                out = self.chunks[c](x)
+                out = self.chunks[c](x, **side)
                 nxt = next_hop(self.stage, c, self.num_stages, v)
                 if nxt is None:
                     losses.append(self.loss_fn(out, targets.to(self.device)).detach())

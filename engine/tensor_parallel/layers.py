@@ -25,6 +25,13 @@ consolidation) need to rebuild the full tensor:
 ``tp_fused_parts`` -- full sizes of the parts of a fused weight (e.g. q, k, v), each split
 separately, so rank r holds ``[q_r; k_r; v_r]``; ``tp_unpadded_size`` -- the true size of
 a padded partition dim (the vocabulary).
+
+FP8 (``fp8_recipe=...``): the column/row-parallel layers run their local GEMM through
+:func:`engine.precision.fp8.fp8_linear` (fp32/bf16 master weight, quantized per forward)
+and keep their communication unchanged: column-parallel quantizes after copy-to-region /
+the sequence gather; row-parallel multiplies without bias, reduces, then adds the bias.
+Amaxes are MAX-reduced over the TP group, so every rank uses the dense layer's scales.
+Each such layer holds its scaling state as ``fp8_state`` (found by ``fp8_states(model)``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.precision.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear
 from engine.tensor_parallel.attrs import is_tp_sharded, set_tp_attrs, tp_partition_dim
 from engine.tensor_parallel.mappings import (
     all_gather_along_dim,
@@ -170,20 +178,44 @@ def _place(t: torch.Tensor, device, dtype) -> nn.Parameter:
     return nn.Parameter(t.to(device=device, dtype=dtype if dtype is not None else t.dtype))
 
 
+def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: ProcessGroup,
+                  fp8_state: Optional[Fp8LinearState], record_amax: bool) -> torch.Tensor:
+    """This rank's GEMM ``x W^T + b``: plain, or FP8 with amaxes MAX-reduced over ``group``."""
+    if fp8_state is None:
+        return F.linear(x, weight, bias)
+    return fp8_linear(x, weight, bias, fp8_state, tp_group=group, record_amax=record_amax)
+
+
+class _Fp8Holder(nn.Module):
+    """Mixin: an optional ``fp8_state`` that follows the module's device (``.to``/``.cuda``)."""
+
+    fp8_state: Optional[Fp8LinearState]
+
+    def _init_fp8(self, recipe: Optional[Fp8Recipe]) -> None:
+        self.fp8_state = Fp8LinearState(recipe, self.weight.device) if recipe is not None else None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if getattr(self, "fp8_state", None) is not None:
+            self.fp8_state.to(self.weight.device)
+        return out
+
+
 # ---------------------------------------------------------------- functional forms
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                            group: ProcessGroup, *, sequence_parallel: bool = False,
                            gather_output: bool = False,
-                           parts: Optional[Sequence[int]] = None) -> torch.Tensor:
+                           parts: Optional[Sequence[int]] = None,
+                           fp8_state: Optional[Fp8LinearState] = None, record_amax: bool = True) -> torch.Tensor:
     """``x`` (B, S, in) -- or (B, S/tp, in) with sequence parallelism -- times this rank's
     weight shard (out/tp, in). Returns (B, S, out/tp), or (B, S, out) with ``gather_output``
-    (``parts`` then restores the fused parts' order)."""
+    (``parts`` then restores the fused parts' order). ``fp8_state``: FP8 GEMM (module docstring)."""
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, group)   # (B, S, in); bwd reduce-scatter
     else:
         x = copy_to_tp_region(x, group)                      # (B, S, in); bwd all-reduce
-    y = F.linear(x, weight, bias)                            # (B, S, out/tp)
+    y = _local_linear(x, weight, bias, group, fp8_state, record_amax)  # (B, S, out/tp)
     if gather_output and tp_world_size(group) > 1:
         y = gather_from_tp_region(y, group)                  # (B, S, out) in rank-major order
         if parts and len(parts) > 1:
@@ -194,16 +226,18 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                         group: ProcessGroup, *, sequence_parallel: bool = False,
-                        input_is_parallel: bool = True) -> torch.Tensor:
+                        input_is_parallel: bool = True, fp8_state: Optional[Fp8LinearState] = None,
+                        record_amax: bool = True) -> torch.Tensor:
     """``x`` (B, S, in/tp) (or (B, S, in) with ``input_is_parallel=False``) times this rank's
     weight shard (out, in/tp), summed over ranks. Returns (B, S, out), or (B, S/tp, out)
-    with sequence parallelism. The bias is added once, after the reduction."""
+    with sequence parallelism. The bias is added once, after the reduction.
+    ``fp8_state``: the partial GEMM runs in FP8 (module docstring)."""
     if not input_is_parallel:
         if sequence_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True "
                              "(the input must already be split along its last dim)")
         x = scatter_to_tp_region(x, group)                   # (B, S, in/tp)
-    y = F.linear(x, weight)                                  # (B, S, out) partial sum
+    y = _local_linear(x, weight, None, group, fp8_state, record_amax)  # (B, S, out) partial sum
     if sequence_parallel:
         y = reduce_scatter_to_sequence_parallel_region(y, group)  # (B, S/tp, out)
     else:
@@ -247,18 +281,20 @@ def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, tp_group: Pro
 
 # ---------------------------------------------------------------- modules
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Fp8Holder):
     """``Y = X A^T + b`` with ``A = [A_1; ...; A_p]`` split along the output dim.
 
     Forward: input (B, S, in) (or (B, S/tp, in) with ``sequence_parallel``), output
     (B, S, out/tp), or (B, S, out) if ``gather_output``. ``out_features`` may be a list of
     part sizes for a fused weight (q/k/v, gate/up): each part is split separately so every
     rank gets a slice of each. Weight and bias are TP-sharded along dim 0.
+    ``fp8_recipe``: run the local GEMM in FP8 (state in ``self.fp8_state``).
     """
 
     def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], tp_group: ProcessGroup,
                  *, init: NormalInit, bias: bool = False, gather_output: bool = False,
-                 sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
+                 sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None,
+                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         parts = [out_features] if isinstance(out_features, int) else list(out_features)
         world, rank = tp_world_size(tp_group), tp_rank(tp_group)
@@ -278,28 +314,33 @@ class ColumnParallelLinear(nn.Module):
             set_layout_attrs(self.bias, self.parts)
         else:
             self.register_parameter("bias", None)
+        self._init_fp8(fp8_recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group,
                                       sequence_parallel=self.sequence_parallel,
-                                      gather_output=self.gather_output, parts=self.parts)
+                                      gather_output=self.gather_output, parts=self.parts,
+                                      fp8_state=self.fp8_state, record_amax=self.training)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
-                f"parts={self.parts}, gather_output={self.gather_output}, sp={self.sequence_parallel}")
+                f"parts={self.parts}, gather_output={self.gather_output}, sp={self.sequence_parallel}, "
+                f"fp8={self.fp8_state is not None}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Holder):
     """``Y = X A^T + b`` with ``A = [A_1, ..., A_p]`` split along the input dim.
 
     Forward: input (B, S, in/tp) if ``input_is_parallel`` else (B, S, in) (scattered here);
     output (B, S, out), or (B, S/tp, out) with ``sequence_parallel``. The weight is
     TP-sharded along dim 1; the bias is TP-replicated and added once after the reduction.
+    ``fp8_recipe``: run the local partial GEMM in FP8 (state in ``self.fp8_state``).
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: ProcessGroup, *,
                  init: NormalInit, bias: bool = False, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
+                 sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None,
+                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
         world, rank = tp_world_size(tp_group), tp_rank(tp_group)
         _check_divisible("RowParallelLinear input size", in_features, world)
@@ -317,15 +358,18 @@ class RowParallelLinear(nn.Module):
             set_tp_attrs(self.bias, sharded=False)
         else:
             self.register_parameter("bias", None)
+        self._init_fp8(fp8_recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group,
                                    sequence_parallel=self.sequence_parallel,
-                                   input_is_parallel=self.input_is_parallel)
+                                   input_is_parallel=self.input_is_parallel,
+                                   fp8_state=self.fp8_state, record_amax=self.training)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
-                f"input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}")
+                f"input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}, "
+                f"fp8={self.fp8_state is not None}")
 
 
 class VocabParallelEmbedding(nn.Module):
