@@ -1,0 +1,134 @@
+"""Preemption and periodic saving for a training loop.
+
+SIGTERM / SIGUSR1 (what Slurm sends before it kills a job, with ``--signal``) become a
+request to save and stop at the next step boundary.
+
+A signal may reach only some ranks, or reach them during different steps, so the ranks
+agree at every step boundary: :meth:`PreemptionHandler.stop_requested` is a collective
+(one MAX all-reduce of a single integer) that is true on every rank as soon as any rank
+has received a signal. The training loop then finishes nothing more, saves a checkpoint
+on all ranks and exits 0::
+
+    with PreemptionHandler() as preempt:
+        for step in ...:
+            engine.train_batch(...)
+            if preempt.stop_requested(engine.device):
+                engine.save_checkpoint(save_dir)
+                break
+
+:class:`Checkpointer` packages that with saving every N steps and at the end, as the
+entry point uses it (``after_step`` from the loop's per-step hook).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.dist import comm
+
+__all__ = ["PreemptionHandler", "PREEMPTION_SIGNALS", "Checkpointer", "StopTraining"]
+
+logger = logging.getLogger(__name__)
+
+PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionHandler:
+    """Records SIGTERM/SIGUSR1 instead of dying; install it in the main thread."""
+
+    def __init__(self, signals: Sequence[int] = PREEMPTION_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.received: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.received is None:
+            self.received = signum
+            # logging from a signal handler is not reentrant-safe; the loop logs when it acts
+
+    def install(self) -> "PreemptionHandler":
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def stop_requested(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+        """Collective over ``group`` (default: the world): whether any rank got a signal."""
+        flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=device)
+        if dist.is_initialized():
+            comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+        stop = bool(flag.item())
+        if stop:
+            name = signal.Signals(self.received).name if self.received is not None else "a peer's signal"
+            logger.warning("preemption requested (%s): saving a checkpoint and stopping", name)
+        return stop
+
+
+class StopTraining(Exception):
+    """Raised from a training loop's per-step hook to end the loop (preemption)."""
+
+
+class Checkpointer:
+    """Saves ``engine`` into ``save_dir`` every ``interval`` steps (0: never), on
+    preemption (then :meth:`after_step` returns True on every rank) and at the end
+    (:meth:`finish`), never twice at one step. With ``save_dir=None`` it does nothing and
+    installs no signal handler (a signal then ends the process as usual).
+    Use as a context manager around the loop (it installs the signal handlers)."""
+
+    def __init__(self, engine: Any, save_dir: Optional[str], interval: int = 0,
+                 keep_last: Optional[int] = None) -> None:
+        if interval < 0:
+            raise ValueError(f"the save interval must be >= 0 steps (0: only at the end), got {interval}")
+        self.engine, self.save_dir, self.interval, self.keep_last = engine, save_dir, int(interval), keep_last
+        self.preempt = PreemptionHandler() if save_dir is not None else None
+        self.preempted = False
+        self.saved_at: Optional[int] = None
+        self.last_path: Optional[str] = None
+
+    def __enter__(self) -> "Checkpointer":
+        if self.preempt is not None:
+            self.preempt.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.preempt is not None:
+            self.preempt.uninstall()
+
+    def save(self) -> str:
+        from engine.checkpoint.save import save_checkpoint
+
+        self.last_path = save_checkpoint(self.engine, self.save_dir, keep_last=self.keep_last)
+        self.saved_at = self.engine.global_steps
+        return self.last_path
+
+    def after_step(self) -> bool:
+        """Collective, after every optimizer step: save if due; True when the loop must stop."""
+        if self.save_dir is None:
+            return False
+        self.preempted = self.preempt.stop_requested(self.engine.device)
+        step = self.engine.global_steps
+        if self.preempted or (self.interval and step % self.interval == 0):
+            self.save()
+        return self.preempted
+
+    def finish(self) -> Optional[str]:
+        """Save the final state unless it was just saved; returns the latest path."""
+        if self.save_dir is not None and self.saved_at != self.engine.global_steps:
+            self.save()
+        return self.last_path
