@@ -37,7 +37,8 @@ def _group_sums(rank, world_size):
         sums["timeout"] = backend.options._timeout.total_seconds()
         sums["facts"] = (groups.coord, groups.tp_rank, groups.dp_rank, groups.pp_rank,
                          groups.tp_size, groups.dp_size, groups.pp_size, groups.is_first_stage,
-                         groups.is_last_stage, groups.prev_stage_rank, groups.next_stage_rank)
+                         groups.is_last_stage, groups.prev_stage_rank, groups.next_stage_rank,
+                         groups.in_embedding_group, len(groups.all_groups()))
         # p2p between pipeline neighbours uses the global ranks the groups report
         if groups.pp_size > 1:
             send = torch.tensor([float(rank)])
@@ -54,7 +55,26 @@ def _group_sums(rank, world_size):
     # inherit the default group's timeout when none is given
     inherited = ParallelGroups.build(Topology(dp=world_size, world_size=world_size))
     out["inherited"] = inherited.tp_group._get_backend(torch.device("cpu")).options._timeout
+    out["errors"] = _errors(rank, inherited)
     return out
+
+
+def _errors(rank, groups):
+    """Bad calls fail on every rank before any new_group, so the ranks stay in step."""
+    msgs = []
+    try:
+        ParallelGroups.build(Topology(dp=2, tp=2, pp=1))
+    except ValueError as e:
+        msgs.append(str(e))
+    try:
+        ParallelGroups.build(Topology(dp=8), rank=(rank + 1) % 8)
+    except ValueError as e:
+        msgs.append(str(e))
+    try:
+        groups.tp_group = None
+    except Exception as e:  # frozen dataclass
+        msgs.append(type(e).__name__)
+    return msgs
 
 
 def test_group_allreduce_sums_match_topology():
@@ -80,8 +100,10 @@ def test_group_allreduce_sums_match_topology():
                 assert ranks == members, (rank, (dp, tp, pp), name)
                 assert total == float(sum(members)), (rank, (dp, tp, pp), name, total)
                 assert size == len(members) and group_rank == members.index(rank)
+            ends = c.pp in (0, pp - 1)
             assert got["facts"] == (c, c.tp, c.dp, c.pp, tp, dp, pp, c.pp == 0, c.pp == pp - 1,
-                                    topo.prev_stage_rank(rank), topo.next_stage_rank(rank))
+                                    topo.prev_stage_rank(rank), topo.next_stage_rank(rank),
+                                    ends, 5 if ends else 4)
             assert got["timeout"] == 40.0
             if pp > 1 and c.pp > 0:
                 assert got["from_prev"] == float(topo.prev_stage_rank(rank))
@@ -89,30 +111,9 @@ def test_group_allreduce_sums_match_topology():
         # and dp == 1 (model-parallel group is the world)
         assert results[rank][(2, 4, 1)]["embedding"][1] == [rank]
         assert results[rank][(1, 4, 2)]["model_parallel"][1] == list(range(8))
+        errors = results[rank]["errors"]
+        assert "needs 4 ranks but the job has 8" in errors[0]
+        assert "is not this process's rank" in errors[1]
+        assert errors[2] == "FrozenInstanceError"
     # (1, 1, 8): only ranks 0 and 7 hold the embedding; they sum to 7
     assert [r[(1, 1, 8)]["embedding"][0] for r in results] == [7.0] + [None] * 6 + [7.0]
-
-
-def _errors(rank, world_size):
-    msgs = []
-    try:
-        ParallelGroups.build(Topology(dp=2, tp=2, pp=1))
-    except ValueError as e:
-        msgs.append(str(e))
-    try:
-        ParallelGroups.build(Topology(dp=2, tp=1), rank=1 - rank)
-    except ValueError as e:
-        msgs.append(str(e))
-    groups = ParallelGroups.build(Topology(dp=2))
-    try:
-        groups.tp_group = None
-    except Exception as e:  # frozen dataclass
-        msgs.append(type(e).__name__)
-    return msgs
-
-
-def test_build_errors_and_immutability():
-    for msgs in run_ranks(_errors, 2, timeout=60):
-        assert "needs 4 ranks but the job has 2" in msgs[0]
-        assert "is not this process's rank" in msgs[1]
-        assert msgs[2] == "FrozenInstanceError"
