@@ -23,6 +23,7 @@ the engine computes depends on them).
 from __future__ import annotations
 
 import logging
+import os
 import random
 from typing import Any, Optional
 
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.format import (CheckpointError, Fragment, decode_bytes, read_latest, read_metadata,
-                                      resolve_checkpoint_dir, unpickling_error)
+from engine.checkpoint.format import (METADATA_FILE, CheckpointError, Fragment, decode_bytes, read_latest,
+                                      read_metadata, resolve_checkpoint_dir, unpickling_error)
 from engine.checkpoint.layout import local_pieces, parameter_names
 from engine.checkpoint.reader import ShardReader
 from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed_mask, numel_of, take_local
@@ -70,7 +71,7 @@ def _read_masters(engine: Any, path: str, meta: dict[str, Any], states: list[str
     pieces = local_pieces(opt, names, engine.groups.tp_rank, engine.config.tp)
     out: list[dict[str, torch.Tensor]] = [{} for _ in opt.groups]
     used: set[str] = set()
-    where = f"{path}: "
+    where = f"{os.path.join(path, METADATA_FILE)}: "
     for pc in pieces:
         cname = _canonical(pc.name, pc.param, meta)
         used.add(cname)

@@ -121,9 +121,22 @@ def _group_options(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _unsaved_tensors(module: torch.nn.Module) -> list[str]:
+    """Module state outside the optimizer (persistent buffers, frozen parameters): not in
+    the checkpoint, which holds what the optimizer trains."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    buffers = [k for k in module.state_dict(keep_vars=True) if k not in params]
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    return sorted(buffers + frozen)
+
+
 def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
     """Write this rank's shard file; returns what rank 0 needs for the metadata."""
     opt, groups = engine.optimizer, engine.groups
+    unsaved = _unsaved_tensors(engine.module)
+    if unsaved:
+        logger.warning("rank %d: module state outside the optimizer is not saved (buffers or frozen parameters "
+                       "are rebuilt from the config on load): %s", groups.rank, unsaved[:8])
     coord = groups.coord
     names, aliases = parameter_names(engine.module)
     originals, copies = tied_names(opt, names)

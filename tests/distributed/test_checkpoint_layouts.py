@@ -6,8 +6,9 @@ the step (tests/distributed/_ckpt_common.py).
    per-step losses equal the uninterrupted run's BIT FOR BIT, at (dp, tp, pp) = (2,2,2)
    with ZeRO-1 and at DP = 4 with ZeRO-3.
 2. Reshaping: the (2,2,2)/ZeRO-1 checkpoint of step 2 loads into (4,1,2)/ZeRO-2,
-   (8,1,1)/ZeRO-3, (1,4,2)/ZeRO-1, (1,2,4)/ZeRO-0, (1,2,2)/ZeRO-3, (2,2,1)/ZeRO-2 and
-   (1,1,1)/ZeRO-0; and the (8,1,1)/ZeRO-3 one saved from it loads into (1,1,1)/ZeRO-1.
+   (8,1,1)/ZeRO-3, (1,4,2)/ZeRO-1, (1,2,4)/ZeRO-0, (2,2,2)/ZeRO-2 with two virtual stages
+   per rank (interleaved 1F1B), (1,2,2)/ZeRO-3, (2,2,1)/ZeRO-2 and (1,1,1)/ZeRO-0; and the
+   (8,1,1)/ZeRO-3 one saved from it loads into (1,1,1)/ZeRO-1.
    - State round trip, exact: saving again right after the load gives, parameter by
      parameter, the same fp32 master weights, exp_avg and exp_avg_sq bits, the same
      optimizer step, LR-schedule position and counters (a reshaped load only moves bits).
@@ -43,7 +44,9 @@ BEFORE, AFTER = 2, 3
 STATES = ("master", "exp_avg", "exp_avg_sq")
 BASE = dict(dp=2, tp=2, pp=2, zero=1)
 EIGHT = {"412_z2": dict(dp=4, pp=2, zero=2), "811_z3": dict(dp=8, zero=3, micro=1),
-         "142_z1": dict(tp=4, pp=2, zero=1), "124_z0": dict(tp=2, pp=4, zero=0)}
+         "142_z1": dict(tp=4, pp=2, zero=1), "124_z0": dict(tp=2, pp=4, zero=0),
+         "222_v2_z2": dict(dp=2, tp=2, zero=2, pipeline={"stages": 2, "partition": "uniform", "virtual_stages": 2,
+                                                           "schedule": "interleaved-1f1b"})}
 FOUR = {"122_z3": dict(tp=2, pp=2, zero=3), "221_z2": dict(dp=2, tp=2, zero=2)}
 
 

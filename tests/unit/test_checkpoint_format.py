@@ -60,7 +60,8 @@ def test_local_to_full_index_matches_the_layers_sharding(name, world):
         idx = local_to_full_index(local_shape, tp)
         want = shard_tensor(_padded(full, dim, padded), dim, rank, world, parts).reshape(-1)
         assert torch.equal(take_local(full.reshape(-1), idx), want)
-        assert int((idx < 0).sum()) == (0 if padded is None else (padded - shape[dim]) * shape[1 - dim] * (rank == world - 1))
+        pad_rows = 0 if padded is None or rank != world - 1 else padded - shape[dim]
+        assert int((idx < 0).sum()) == pad_rows * shape[1 - dim]
 
 
 def _save_fragments(full: torch.Tensor, case: str, tp: int, dp: int, align: int = 4):
