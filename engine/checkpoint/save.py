@@ -127,7 +127,8 @@ def _unsaved_tensors(module: torch.nn.Module) -> list[str]:
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     buffers = [k for k in module.state_dict(keep_vars=True) if k not in params]
     frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-    return sorted(buffers + frozen)
+    fp8 = [n for n, m in module.named_modules() if getattr(m, "fp8_state", None) is not None]  # amax histories
+    return sorted(buffers + frozen) + [f"{n}.fp8_state" for n in fp8]
 
 
 def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
