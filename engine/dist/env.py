@@ -1,25 +1,13 @@
-"""Launch detection, process-group bring-up and teardown.
+"""Launch detection, process-group bring-up and teardown (see docs/launching.md).
 
 The only module in ``engine`` that reads environment variables. Detection is a pure
 function of an ``environ`` mapping and an ``argv`` list, so every launcher layout is
-testable without launching anything:
-
-==========  ==========================================================  ============
-launcher    detected by                                                 rank source
-==========  ==========================================================  ============
-torchrun    RANK/WORLD_SIZE plus TORCHELASTIC_RUN_ID, GROUP_RANK or      env vars
-            LOCAL_WORLD_SIZE
-deepspeed   RANK/WORLD_SIZE without torchrun's markers (the launcher     env vars +
-            also sets LOCAL_SIZE/CROSS_RANK and appends --local_rank=N)   --local_rank
-openmpi     OMPI_COMM_WORLD_RANK                                          OMPI_COMM_WORLD_*
-slurm       SLURM_PROCID                                                  SLURM_*
-single      none of the above                                             rank 0 of 1
-==========  ==========================================================  ============
-
-Precedence, first match wins: explicit RANK/WORLD_SIZE (torchrun, deepspeed) > Open MPI
-> Slurm > single. A launcher started inside an allocation (torchrun under ``srun``,
-``mpirun`` inside ``sbatch``) knows the per-process truth; the allocation's variables
-describe the outer job. See docs/launching.md.
+testable without launching anything. Launchers, first match wins: explicit
+RANK/WORLD_SIZE (``torchrun`` if TORCHELASTIC_RUN_ID / GROUP_RANK / LOCAL_WORLD_SIZE is
+set, else ``deepspeed``, which also appends ``--local_rank=N``) > ``openmpi``
+(OMPI_COMM_WORLD_*) > ``slurm`` (SLURM_PROCID) > ``single``. A launcher started inside
+an allocation (torchrun under ``srun``) knows the per-process truth; the allocation's
+variables describe the outer job. torch is imported lazily: detection stays torch-free.
 """
 
 from __future__ import annotations
@@ -128,7 +116,7 @@ def _argv_local_rank(argv: Sequence[str]) -> Optional[int]:
                 continue
             if not re.fullmatch(r"\d+", raw):
                 raise LaunchError(f"launcher 'deepspeed' detected: command-line argument "
-                                  f"{flag} has non-integer value {raw!r}")
+                                  f"{flag}={raw!r} is not a non-negative integer")
             return int(raw)
     return None
 
@@ -531,11 +519,17 @@ def _diagnose(env: DistEnv, grace_s: float) -> str:
     return "; ".join(parts) or "every rank checked in: no peer is known to have failed"
 
 
+# gloo (torch 2.13) raises a plain RuntimeError from its transport; NCCL and the store
+# raise torch.distributed.DistError subclasses
+_TRANSPORT_ERRORS = ("gloo/transport", "Connection closed by peer", "Timed out waiting",
+                     "Connection reset by peer", "Broken pipe")
+
+
 def _is_comm_error(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(exc, dist.DistError) or (
-        isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
+        isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TRANSPORT_ERRORS))
 
 
 @contextlib.contextmanager

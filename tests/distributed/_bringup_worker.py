@@ -71,6 +71,7 @@ def main(scenario: str) -> int:
         out["error"] = None
     except PeerFailureError as exc:
         out["error"] = str(exc)
+        out["cause_type"] = type(exc.__cause__).__name__
     out["elapsed"] = time.monotonic() - start
     print(json.dumps(out), flush=True)
     return 0

@@ -1,5 +1,6 @@
 """Launch detection (pure parsing), hostlists, precedence, error messages, op-build settings."""
 
+import os
 import re
 
 import pytest
@@ -229,10 +230,12 @@ def test_bad_port(port):
 def test_deepspeed_argv_contradicts_env():
     with raises("deepspeed", "LOCAL_RANK=3", "--local_rank=1"):
         detect_launch(deepspeed_env(), ["t.py", "--local_rank=1"])
-    with raises("deepspeed", "--local_rank", "'x'"):
+    with raises("deepspeed", "--local_rank='x'", "not a non-negative integer"):
         detect_launch(deepspeed_env(), ["t.py", "--local_rank=x"])
-    with raises("deepspeed", "--local_rank", "''"):
+    with raises("deepspeed", "--local_rank=''"):
         detect_launch(deepspeed_env(), ["t.py", "--local_rank"])
+    with raises("deepspeed", "--local-rank='-1'"):
+        detect_launch(deepspeed_env(), ["t.py", "--local-rank", "-1"])
 
 
 def test_deepspeed_local_rank_beyond_local_size():
@@ -343,3 +346,44 @@ def test_env_flag():
     assert env_flag("F", default=True, environ={}) is True
     with pytest.raises(ValueError, match="ENGINE_BUILD_OPS='maybe'"):
         op_build_settings({"ENGINE_BUILD_OPS": "maybe"})
+
+
+# ------------------------------------------------------------ failure diagnosis (no processes)
+def test_diagnosis_names_raised_dead_and_silent_ranks():
+    import socket
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from engine.dist import env as E
+
+    store = dist.HashStore()
+    info = LaunchInfo("torchrun", 1, 1, 4, 4, "127.0.0.1", 1)
+    denv = E.DistEnv(launch=info, device=None, backend="gloo", timeout_s=1.0, store=store)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: the pid no longer exists
+    host = socket.gethostname()
+    store.set("engine/proc/0", f"{host} {os.getpid()}")  # alive, but never checks in
+    store.set("engine/proc/1", f"{host} {os.getpid()}")
+    store.set("engine/proc/2", f"{host} {dead.pid}")
+    store.set("engine/proc/3", f"elsewhere {dead.pid}")  # another host: not judged by pid
+    E.record_failure(E.DistEnv(launch=LaunchInfo("torchrun", 3, 3, 4, 4, "h", 1), device=None,
+                               backend="gloo", timeout_s=1.0, store=store),
+                     ValueError("bad batch"))
+    assert E._check_in(denv) is None
+    msg = E._diagnose(denv, grace_s=0.2)
+    assert "rank 3 failed with ValueError: bad batch" in msg
+    assert f"rank 2 is no longer running (pid {dead.pid} on {host})" in msg
+    assert "rank(s) [0] did not check in within 0.2s" in msg
+    assert "rank 1" not in msg
+
+
+def test_comm_error_classification():
+    from engine.dist.env import _is_comm_error
+
+    assert _is_comm_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                                       "Connection closed by peer [127.0.0.1]:1"))
+    assert _is_comm_error(RuntimeError("Timed out waiting 3000ms for recv operation"))
+    assert not _is_comm_error(RuntimeError("ProcessGroupGloo::allreduce: invalid tensor size"))
+    assert not _is_comm_error(ValueError("Connection closed by peer"))
