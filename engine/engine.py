@@ -299,6 +299,28 @@ class Engine(nn.Module):
         self.groups = None
         self._dp_group = None
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True) -> str:
+        """DeepSpeed's ``save_checkpoint``: sharded, atomic, loadable at any layout
+        (:func:`engine.checkpoint.save_checkpoint`, docs/checkpoints.md). Collective."""
+        from engine.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Optional[str], Optional[dict]]:
+        """DeepSpeed's ``load_checkpoint`` -> ``(path, client_state)``, from any (dp, tp, pp,
+        ZeRO stage) (:func:`engine.checkpoint.load_checkpoint`). Collective."""
+        if not load_module_strict:
+            raise ValueError("load_module_strict=False is not supported: every parameter of the model must be in "
+                             "the checkpoint (use load_module_only=True to skip the optimizer state)")
+        from engine.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
     # ------------------------------------------------------------------ memory
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer state (ZeRO's own
