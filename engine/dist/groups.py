@@ -89,6 +89,8 @@ class ParallelGroups:
         rank = dist.get_rank() if rank is None else rank
         if rank != dist.get_rank():
             raise ValueError(f"rank={rank} is not this process's rank {dist.get_rank()}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive (or None to inherit), got {timeout_s!r}")
         timeout = (_default_timeout() if timeout_s is None
                    else datetime.timedelta(seconds=timeout_s))
 

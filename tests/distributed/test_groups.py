@@ -71,6 +71,10 @@ def _errors(rank, groups):
     except ValueError as e:
         msgs.append(str(e))
     try:
+        ParallelGroups.build(Topology(dp=8), timeout_s=0)
+    except ValueError as e:
+        msgs.append(str(e))
+    try:
         groups.tp_group = None
     except Exception as e:  # frozen dataclass
         msgs.append(type(e).__name__)
@@ -114,6 +118,7 @@ def test_group_allreduce_sums_match_topology():
         errors = results[rank]["errors"]
         assert "needs 4 ranks but the job has 8" in errors[0]
         assert "is not this process's rank" in errors[1]
-        assert errors[2] == "FrozenInstanceError"
+        assert "timeout_s must be positive" in errors[2]
+        assert errors[3] == "FrozenInstanceError"
     # (1, 1, 8): only ranks 0 and 7 hold the embedding; they sum to 7
     assert [r[(1, 1, 8)]["embedding"][0] for r in results] == [7.0] + [None] * 6 + [7.0]
