@@ -11,7 +11,8 @@
    with a re-sealed metadata file): each is a CheckpointError naming the file and what is
    wrong, and a failed load leaves the engine's weights untouched.
 3. ``keep_last`` prunes old ``global_step*`` tags after publishing; saving over an existing
-   tag replaces it; a directory without ``latest`` loads nothing.
+   tag replaces it; a directory without ``latest`` loads nothing; the entry point's
+   Checkpointer saves every ``checkpoint.save_interval`` steps and once more at the end.
 4. Any nn.Module under the DeepSpeed loop (no stage chunks: the module's own parameter
    names) saves at ZeRO-1 and loads at ZeRO-3 with the exact state; the next step's loss
    agrees to rtol 1e-6 (same arithmetic, another bucketing: the gradient norm is summed in
@@ -219,7 +220,29 @@ def _safety(rank, world, root):
     res["overwritten"] = sorted(os.listdir(kept))
     res["nothing"] = load_checkpoint(C.build(cfg), os.path.join(root, "empty"))
     res["module"] = _modules(root)
+    res["interval"] = _interval(root)
     return res
+
+
+def _interval(root):
+    """The entry point's Checkpointer: every save_interval steps, keep_last, one final save."""
+    from engine.checkpoint.preempt import Checkpointer
+
+    d = os.path.join(root, "interval")
+    eng = C.build(C.config(layers=2, checkpoint={"save_interval": 2, "keep_last": 2}))
+    with Checkpointer(eng, d, eng.config.checkpoint.save_interval) as ck:
+        calls, real = [], ck.save
+        ck.save = lambda: calls.append(eng.global_steps) or real()
+        stops = []
+        for _ in range(4):
+            C.train(eng, 1)
+            stops.append(ck.after_step())
+        listing = sorted(os.listdir(d))
+        ck.finish()  # step 4 was just saved: not again
+        C.train(eng, 1)
+        stops.append(ck.after_step())
+        ck.finish()
+    return dict(calls=calls, stops=stops, listing=listing, final=sorted(os.listdir(d)))
 
 
 @pytest.fixture(scope="module")
@@ -266,11 +289,15 @@ def test_broken_checkpoints_are_rejected_naming_the_file(safety):
 
 
 @pytest.mark.timeout(600)
-def test_keep_last_overwrite_and_empty_directory(safety):
+def test_keep_last_overwrite_interval_saves_and_empty_directory(safety):
     _, _, res = safety
     assert res["kept"] == ["custom", "global_step4", "global_step5", "latest"], res["kept"]
     assert res["overwritten"] == ["custom", "global_step4", "global_step5", "latest"], res["overwritten"]
     assert res["nothing"] == (None, None)
+    iv = res["interval"]
+    assert iv["calls"] == [2, 4, 5] and not any(iv["stops"])
+    assert iv["listing"] == ["global_step2", "global_step4", "latest"]
+    assert iv["final"] == ["global_step4", "global_step5", "latest"]
 
 
 @pytest.mark.timeout(600)
