@@ -1,0 +1,329 @@
+"""Shared pieces of the benchmarks: launching ranks, timing phases and collectives, the
+measured CPU matmul peak, the machine description and the output formats.
+
+Benchmarks are entry points, not library code: they may read the environment, print and
+parse arguments. Everything here runs on CPU (gloo) and on CUDA (NCCL); the device and
+backend come from :func:`engine.dist.env.init_distributed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import queue as queue_mod
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+__all__ = ["ROOT", "launch", "launched_externally", "CommTimer", "PhaseTimer", "sync", "cpu_matmul_peak",
+           "machine_description", "markdown_table", "median", "spread", "write_json", "free_port"]
+
+
+# ------------------------------------------------------------------ launching ranks
+def launched_externally() -> bool:
+    """True under torchrun / the deepspeed launcher / srun (the launcher made the ranks)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world: int, port: int, results, args: tuple, threads: Optional[int]) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    try:
+        out = fn(*args)
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    # DeepSpeed's ZeRO-3 occasionally aborts in its own atexit teardown on CPU; once the
+    # result has left (flush the queue's feeder thread), skip interpreter shutdown.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def launch(fn: Callable, nproc: int, *args: Any, threads: Optional[int] = 1, timeout: float = 3600.0) -> list:
+    """Run ``fn(*args)`` on ``nproc`` fresh processes with a torchrun-style environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and return each rank's result.
+
+    Under an external launcher (torchrun, deepspeed, srun) ``fn`` runs in this process only
+    and the list holds just this rank's result. ``fn`` must be importable (module level)
+    and initialises the process group itself (``engine.dist.env.init_distributed``).
+    """
+    if launched_externally():
+        return [fn(*args)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, results, args, threads), daemon=True)
+             for r in range(nproc)]
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.start()
+        while len(out) < nproc:
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead:
+                    time.sleep(1.0)
+                    if results.empty():
+                        raise RuntimeError(f"rank(s) {dead} died without a result (exit codes "
+                                           f"{[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks {[r for r in range(nproc) if r not in out]} did not finish "
+                                       f"within {timeout:.0f}s") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(nproc)]
+
+
+# ------------------------------------------------------------------ timing
+def sync(device: Optional[torch.device]) -> None:
+    """Wait for queued device work (CUDA); nothing on CPU."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# isend/irecv stay unwrapped: dist.P2POp accepts only those very functions; the Works that
+# batch_isend_irecv returns are timed at their wait().
+_P2P = ("send", "recv", "batch_isend_irecv")
+_COLLECTIVES = _P2P + ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "_all_gather_base",
+                "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base",
+                "broadcast", "reduce", "all_to_all_single", "all_reduce_coalesced", "barrier")
+
+
+class _TimedWork:
+    """An async ``Work`` whose ``wait()`` counts as communication time."""
+
+    def __init__(self, work: Any, timer: "CommTimer", kind: str) -> None:
+        self._work, self._timer, self._kind = work, timer, kind
+
+    def wait(self, *a: Any, **k: Any) -> Any:
+        with self._timer.region(self._kind):
+            return self._work.wait(*a, **k)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class CommTimer:
+    """Exposed communication time of this process: wall time spent inside a collective
+    or point-to-point call of ``torch.distributed`` plus time blocked in ``Work.wait()``
+    of an asynchronous one (time that overlapped with compute is not counted).
+
+    ``install()`` wraps the module-level functions of ``torch.distributed``; call it before
+    any library binds them (DeepSpeed keeps references from its ``init_distributed``).
+    Nested calls (a deprecated API calling its replacement) count once.
+    """
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = device
+        self.seconds = 0.0
+        self.by_kind = {"collective": 0.0, "p2p": 0.0}
+        self.calls = 0
+        self._local = threading.local()
+        self._originals: dict[str, Callable] = {}
+
+    @contextlib.contextmanager
+    def region(self, kind: str = "collective"):
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if depth == 0:
+                sync(self.device)  # CUDA: the collective's own duration (serialises overlap)
+                dt = time.perf_counter() - t0
+                self.seconds += dt
+                self.by_kind[kind] += dt
+                self.calls += 1
+
+    def _wrap(self, name: str, fn: Callable) -> Callable:
+        timer = self
+        kind = "p2p" if name in _P2P else "collective"
+
+        def timed(*a: Any, **k: Any) -> Any:
+            with timer.region(kind):
+                out = fn(*a, **k)
+            if out is None or getattr(timer._local, "depth", 0):
+                return out
+            if isinstance(out, list):  # batch_isend_irecv
+                return [_TimedWork(w, timer, kind) if hasattr(w, "wait") else w for w in out]
+            return _TimedWork(out, timer, kind) if hasattr(out, "wait") else out
+
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        timed.__name__ = name
+        return timed
+
+    def install(self) -> "CommTimer":
+        for name in _COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is not None and name not in self._originals:
+                self._originals[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def uninstall(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase and subtracts the communication that happened inside
+    it, so ``forward + backward + optimizer + communication (+ other)`` adds up to the step."""
+
+    def __init__(self, comm: CommTimer, device: Optional[torch.device]) -> None:
+        self.comm, self.device = comm, device
+        self.seconds: dict[str, float] = {}
+        self.comm_inside: dict[str, float] = {}  # collective (not p2p) time inside each phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        sync(self.device)
+        c0, t0 = self.comm.by_kind["collective"], time.perf_counter()
+        try:
+            yield
+        finally:
+            sync(self.device)
+            dt, dc = time.perf_counter() - t0, self.comm.by_kind["collective"] - c0
+            self.seconds[name] = self.seconds.get(name, 0.0) + dt
+            self.comm_inside[name] = self.comm_inside.get(name, 0.0) + dc
+
+    def wrap(self, obj: Any, method: str, name: str) -> None:
+        """Time every call of ``obj.method`` as phase ``name`` (an instance attribute wraps
+        the bound method; the object's class is untouched)."""
+        orig = getattr(obj, method)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            with self.phase(name):
+                return orig(*a, **k)
+
+        setattr(obj, method, timed)
+
+    def compute(self, name: str) -> float:
+        return self.seconds.get(name, 0.0) - self.comm_inside.get(name, 0.0)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.comm_inside.clear()
+
+
+def cpu_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of a square ``n`` x ``n`` matmul on this process's threads (the best of
+    repeated timings over about ``seconds``): the CPU "peak" MFU is measured against."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up (thread pool, packing buffers)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    reps = 0
+    while reps < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2.0 * n ** 3 / best
+
+
+# ------------------------------------------------------------------ statistics and output
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and interquartile range."""
+    if not xs:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "iqr": float("nan")}
+    s = sorted(xs)
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "iqr": q[2] - q[0]}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    d: dict[str, Any] = {
+        "host": platform.node(), "os": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 1) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "cuda": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        d["gpu"] = torch.cuda.get_device_name(0)
+        d["gpu_count"] = torch.cuda.device_count()
+    try:
+        import deepspeed  # noqa: F401 - only its version
+
+        d["deepspeed"] = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - optional
+        d["deepspeed"] = None
+    return d
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A GitHub markdown table of ``rows`` (dicts) with the given column keys."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            if v != v:
+                return "nan"
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.3g}"
+        return str(v)
+
+    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    out += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
