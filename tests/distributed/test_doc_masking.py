@@ -95,12 +95,11 @@ def _layouts(rank, world, layouts):
                             "schedule": extra.get("schedule", "1f1b"), "virtual_stages": extra.get("v", 1)},
                "model": TINY, "data": {"document_masking": True}}
         captured = []
-        loss_fn = None
-        if extra.get("tp", 1) == 1:  # full logits on the last stage: capture them
-            def loss_fn(logits, targets):
-                captured.append(logits.detach().clone())
-                return vocab_parallel_cross_entropy(logits, targets, None)
-        eng, *_ = engine.initialize(config=cfg, loss_fn=loss_fn)
+        def capture(logits, targets):  # the last stage's full logits (TP = 1)
+            captured.append(logits.detach().clone())
+            return vocab_parallel_cross_entropy(logits, targets, None)
+
+        eng, *_ = engine.initialize(config=cfg, loss_fn=capture if extra.get("tp", 1) == 1 else None)
         losses = [eng.train_batch(iter(_microbatches(s))).item() for s in range(STEPS)]
         doc_err = None
         if captured:
