@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps (after warm-up)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--split-steps", type=int, default=3, help="instrumented steps for the time split (0: none)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (dotted path, JSON value), e.g. zero_optimization.stage=2")
     ap.add_argument("--nproc", type=int, default=None,
                     help="ranks to start (default: tp*pp of the config, or every GPU); ignored under torchrun")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank (torch.set_num_threads)")
@@ -63,14 +65,44 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--steps must be >= 1, --warmup and --split-steps >= 0")
     if not os.path.isfile(args.config):
         ap.error(f"--config {args.config!r} is not a file")
+    try:
+        args.config_dict = apply_overrides(_read_json(args.config), args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     return args
 
 
-def default_nproc(config_path: str) -> int:
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def apply_overrides(cfg: dict, sets: list[str]) -> dict:
+    """``["a.b=3", "c=\"x\""]`` -> cfg with cfg["a"]["b"] = 3 and cfg["c"] = "x" (a copy)."""
+    import copy
+
+    out = copy.deepcopy(cfg)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare string
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def default_nproc(raw: dict) -> int:
     import torch
 
-    with open(config_path) as f:
-        raw = json.load(f)
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     tp = int(raw.get("tensor_parallel", {}).get("autotp_size", 1) or 1)
@@ -115,6 +147,49 @@ def _remeasure_peak(eng, dtype_name: str, peak, source: str):
         return peak
     again, _ = _measured_peak(eng, dtype_name, None)
     return max(peak, again)
+
+
+def _probe_comm_and_memory(device) -> dict:
+    """Bandwidths the planner is calibrated with: ring all-reduce bus bandwidth of an 8 MiB
+    fp32 tensor over the world, small-message latency per ring step, and the copy bandwidth
+    of device memory (read + write of 64 MiB). All ranks probe together."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.common import sync
+
+    n = dist.get_world_size()
+    out = {}
+    x = torch.ones(64 * 2 ** 20 // 4, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    out["memory_bw"] = 2 * x.numel() * 4 / best
+    if n > 1:
+        big = torch.ones(8 * 2 ** 20 // 4, device=device)
+        small = torch.ones(2, device=device)
+        for name, t, reps in (("big", big, 5), ("small", small, 20)):
+            dist.all_reduce(t)  # warm-up
+            dist.barrier()
+            times = []
+            for _ in range(reps):
+                sync(device)
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            med = times[len(times) // 2]
+            if name == "big":
+                out["allreduce_busbw"] = 2 * (n - 1) / n * big.numel() * 4 / med
+            else:
+                out["latency_s"] = med / (2 * (n - 1))
+    return out
 
 
 def _split_step(eng, cfg, step: int, phases: PhaseTimer, comm: CommTimer) -> dict:
@@ -164,11 +239,12 @@ def _rank_main(args_dict: dict) -> dict:
     comm = CommTimer().install()  # before any library binds torch.distributed functions
     env = init_distributed(timeout_s=args.timeout)
     comm.device = env.device
-    eng, *_ = engine.initialize(config=args.config, dist_env=env)
+    eng, *_ = engine.initialize(config=args.config_dict, dist_env=env)
     cfg = eng.config
     if eng.pipeline is not None:
         eng.pipeline.executor.record = True  # action timestamps for the bubble (cheap)
     peak, peak_source = _measured_peak(eng, cfg.precision, args.peak_tflops)
+    probes = _probe_comm_and_memory(eng.device)
     timer = StepTimer(eng.device)
     step = 0
     for _ in range(args.warmup):
@@ -208,7 +284,7 @@ def _rank_main(args_dict: dict) -> dict:
                                                "pp": eng.groups.pp_rank},
             "peak_bytes": peak_memory_bytes(eng.device), "params_bytes": int(mem["params"]),
             "grads_bytes": int(mem["grads"]), "optimizer_state_bytes": int(mem["optimizer_state"]),
-            "peak_flops": peak, "split": splits}
+            "peak_flops": peak, "split": splits, "probes": probes}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     result = None
@@ -236,7 +312,7 @@ def _summary(args, cfg, times, losses, ranks, peak_source, device, fpt, n_params
     bubble_fraction = [s["bubble_fraction"] for r in ranks for s in r["split"]]
     u = mfu(fpt, tps, peak_total)
     return {
-        "config": os.path.relpath(args.config), "model": cfg.model.to_dict(), "params": n_params,
+        "config": os.path.relpath(args.config), "overrides": list(args.set), "model": cfg.model.to_dict(), "params": n_params,
         "flops_per_token": fpt, "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
         "zero_stage": cfg.zero.stage, "precision": cfg.precision,
         "schedule": cfg.pipeline.schedule if cfg.pp > 1 else None,
@@ -249,6 +325,7 @@ def _summary(args, cfg, times, losses, ranks, peak_source, device, fpt, n_params
         "measured_bubble_fraction": (sum(bubble_fraction) / len(bubble_fraction)) if bubble_fraction else None,
         "memory_per_rank": [{k: r[k] for k in ("rank", "coord", "peak_bytes", "params_bytes", "grads_bytes",
                                                 "optimizer_state_bytes")} for r in ranks],
+        "probes": {k: median([r["probes"][k] for r in ranks]) for k in ranks[0]["probes"]},
         "losses": losses, "machine": machine_description(),
     }
 
@@ -257,7 +334,8 @@ def markdown_row(res: dict) -> dict:
     lay = res["layout"]
     s = res["split_ms_mean_over_ranks"]
     return {
-        "config": os.path.basename(res["config"]), "layout": f"dp{lay['dp']}·tp{lay['tp']}·pp{lay['pp']}"
+        "config": os.path.basename(res["config"]) + "".join(f" {o}" for o in res.get("overrides", [])),
+        "layout": f"dp{lay['dp']}·tp{lay['tp']}·pp{lay['pp']}"
         + (f" {res['schedule']}" if res["schedule"] else ""), "ZeRO": res["zero_stage"], "dtype": res["precision"],
         "ranks": res["ranks"], "device": res["device"], "tokens/s": round(res["tokens_per_s"], 1),
         "step ms (median)": round(res["step_ms"]["median"], 1), "step ms IQR": round(res["step_ms"]["iqr"], 1),
@@ -274,7 +352,7 @@ def _r(x):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    nproc = args.nproc or default_nproc(args.config)
+    nproc = args.nproc or default_nproc(args.config_dict)
     t0 = time.perf_counter()
     results = launch(_rank_main, nproc, vars(args), threads=args.threads, timeout=args.timeout)
     res = results[0]

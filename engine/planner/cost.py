@@ -1,0 +1,429 @@
+"""The planner's cost model: memory per device (analytic) and step time (compute from FLOPs,
+communication from bytes over bandwidth per collective, the pipeline from the schedule
+simulator) of one :class:`Layout` of the reference GPT on a :class:`Cluster`.
+
+Conventions (ours, i.e. this engine's; the Megatron-LM practice where they agree):
+
+- ranks are laid out TP innermost, then DP, then PP (:class:`engine.topology.Topology`), so
+  a TP group stays inside a node and DP / PP groups span nodes once ``tp*dp`` (resp. the
+  world) exceeds a node;
+- TP > 1 uses sequence parallelism (activations between TP regions are split over the
+  sequence), so every activation term below is divided by ``tp``;
+- compute dtype ``param_bytes`` (2 = bf16); gradients accumulate and are reduced in fp32
+  (4 bytes), Adam keeps fp32 master weights and two moments (12 bytes): the ZeRO paper's
+  K = 12 with our fp32 gradients (:func:`engine.zero.memory.zero_memory_formula`); ZeRO-1
+  also holds its fp32 master-gradient shard (4 Psi / N_d, our stage 1);
+- activations saved per transformer block and token, in compute-dtype bytes, counted from
+  what the reference block keeps for its backward (flash/SDPA attention: no S x S scores)::
+
+      2 (norm in) + 2 (QKV in) + 2 (Q) + 4 kv*d/h (K, V) + 2 (attention out)
+      + 2 (norm in) + 2 (MLP in) + 6 f/h (gate, up, down in)    [x h bytes, / tp]
+
+  which for Llama shapes (f = 3.5h, kv = h/8) is 33.5 h - Korthikanti et al.'s 34 h
+  without dropout masks. Full recomputation keeps only each block's input (2 h / tp) and
+  one block's activations during its backward;
+- the LM head's logits: compute dtype plus fp32 log-softmax and its gradient, one
+  micro-batch at a time on the last stage;
+- micro-batches in flight per stage: the simulator's peak for the schedule.
+
+Time per step: the pipeline makespan from :func:`engine.pipeline.simulate.simulate` with
+per-stage forward/backward costs (compute at ``peak * compute_efficiency``, plus the TP
+collectives of each block and, with ZeRO-3, the parameter all-gathers not hidden behind
+compute) and the point-to-point transfer as the communication cost; plus the DP gradient
+reduction and parameter gather not hidden behind the last micro-batch's backward; plus the
+optimizer step (memory-bound: ~34 bytes per local master element).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.errors import ConfigError
+from engine.models import flops_per_token
+from engine.models.config import ModelConfig
+from engine.pipeline.partition import layers_of, partition_layers
+from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args
+from engine.pipeline.simulate import simulate
+from engine.planner.cluster import Cluster
+from engine.runtime.model import reference_layer_params
+from engine.zero.memory import zero_memory_formula
+
+__all__ = ["Layout", "MemoryEstimate", "TimeEstimate", "StageShape", "stage_shapes", "memory_estimate",
+           "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "check_layout", "model_states_bytes", "zero_state_bytes",
+           "memory_lower_bound",
+           "ADAM_STEP_BYTES"]
+
+ADAM_STEP_BYTES = 34.0  # per master element: read grad, master, m, v; write master, m, v, param; norm pass
+LOGIT_BYTES = 10.0      # per logit element: compute-dtype logits + fp32 log-softmax + its gradient
+SIM_MICROBATCH_MIN = 8  # pipelines longer than max(p + 2, this) are simulated at that length and extrapolated
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of a training step. ``micro_batch`` sequences per micro-batch,
+    ``num_microbatches`` per optimizer step and DP replica; ``schedule`` is ``"none"``
+    without a pipeline; ``recompute``: full activation checkpointing of every block."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    num_microbatches: int
+    zero_stage: int
+    schedule: str = "none"
+    virtual_stages: int = 1
+    recompute: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        sched = self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} {sched} mb{self.micro_batch}x{self.num_microbatches} "
+                f"ZeRO-{self.zero_stage}" + (" recompute" if self.recompute else ""))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the most loaded device."""
+
+    params: float
+    grads: float
+    optimizer_state: float
+    activations: float
+    logits: float
+    transient: float  # ZeRO-3 gathered parameters and their fp32 gradients
+    reserved: float
+    inflight_microbatches: int
+    stage: int  # the pipeline stage that needs the most
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.logits + self.transient + self.reserved
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    step_s: float
+    compute_s: float      # this device's forward + backward (+ recompute) FLOPs at the achieved rate
+    tp_comm_s: float      # TP collectives on the critical path
+    pp_comm_s: float      # point-to-point transfers on the critical path (approximate)
+    zero3_gather_s: float  # exposed ZeRO-3 parameter all-gathers
+    bubble_s: float       # pipeline idle time of the busiest stage
+    bubble_fraction: float
+    dp_comm_s: float      # exposed gradient reduction + parameter gather
+    optimizer_s: float
+    tokens_per_s: float
+    mfu: float
+    notes: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What one pipeline piece (virtual stage) holds."""
+
+    blocks: int
+    has_embedding: bool
+    has_head: bool
+    params: int  # unsharded
+
+
+def stage_shapes(model: ModelConfig, pp: int, virtual_stages: int = 1) -> list[StageShape]:
+    """The ``pp * virtual_stages`` pieces of the reference layer list under the engine's
+    ``uniform`` partition (blocks split evenly, embedding on the first, head on the last;
+    a tied head on another stage holds its own copy, as the engine's does)."""
+    counts = reference_layer_params(model)
+    bounds = partition_layers(counts, pp * virtual_stages, "uniform")
+    last = len(counts) - 1
+    out = []
+    for k in range(pp * virtual_stages):
+        lo, hi = bounds[k], bounds[k + 1]
+        blocks = sum(1 for i in range(lo, hi) if 0 < i < last)
+        n = sum(counts[lo:hi])
+        if model.tie_embeddings and lo == 0 and hi == len(counts):  # one tied matrix, counted once
+            n -= model.vocab_size * model.hidden_size
+        out.append(StageShape(blocks, lo == 0, hi == len(counts), n))
+    return out
+
+
+def _block_matmul_params(model: ModelConfig) -> int:
+    counts = reference_layer_params(model)
+    return counts[1] - 2 * model.hidden_size  # minus the two RMSNorm weights
+
+
+def activation_bytes_per_token(model: ModelConfig, tp: int, param_bytes: float = 2.0,
+                               recompute: bool = False) -> float:
+    """Saved activations of ONE block per token (see the module docstring), sharded by TP."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    kvd = model.num_kv_heads * model.head_dim
+    if recompute:
+        return param_bytes * h / tp
+    return param_bytes * (6 * h + 2 * kvd + 3 * f) / tp  # elements: 6 of size h, K and V, 3 of size f
+
+
+def _ring(bytes_: float, n: int, bw: float, latency: float, factor: float) -> float:
+    """``factor`` = 2 for all-reduce, 1 for reduce-scatter / all-gather."""
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    return factor * (n - 1) / n * bytes_ / bw + factor * (n - 1) * latency
+
+
+def _dp_bandwidth(layout: Layout, cluster: Cluster) -> float:
+    return cluster.intra_node_bw if layout.tp * layout.dp <= cluster.gpus_per_node else cluster.inter_node_bw
+
+
+def _pp_bandwidth(layout: Layout, cluster: Cluster) -> float:
+    return cluster.intra_node_bw if layout.tp * layout.dp * layout.pp <= cluster.gpus_per_node \
+        else cluster.inter_node_bw
+
+
+def zero_state_bytes(numel: float, stage: int, dp: int, param_bytes: float = 2.0) -> dict[str, float]:
+    """Parameter / gradient / optimizer-state bytes per rank of ``numel`` elements under our
+    ZeRO ``stage`` over ``dp`` ranks: the ZeRO paper's formula with fp32 gradients and
+    K = 12, plus stage 1's fp32 master-gradient shard (4 numel / dp) next to its full
+    accumulator."""
+    st = zero_memory_formula(int(numel), stage, dp, param_bytes=int(param_bytes), grad_bytes=4, optimizer_bytes=12)
+    if stage == 1:
+        st["grads"] += 4.0 * numel / dp
+    return st
+
+
+def _rank_states(model: ModelConfig, layout: Layout, shapes: list[StageShape], rank: int,
+                 param_bytes: float) -> tuple[float, float, float]:
+    """(params, grads, optimizer state) bytes of pipeline rank ``rank``."""
+    n_params = sum(shapes[c * layout.pp + rank].params for c in range(layout.virtual_stages)) / layout.tp
+    st = zero_state_bytes(n_params, layout.zero_stage, layout.dp, param_bytes)
+    return st["params"], st["grads"], st["optimizer_state"]
+
+
+def model_states_bytes(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.0) -> float:
+    """Parameters + gradients + optimizer state on the most loaded pipeline rank."""
+    shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
+    return max(sum(_rank_states(model, layout, shapes, r, param_bytes)) for r in range(layout.pp))
+
+
+def memory_lower_bound(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0) -> float:
+    """A cheap lower bound of :func:`memory_estimate` (no simulation): the first pipeline
+    rank holds at least ``min(pp, micro-batches)`` micro-batches of its blocks' activations
+    under every schedule here (one chunk each with interleaving)."""
+    shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
+    tokens = layout.micro_batch * model.seq_len
+    act = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
+    first = shapes[0].blocks * min(layout.pp, layout.num_microbatches) * tokens * act
+    return max(model_states_bytes(model, layout, param_bytes=param_bytes), sum(
+        _rank_states(model, layout, shapes, 0, param_bytes)) + first) + cluster.reserved_bytes
+
+
+def memory_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0,
+                    inflight: Optional[list[int]] = None) -> MemoryEstimate:
+    """Bytes per device on the stage that needs most. ``inflight[k]``: micro-batch chunks
+    held by pipeline rank k at its peak (default: the simulator's)."""
+    shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
+    if inflight is None:
+        inflight = list(_simulate(model, layout, cluster, param_bytes).peak_activations)
+    tokens = layout.micro_batch * model.seq_len
+    act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
+    full_act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, False)
+    per_block_params = reference_layer_params(model)[1]
+    best: Optional[MemoryEstimate] = None
+    for rank in range(layout.pp):
+        mine = [shapes[c * layout.pp + rank] for c in range(layout.virtual_stages)]
+        params, grads, opt = _rank_states(model, layout, shapes, rank, param_bytes)
+        blocks_per_chunk = max(s.blocks for s in mine)
+        acts = inflight[rank] * blocks_per_chunk * tokens * act_tok
+        if layout.recompute:
+            acts += tokens * full_act_tok  # the block being recomputed
+        logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if any(s.has_head for s in mine) else 0.0
+        transient = 0.0
+        if layout.zero_stage == 3:  # current + prefetched block gathered, and the block's fp32 grads
+            transient = per_block_params / layout.tp * (2 * param_bytes + 4)
+        est = MemoryEstimate(params, grads, opt, acts, logits, transient,
+                             cluster.reserved_bytes, inflight[rank], rank)
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def _piece_costs(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes: float) -> list[tuple]:
+    """Per pipeline piece: (forward s, backward s, compute s, tp comm s, zero3 exposed s)."""
+    h, s, tp = model.hidden_size, model.seq_len, layout.tp
+    tokens = layout.micro_batch * s
+    rate = cluster.peak_flops * cluster.compute_efficiency
+    f_block = 2 * _block_matmul_params(model) + 4 * s * h  # forward FLOPs per token per block
+    f_head = 2 * model.vocab_size * h
+    act_bytes = tokens * h * param_bytes  # one full (unsharded) activation
+    # 2 all-reduces per block forward (attention out, MLP out) = 2 AG + 2 RS with sequence parallelism
+    tp_fwd_block = 2 * _ring(act_bytes, tp, cluster.intra_node_bw, cluster.latency_s, 2.0)
+    out = []
+    for piece in stage_shapes(model, layout.pp, layout.virtual_stages):
+        fwd_flops = tokens * (piece.blocks * f_block + (f_head if piece.has_head else 0)) / tp
+        c_f = fwd_flops / rate
+        c_b = 2 * c_f + (piece.blocks * tokens * f_block / tp / rate if layout.recompute else 0.0)
+        tp_f = piece.blocks * tp_fwd_block + (tp_fwd_block / 2 if piece.has_embedding else 0.0)
+        tp_b = tp_f * (2.0 if layout.recompute else 1.0)
+        z3_f = z3_b = 0.0
+        if layout.zero_stage == 3 and layout.dp > 1:  # gathered in forward and again in backward
+            g = _ring(piece.params / tp * param_bytes, layout.dp, _dp_bandwidth(layout, cluster),
+                      cluster.latency_s, 1.0)
+            z3_f = max(0.0, g - cluster.comm_overlap * c_f)
+            z3_b = max(0.0, g - cluster.comm_overlap * c_b)
+        out.append((c_f + tp_f + z3_f, c_b + tp_b + z3_b, c_f + c_b, tp_f + tp_b, z3_f + z3_b))
+    return out
+
+
+def _sim_length(schedule: str, p: int, m: int, v: int) -> int:
+    """The micro-batch count simulated: ``m`` up to ``max(p + 2, 8)``, else that (the
+    steady state is reached after p micro-batches; the rest is extrapolated), rounded up to
+    a multiple of p for interleaved 1F1B."""
+    n = max(p + 2, SIM_MICROBATCH_MIN)
+    if m <= n:
+        return m
+    if schedule == "interleaved-1f1b":
+        n = -(-n // p) * p
+    return min(n, m)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sim_cached(schedule: str, p: int, m: int, v: int, fwd: tuple, bwd: tuple, comm: float):
+    def cost(rank: int, a) -> float:
+        k = a.chunk * p + rank
+        kind = a.kind.value
+        if kind == "F":
+            return fwd[k]
+        if kind == "B":
+            return bwd[k]
+        return bwd[k] / 2  # zb-h1: input grad and weight grad, half each
+    return simulate(build_all(schedule, p, m, v), m, v, costs=cost, comm_cost=comm)
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+@dataclass(frozen=True)
+class _Sim:
+    """A simulation result in seconds (the cached run is in units of the largest forward)."""
+
+    makespan: float
+    bubble_fraction: float
+    busy: tuple[float, ...]
+    peak_activations: tuple[int, ...]
+
+
+def _simulate(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes: float,
+              m_sim: Optional[int] = None) -> _Sim:
+    """The schedule simulated at ``m_sim`` (default ``_sim_length``) micro-batches with this
+    layout's costs, normalised by the largest forward so that layouts differing only in
+    scale (micro-batch size, bandwidths) share one simulation."""
+    p, v = layout.pp, layout.virtual_stages
+    sched = "1f1b" if layout.schedule == "none" else layout.schedule
+    costs = _piece_costs(model, layout, cluster, param_bytes)
+    unit = max(c[0] for c in costs) or 1.0
+    fwd = tuple(_round(c[0] / unit) for c in costs)
+    bwd = tuple(_round(c[1] / unit) for c in costs)
+    comm = _round(_p2p_seconds(model, layout, cluster, param_bytes) / unit) if p > 1 else 0.0
+    if m_sim is None:
+        m_sim = _sim_length(sched, p, layout.num_microbatches, v)
+    res = _sim_cached(sched, p, m_sim, v, fwd, bwd, comm)
+    peak = res.peak_activations
+    if sched == "gpipe" and m_sim < layout.num_microbatches:  # gpipe holds every micro-batch
+        peak = tuple(layout.num_microbatches for _ in peak)
+    return _Sim(res.makespan * unit, res.bubble_fraction, tuple(b * unit for b in res.busy), peak)
+
+
+def _p2p_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes: float) -> float:
+    """One activation (or its gradient) across a stage boundary: (micro, S/tp, H)."""
+    bytes_ = layout.micro_batch * model.seq_len * model.hidden_size * param_bytes / layout.tp
+    return bytes_ / _pp_bandwidth(layout, cluster) + cluster.latency_s
+
+
+def pipeline_makespan(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes: float = 2.0
+                      ) -> tuple[float, float, tuple[float, ...]]:
+    """(makespan s, bubble fraction, busy s per rank) of the forward/backward part of a step
+    with ``num_microbatches``. Beyond the simulated length ``n`` the pipeline is in steady
+    state: the makespan grows by the pace measured between simulations of ``n`` and
+    ``n + pp`` micro-batches (whatever sets it: the slowest stage or the transfers), and
+    each rank's busy time by its per-micro-batch work."""
+    m = layout.num_microbatches
+    sched = "1f1b" if layout.schedule == "none" else layout.schedule
+    n = _sim_length(sched, layout.pp, m, layout.virtual_stages)
+    res = _simulate(model, layout, cluster, param_bytes, n)
+    if n == m:
+        return res.makespan, res.bubble_fraction, res.busy
+    n2 = min(n + layout.pp, m)
+    res2 = _simulate(model, layout, cluster, param_bytes, n2)
+    pace = (res2.makespan - res.makespan) / (n2 - n)
+    makespan = res2.makespan + (m - n2) * pace
+    busy = tuple(b / n * m for b in res.busy)
+    return makespan, max(0.0, 1.0 - sum(busy) / (len(busy) * makespan)), busy
+
+
+def time_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0
+                  ) -> TimeEstimate:
+    """Predicted time of one optimizer step (see the module docstring)."""
+    costs = _piece_costs(model, layout, cluster, param_bytes)
+    p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    makespan, bubble_frac, busy = pipeline_makespan(model, layout, cluster, param_bytes)
+    worst = max(range(p), key=lambda r: busy[r])
+    chunks = [costs[c * p + worst] for c in range(v)]
+    compute = m * sum(c[2] for c in chunks)
+    tp_comm = m * sum(c[3] for c in chunks)
+    z3 = m * sum(c[4] for c in chunks)
+    pp_comm = (2 * m * _p2p_seconds(model, layout, cluster, param_bytes)) if p > 1 else 0.0
+    bubble = max(makespan - busy[worst], 0.0)
+    # data-parallel gradient reduction (fp32) and parameter gather (compute dtype)
+    shapes = stage_shapes(model, p, v)
+    n_local = max(sum(shapes[c * p + r].params for c in range(v)) for r in range(p)) / layout.tp
+    bw = _dp_bandwidth(layout, cluster)
+    if layout.zero_stage == 0:
+        dp = _ring(4 * n_local, layout.dp, bw, cluster.latency_s, 2.0)
+    else:
+        dp = _ring(4 * n_local, layout.dp, bw, cluster.latency_s, 1.0)
+        if layout.zero_stage in (1, 2):
+            dp += _ring(param_bytes * n_local, layout.dp, bw, cluster.latency_s, 1.0)
+    last_backward = sum(c[1] for c in chunks)  # the last micro-batch's backward on this rank
+    dp_exposed = max(0.0, dp - cluster.comm_overlap * last_backward)
+    master = n_local / (layout.dp if layout.zero_stage >= 1 else 1)
+    optimizer = ADAM_STEP_BYTES * master / cluster.hbm_bw
+    step = makespan + dp_exposed + optimizer
+    tokens = layout.dp * m * layout.micro_batch * model.seq_len
+    tps = tokens / step
+    mfu = flops_per_token(model) * tps / (cluster.peak_flops * layout.world_size)
+    return TimeEstimate(step, compute, tp_comm, pp_comm, z3, bubble, bubble_frac, dp_exposed, optimizer, tps, mfu)
+
+
+def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[str]:
+    """Structural reasons this layout cannot run (empty: it can)."""
+    why = []
+    if layout.world_size != cluster.world_size:
+        why.append(f"dp*tp*pp = {layout.world_size} but the cluster has {cluster.world_size} devices")
+    if layout.tp > cluster.gpus_per_node:
+        why.append(f"tp={layout.tp} > {cluster.gpus_per_node} devices per node (TP must stay inside a node)")
+    try:
+        model.check_parallel(layout.tp, layout.pp * layout.virtual_stages)
+    except ConfigError as exc:
+        why.append(str(exc).split(":")[0])
+    if layout.zero_stage not in (0, 1, 2, 3):
+        why.append(f"ZeRO stage {layout.zero_stage} is not 0-3")
+    if layout.pp == 1 and layout.schedule != "none":
+        why.append("a schedule needs pp > 1")
+    if layout.pp > 1:
+        if layout.schedule not in SCHEDULES:
+            why.append(f"unknown schedule {layout.schedule!r}")
+        else:
+            try:
+                check_schedule_args(layout.schedule, 0, layout.pp, layout.num_microbatches, layout.virtual_stages)
+            except ConfigError as exc:
+                why.append(str(exc))
+    if layout.tp > 1 and model.seq_len % layout.tp:
+        why.append(f"sequence parallelism needs seq_len ({model.seq_len}) divisible by tp={layout.tp}")
+    return why
+

@@ -1,0 +1,139 @@
+"""Enumerate the layouts of a model on a cluster, predict each, reject what cannot run, rank
+the rest.
+
+:func:`plan` returns every candidate as a :class:`Plan`: feasible ones first, fastest
+first; rejected ones after, each with its reasons (a structural problem, or memory). The
+enumeration covers (dp, tp, pp) with ``dp*tp*pp`` = the cluster's devices, the
+micro-batch size (the number of micro-batches follows from the global batch), the ZeRO
+stage, the pipeline schedule (``virtual_stages`` 2 for interleaved 1F1B) and full
+activation recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from engine.errors import ConfigError
+from engine.models.config import ModelConfig
+from engine.planner.cluster import Cluster, GiB
+from engine.planner.cost import (Layout, MemoryEstimate, TimeEstimate, check_layout, memory_estimate,
+                                 memory_lower_bound, time_estimate)
+
+__all__ = ["Plan", "plan", "enumerate_layouts", "evaluate", "format_plans", "divisors"]
+
+# GPipe has 1F1B's bubble and holds every micro-batch: dominated, so not searched by default
+DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    memory: Optional[MemoryEstimate]
+    time: Optional[TimeEstimate]
+    reasons: tuple[str, ...]  # empty: feasible
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, *,
+                      micro_batches: Sequence[int] = (1, 2, 4, 8), zero_stages: Sequence[int] = (0, 1, 2, 3),
+                      schedules: Sequence[str] = DEFAULT_SCHEDULES, recompute: Sequence[bool] = (False, True),
+                      tp_sizes: Optional[Sequence[int]] = None, pp_sizes: Optional[Sequence[int]] = None,
+                      balanced_stages: bool = True) -> Iterable[tuple[Layout, list[str]]]:
+    """Every candidate with the reasons found before any cost is computed (batch
+    divisibility; with ``balanced_stages``, a pipeline degree that does not divide the
+    layers - the engine runs uneven stages, but the slowest one sets the pace);
+    ``global_batch`` is in sequences."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global batch must be a positive number of sequences, got {global_batch!r}")
+    world = cluster.world_size
+    tps = tp_sizes or [t for t in divisors(world) if t <= max(cluster.gpus_per_node, 1) * 2]
+    for tp in tps:
+        for pp in (pp_sizes or divisors(world // tp) if world % tp == 0 else []):
+            if (world // tp) % pp:
+                continue
+            dp = world // (tp * pp)
+            for mb in micro_batches:
+                why = []
+                if balanced_stages and pp > 1 and model.num_layers % pp:
+                    why.append(f"pp={pp} does not divide the {model.num_layers} layers (unbalanced stages; "
+                               "search them with balanced_stages=False)")
+                if global_batch % dp:
+                    why.append(f"global batch {global_batch} is not divisible by dp={dp}")
+                    m = 1
+                elif (global_batch // dp) % mb:
+                    why.append(f"micro-batch {mb} does not divide the {global_batch // dp} sequences per replica")
+                    m = 1
+                else:
+                    m = global_batch // dp // mb
+                scheds = [(s, 2 if s == "interleaved-1f1b" else 1) for s in schedules] if pp > 1 else [("none", 1)]
+                for sched, v in scheds:
+                    for z in zero_stages:
+                        for rc in recompute:
+                            yield Layout(dp, tp, pp, mb, m, z, sched, v, rc), list(why)
+
+
+def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0,
+             extra_reasons: Sequence[str] = ()) -> Plan:
+    """Predict one layout; the plan's reasons say why it cannot run (if so)."""
+    why = list(extra_reasons) + check_layout(model, layout, cluster)
+    if why:
+        return Plan(layout, None, None, tuple(why))
+    floor = memory_lower_bound(model, layout, cluster, param_bytes=param_bytes)
+    if floor > cluster.memory_bytes:  # cannot fit whatever the schedule does: skip the simulation
+        return Plan(layout, None, None, (f"out of memory: needs at least {floor / GiB:.1f} GiB of "
+                                          f"{cluster.memory_bytes / GiB:.1f} (model states, reserved, and the "
+                                          "first stage's activations for min(pp, micro-batches) in flight)",))
+    mem = memory_estimate(model, layout, cluster, param_bytes=param_bytes)
+    t = time_estimate(model, layout, cluster, param_bytes=param_bytes)
+    if mem.total > cluster.memory_bytes:
+        why.append(f"out of memory on stage {mem.stage}: needs {mem.total / GiB:.1f} GiB of "
+                   f"{cluster.memory_bytes / GiB:.1f} (states {mem.model_states / GiB:.1f}, activations "
+                   f"{mem.activations / GiB:.1f} for {mem.inflight_microbatches} micro-batches in flight, "
+                   f"logits {mem.logits / GiB:.1f}, reserved {mem.reserved / GiB:.1f})")
+    return Plan(layout, mem, t, tuple(why))
+
+
+def plan(model: ModelConfig, cluster: Cluster, global_batch: int, *, param_bytes: float = 2.0,
+         **enum_kwargs) -> list[Plan]:
+    """Every candidate layout, predicted: feasible by predicted step time, then the rejected
+    ones (each with its reasons)."""
+    plans = [evaluate(model, lay, cluster, param_bytes=param_bytes, extra_reasons=why)
+             for lay, why in enumerate_layouts(model, cluster, global_batch, **enum_kwargs)]
+    ok = sorted((p for p in plans if p.feasible), key=lambda p: (p.time.step_s, p.memory.total))
+    bad = [p for p in plans if not p.feasible]
+    bad.sort(key=lambda p: (p.time is None, p.time.step_s if p.time else 0.0))
+    return ok + bad
+
+
+def format_plans(plans: Sequence[Plan], top: int = 15, rejected: int = 10) -> str:
+    """A text table of the best ``top`` feasible plans and ``rejected`` rejected ones."""
+    head = (f"{'#':>3} {'dp':>3} {'tp':>3} {'pp':>3} {'schedule':<18} {'mb':>3} {'m':>4} {'Z':>1} {'rc':>2} "
+            f"{'mem GiB':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>6} {'TP comm':>7} {'DP comm':>7}")
+    lines = [head, "-" * len(head)]
+    ok = [p for p in plans if p.feasible][:top]
+    for i, p in enumerate(ok, 1):
+        lines.append(_row(i, p))
+    bad = [p for p in plans if not p.feasible]
+    if bad and rejected:
+        lines.append("")
+        lines.append(f"rejected ({len(bad)} layouts; first {min(rejected, len(bad))}):")
+        for p in bad[:rejected]:
+            lines.append(f"  {p.layout.describe()}: {'; '.join(p.reasons)}")
+    return "\n".join(lines)
+
+
+def _row(i: int, p: Plan) -> str:
+    lay, t, mem = p.layout, p.time, p.memory
+    sched = lay.schedule + (f"(v{lay.virtual_stages})" if lay.virtual_stages > 1 else "")
+    return (f"{i:>3} {lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {sched:<18} {lay.micro_batch:>3} {lay.num_microbatches:>4} "
+            f"{lay.zero_stage:>1} {'y' if lay.recompute else 'n':>2} {mem.total / GiB:>8.1f} {t.step_s:>8.3f} "
+            f"{t.tokens_per_s:>10.0f} {100 * t.mfu:>5.1f}% {100 * t.bubble_fraction:>5.1f}% "
+            f"{100 * t.tp_comm_s / t.step_s:>6.1f}% {t.dp_comm_s:>7.3f}")
