@@ -49,7 +49,9 @@ def test_build_directory_is_ours_not_torchs(tmp_path):
     assert "torch_extensions" in str(default) and not default.is_relative_to(Path.home() / ".cache" / "torch_extensions")
 
 
-def test_missing_sources_log_one_line_and_fall_back(tmp_path, caplog):
+def test_missing_sources_log_one_line_and_fall_back(tmp_path, caplog, monkeypatch):
+    # an earlier test in this process may have loaded the real op: pretend it is not loaded
+    monkeypatch.setattr(OpBuilder, "is_loaded", lambda self: False)
     b = OpBuilder(OP_SPECS["fp8"], OpBuildSettings(extensions_dir=str(tmp_path)), root=tmp_path / "nowhere")
     with caplog.at_level(logging.WARNING, logger="engine.ops.builder"):
         assert b.load() is False
