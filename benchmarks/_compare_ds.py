@@ -16,9 +16,11 @@ from benchmarks.common import CommTimer, PhaseTimer
 __all__ = ["rank_ds_vs_ours"]
 
 
-def rank_ds_vs_ours(spec_d: dict, stage: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+def rank_ds_vs_ours(spec_d: dict, stage: int, steps: int, warmup: int, timeout: float,
+                    bf16: bool = False) -> dict[str, Any]:
     """One rank of the comparison at one ZeRO stage; DeepSpeed's failure (if any) is
-    returned as its reason, not raised, so our row still prints."""
+    returned as its reason, not raised, so our row still prints. ``bf16``: both compute in
+    bf16 with fp32 masters (for GPUs; the losses then agree only to bf16 rounding)."""
     import torch.distributed as dist
 
     import engine
@@ -29,7 +31,7 @@ def rank_ds_vs_ours(spec_d: dict, stage: int, steps: int, warmup: int, timeout: 
     comm.device = env.device
     spec = ModelSpec(**spec_d)
     dp = dist.get_world_size()
-    cfg = ds_config(spec, stage, dp=dp)
+    cfg = ds_config(spec, stage, dp=dp, bf16=bf16)
     base = PlainGPT(spec, seed=0).to(env.device)
     systems = []
     ours, *_ = engine.initialize(model=base.clone(), config=cfg, dist_env=env)

@@ -22,7 +22,8 @@ throughputs per repetition (> 1: we are faster) and its median over repetitions,
 paired per-step ratio, the largest per-step loss difference (fp32: the losses must
 agree), and the time split (forward / backward / optimizer compute, exposed collective
 and point-to-point communication). A system that cannot run prints its row with the
-reason. CPU ranks use gloo; with GPUs the same code runs on CUDA/NCCL (``--bf16`` there).
+reason. CPU ranks use gloo; with GPUs the same code runs on CUDA/NCCL, one rank per GPU
+(``--bf16`` for the ds suite there).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step (ds, fsdp)")
     ap.add_argument("--pp-microbatches", type=int, default=8, help="micro-batches per step (pp)")
+    ap.add_argument("--bf16", action="store_true", help="ds suite in bf16 (GPUs); pp and fsdp stay fp32")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", default=None, metavar="PATH", help="write every number as JSON")
     args = ap.parse_args(argv)
@@ -92,7 +94,7 @@ def _cases(args) -> list[tuple[str, str, object, tuple, int, ModelSpec]]:
         tokens = s.micro_batch * s.grad_accum * args.nproc * s.seq
         for st in args.stages:
             cases.append(("ds", f"ZeRO-{st} dp{args.nproc} vs DeepSpeed", rank_ds_vs_ours,
-                          (s.to_dict(), st, args.steps, args.warmup, args.timeout), tokens, s))
+                          (s.to_dict(), st, args.steps, args.warmup, args.timeout, args.bf16), tokens, s))
     if "pp" in args.suite:
         s = _spec(args, args.pp_microbatches)
         cases.append(("pp", f"1F1B pp{args.nproc} m{s.grad_accum} vs torch Schedule1F1B", rank_pp,

@@ -21,7 +21,7 @@ from typing import Optional
 
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
-from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster
+from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
 from engine.planner.cluster import CLUSTERS, MODELS, Cluster, GiB, cluster_preset, model_preset
 from engine.planner.search import DEFAULT_SCHEDULES, format_plans, plan
 from engine.runtime.model import reference_layer_params
@@ -142,8 +142,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             rec = json.load(f)
         if "tokens_per_s" not in rec:
             continue  # not a throughput record (memory, compare)
-        rec["_path"] = path
         runs.append(rec)
+    if not runs:
+        raise ConfigError("none of the files is a benchmarks/throughput.py record")
+    n = len(runs)
+    runs = median_runs(runs)
+    print(f"{n} records, {len(runs)} configurations (the median-step-time record of each)")
     eff = fit_efficiency(runs) if args.efficiency is None else args.efficiency
     cluster = measured_cluster(runs, eff)
     print(f"measured machine: peak {cluster.peak_flops / 1e9:.1f} GFLOP/s per rank (matmul), all-reduce bus "

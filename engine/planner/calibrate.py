@@ -25,7 +25,7 @@ from engine.models.config import ModelConfig
 from engine.planner.cluster import Cluster, GiB
 from engine.planner.cost import Layout, time_estimate
 
-__all__ = ["run_layout", "measured_cluster", "fit_efficiency", "check_runs", "PARAM_BYTES"]
+__all__ = ["run_layout", "measured_cluster", "fit_efficiency", "check_runs", "median_runs", "PARAM_BYTES"]
 
 PARAM_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 
@@ -44,6 +44,20 @@ def run_layout(run: Mapping[str, Any]) -> tuple[ModelConfig, Layout, float]:
         return model, layout, PARAM_BYTES[run["precision"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"not a benchmarks/throughput.py record ({exc!r}): rerun it with --json") from exc
+
+
+def median_runs(runs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One record per configuration (config file, overrides, ranks): of repeated runs, the
+    one with the median step time (a shared machine's noise is in the repetitions)."""
+    groups: dict[tuple, list] = {}
+    for r in runs:
+        key = (r.get("config"), tuple(r.get("overrides", [])), r.get("ranks"))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for recs in groups.values():
+        recs = sorted(recs, key=lambda r: r["step_ms"]["median"])
+        out.append(recs[(len(recs) - 1) // 2])
+    return out
 
 
 def measured_cluster(runs: Sequence[Mapping[str, Any]], efficiency: float = 1.0) -> Cluster:

@@ -19,7 +19,7 @@ from engine.planner import (Cluster, GiB, Layout, activation_bytes_per_token, cl
                             memory_estimate, model_preset, pipeline_makespan, plan, stage_shapes,
                             time_estimate, zero_state_bytes)
 from engine.planner.__main__ import main as cli_main
-from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster
+from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
 from engine.zero.memory import zero_memory_formula
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -217,7 +217,7 @@ def _cpu_runs() -> list[dict]:
             rec = json.load(f)
         if rec.get("device") == "cpu":
             runs.append(rec)
-    return runs
+    return median_runs(runs)
 
 
 def test_calibrated_predictions_track_the_measured_cpu_runs():
