@@ -51,14 +51,18 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args, 
                               timeout=datetime.timedelta(seconds=collective_timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
-        out = fn(rank, world_size, *args, **kwargs)
-        # Drain in-flight work before tearing down: every rank leaves together, so no rank
-        # destroys its gloo context while a peer still sends to it.
-        dist.barrier()
-        dist.destroy_process_group()
-        # Plain pickle copies tensors into bytes; the queue's own pickler would pass them as
-        # shared memory that vanishes when this process exits.
-        results.put((rank, "ok", pickle.dumps(out)))
+        # Plain pickle copies tensors into bytes (the queue's own pickler would pass them as
+        # shared memory that vanishes when this process exits), and pickling now drops every
+        # reference the result held before the groups are torn down.
+        out = pickle.dumps(fn(rank, world_size, *args, **kwargs))
+        # The engine's teardown, as every entry point uses it: drain every group in creation
+        # order, destroy them, collect. A bare barrier + destroy leaves subgroups' gloo
+        # threads to meet interpreter finalisation, which aborts the process (exit -6) now
+        # and then; see docs/launching.md.
+        from engine.dist.env import shutdown
+
+        shutdown()
+        results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - we report every failure, SystemExit included
         results.put((rank, "error", traceback.format_exc()))
 
