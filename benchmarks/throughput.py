@@ -12,8 +12,9 @@ optimizer steps (``engine.train_batch``; on CUDA synchronised) and reports:
 - tokens/s of the global batch, step time median and spread (min, max, IQR);
 - MFU: model FLOPs per token (engine.models.flops_per_token: 6 N_matmul + 12 L H S) x
   tokens/s over the summed peak of the ranks: the device table (engine.metrics.PEAK_TFLOPS)
-  on GPUs, ``--peak-tflops`` if given, on CPU a measured matmul peak (a 1024^3 matmul in the
-  compute dtype on each rank's threads, all ranks at once);
+  on GPUs, ``--peak-tflops`` if given, on CPU a measured matmul peak (sustained rate of
+  1024^3 matmuls in the compute dtype on each rank's threads for 1 s, all ranks at once,
+  before and after the run; the higher one);
 - the time split of the step, from ``--split-steps`` extra instrumented steps (the timed
   steps carry no instrumentation): forward, backward, optimizer (gradient norm, clipping and
   update), exposed communication (time inside torch.distributed collectives and waits on

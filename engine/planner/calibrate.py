@@ -7,7 +7,9 @@ bandwidth). From them:
 
 - :func:`measured_cluster`: a :class:`Cluster` of the machine the runs were measured on
   (peak = median measured matmul peak, bandwidths and latency from the probes, no
-  communication overlap: on a CPU, communication and compute share the cores);
+  communication overlap: on a CPU, communication and compute share the cores), and
+  :func:`run_cluster` the same with the peak measured by runs of the same rank count (on
+  a shared CPU two ranks get less of a core each than one rank does);
 - :func:`fit_efficiency`: the one free parameter, ``compute_efficiency``, as the median
   ratio of the model's FLOPs at peak to the measured forward + backward compute time over
   the runs without a pipeline;
@@ -25,7 +27,7 @@ from engine.models.config import ModelConfig
 from engine.planner.cluster import Cluster, GiB
 from engine.planner.cost import Layout, time_estimate
 
-__all__ = ["run_layout", "measured_cluster", "fit_efficiency", "check_runs", "median_runs", "PARAM_BYTES"]
+__all__ = ["run_layout", "measured_cluster", "run_cluster", "fit_efficiency", "check_runs", "median_runs", "PARAM_BYTES"]
 
 PARAM_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 
@@ -79,6 +81,16 @@ def measured_cluster(runs: Sequence[Mapping[str, Any]], efficiency: float = 1.0)
                    latency_s=med(lat) if lat else 0.0, reserved_bytes=0.0, comm_overlap=0.0)
 
 
+def run_cluster(run: Mapping[str, Any], pooled: Cluster, runs: Sequence[Mapping[str, Any]]) -> Cluster:
+    """The machine as runs with ``run``'s number of ranks saw it: the median measured peak
+    over those runs (ranks measure together, so the contention of that rank count is in
+    it: on a shared CPU two ranks get less of a core each than one rank does); the pooled
+    bandwidths and latency."""
+    n = int(run.get("ranks", 1))
+    peaks = [p for r in runs if int(r.get("ranks", 1)) == n for p in r.get("peak_flops_per_rank", []) if p]
+    return replace(pooled, gpus_per_node=max(1, n), peak_flops=statistics.median(peaks) if peaks else pooled.peak_flops)
+
+
 def _measured_compute_s(run: Mapping[str, Any]) -> float:
     s = run["split_ms_mean_over_ranks"]
     return (s["forward"] + s["backward"]) / 1e3
@@ -93,8 +105,7 @@ def fit_efficiency(runs: Sequence[Mapping[str, Any]]) -> float:
         model, layout, pb = run_layout(r)
         if layout.pp > 1 or not r.get("split_ms_mean_over_ranks", {}).get("forward"):
             continue
-        at_peak = time_estimate(model, layout, replace(base, gpus_per_node=layout.world_size),
-                                param_bytes=pb).compute_s
+        at_peak = time_estimate(model, layout, run_cluster(r, base, runs), param_bytes=pb).compute_s
         ratios.append(at_peak / _measured_compute_s(r))
     if not ratios:
         raise ConfigError("no run without a pipeline and with a time split to fit the compute efficiency on")
@@ -102,11 +113,12 @@ def fit_efficiency(runs: Sequence[Mapping[str, Any]]) -> float:
 
 
 def check_runs(runs: Sequence[Mapping[str, Any]], cluster: Cluster) -> list[dict[str, Any]]:
-    """Predicted vs measured step time (ms) per run, with the parts of the prediction."""
+    """Predicted vs measured step time (ms) per run (with the peak of its rank count:
+    :func:`run_cluster`), with the parts of the prediction."""
     out = []
     for r in runs:
         model, layout, pb = run_layout(r)
-        c = replace(cluster, gpus_per_node=layout.world_size)
+        c = run_cluster(r, cluster, runs)
         t = time_estimate(model, layout, c, param_bytes=pb)
         measured = r["step_ms"]["median"]
         out.append({
