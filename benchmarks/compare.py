@@ -29,7 +29,6 @@ reason. CPU ranks use gloo; with GPUs the same code runs on CUDA/NCCL, one rank 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

@@ -154,8 +154,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"bandwidth {cluster.intra_node_bw / 1e9:.2f} GB/s, latency {cluster.latency_s * 1e6:.0f} us per ring "
           f"step, memory {cluster.hbm_bw / 1e9:.1f} GB/s; fitted compute efficiency {eff:.3f}\n")
     rows = check_runs(runs, cluster)
-    print(f"| run | layout | measured ms | predicted ms | predicted/measured | predicted compute / TP / bubble "
-          f"/ DP / optimizer ms |\n|---|---|---|---|---|---|")
+    print("| run | layout | measured ms | predicted ms | predicted/measured | predicted compute / TP / bubble "
+          "/ DP / optimizer ms |\n|---|---|---|---|---|---|")
     for r in rows:
         parts = " / ".join(f"{v:.0f}" for v in r["predicted_parts_ms"].values())
         name = (r["config"] or "?").split("/")[-1] + "".join(f" {o}" for o in r["overrides"])

@@ -43,7 +43,7 @@ from typing import Optional
 from engine.errors import ConfigError
 from engine.models import flops_per_token
 from engine.models.config import ModelConfig
-from engine.pipeline.partition import layers_of, partition_layers
+from engine.pipeline.partition import partition_layers
 from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args
 from engine.pipeline.simulate import simulate
 from engine.planner.cluster import Cluster
