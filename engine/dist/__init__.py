@@ -3,6 +3,9 @@
 - :mod:`engine.dist.env`: launch detection (torchrun / deepspeed / Slurm / Open MPI /
   single), ``init_distributed``, ``shutdown``, ``failure_guard``, op-build settings. The
   only module in ``engine`` that reads environment variables; imports torch lazily.
+- :mod:`engine.dist.failures`: ``failure_guard`` names the rank that died, hung or raised.
+- :mod:`engine.dist.teardown`: ``shutdown`` (drain and destroy every group while Python is
+  alive, so no gloo thread meets interpreter finalisation).
 - :mod:`engine.dist.groups`: ``ParallelGroups`` built once from a ``Topology``.
 - :mod:`engine.dist.comm`: typed collective wrappers.
 

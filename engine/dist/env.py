@@ -12,17 +12,16 @@ variables describe the outer job. torch is imported lazily: detection stays torc
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
 import re
-import socket
 import sys
-import time
-import traceback
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
+
+from engine.dist.failures import PeerFailureError, failure_guard, record_failure, register_process
+from engine.dist.teardown import bind_world_defaults_early, gloo_worker_threads, shutdown
 
 __all__ = [
     "LaunchError", "LaunchInfo", "detect_launch", "expand_hostlist",
@@ -417,9 +416,10 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
         torch.cuda.set_device(dev)
     store = _make_store(info, timeout)
     extra = {"device_id": dev} if dev.type == "cuda" else {}
+    bind_world_defaults_early()
     dist.init_process_group(be, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout, **extra)
-    _register_process(store, info.rank)
+    register_process(store, info.rank)
     logger.info("rank %d/%d (%s, local rank %d) on %s with %s, collective timeout %.0fs",
                 info.rank, info.world_size, info.launcher, info.local_rank, dev, be, timeout_s)
     return DistEnv(launch=info, device=dev, backend=be, timeout_s=timeout_s, store=store)
@@ -431,202 +431,6 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
 #                       peer on its own host is still running
 #   engine/failed/<r>   the exception a rank raised inside failure_guard
 #   engine/checkin/<r>  written by a survivor whose collective failed
-_KEY = "engine/{}/{}"
-
-
-class PeerFailureError(RuntimeError):
-    """A collective failed because a peer died, hung or raised; the message names it."""
-
-
-def _register_process(store, rank: int) -> None:
-    store.set(_KEY.format("proc", rank), f"{socket.gethostname()} {os.getpid()}")
-
-
-def record_failure(env: DistEnv, exc: BaseException) -> None:
-    """Leave ``exc`` in the rendezvous store so peers whose collectives fail can name us."""
-    try:
-        env.store.set(_KEY.format("failed", env.rank), f"{type(exc).__name__}: {exc}"[:500])
-        env.store.add(_KEY.format("count", "failed"), 1)
-    except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
-        logger.debug("could not record the failure in the store", exc_info=True)
-
-
-def _pid_running(pid: int) -> bool:
-    """False for a process that is gone or a zombie (exited, not yet reaped by its launcher)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
-        return True
-
-
-def _gone_on_this_host(store, world: int) -> dict[int, str]:
-    """Ranks whose process on this host no longer runs: rank -> 'pid P on host H'."""
-    host, gone = socket.gethostname(), {}
-    for r in range(world):
-        key = _KEY.format("proc", r)
-        if store.check([key]):
-            h, pid = store.get(key).decode().split()
-            if h == host and not _pid_running(int(pid)):
-                gone[r] = f"pid {pid} on {h}"
-    return gone
-
-
-def _check_in(env: DistEnv) -> Optional[Exception]:
-    """Tell the other survivors this rank is alive; returns the error if the store is gone."""
-    try:
-        env.store.set(_KEY.format("checkin", env.rank), "1")
-        env.store.add(_KEY.format("count", "checkin"), 1)
-    except Exception as exc:  # noqa: BLE001
-        return exc
-    return None
-
-
-def _diagnose(env: DistEnv, grace_s: float) -> str:
-    """Give the other survivors up to ``grace_s`` to check in, then name who is missing."""
-    store, world = env.store, env.world_size
-    count = lambda kind, inc=0: store.add(_KEY.format("count", kind), inc)  # noqa: E731
-    try:
-        gone = _gone_on_this_host(store, world)
-        deadline = time.monotonic() + grace_s
-        while (count("checkin") + count("failed") + len(gone) < world
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        failed = {r: store.get(_KEY.format("failed", r)).decode(errors="replace")
-                  for r in range(world) if store.check([_KEY.format("failed", r)])}
-        gone = {r: why for r, why in _gone_on_this_host(store, world).items() if r not in failed}
-        silent = [r for r in range(world) if r not in failed and r not in gone
-                  and not store.check([_KEY.format("checkin", r)])]
-        count("done", 1)
-        if env.rank == 0 and not env.launch.agent_store:
-            # the store lives in this process: stay until every survivor has read it
-            deadline = time.monotonic() + grace_s
-            while count("done") < count("checkin") and time.monotonic() < deadline:
-                time.sleep(0.05)
-    except Exception as exc:  # noqa: BLE001
-        return f"the rendezvous store became unreachable: {exc}"
-    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
-    parts += [f"rank {r} is no longer running ({why})" for r, why in sorted(gone.items())]
-    if silent:
-        parts.append(f"rank(s) {silent} did not check in within {grace_s:g}s (dead on another "
-                     "host, hung, or still blocked in a collective)")
-    return "; ".join(parts) or "every rank checked in: no peer is known to have failed"
-
-
-# gloo (torch 2.13) raises a plain RuntimeError from its transport; NCCL and the store
-# raise torch.distributed.DistError subclasses
-_TRANSPORT_ERRORS = ("gloo/transport", "Connection closed by peer", "Timed out waiting",
-                     "Connection reset by peer", "Broken pipe")
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
-    return isinstance(exc, dist.DistError) or (
-        isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TRANSPORT_ERRORS))
-
-
-@contextlib.contextmanager
-def failure_guard(env: DistEnv, what: str = "distributed work",
-                  grace_s: float = 5.0) -> Iterator[None]:
-    """Attribute a failure inside the block to the right rank.
-
-    A communication error (a peer died and closed its sockets, or hung past the
-    collective timeout) becomes :class:`PeerFailureError` naming the ranks that recorded
-    a failure, whose process is gone, or that did not check in within ``grace_s``; it is
-    fatal: the groups are torn down without draining (they are broken, and a live broken
-    group aborts the process at exit). Any other exception is recorded in the store for
-    the peers and re-raised unchanged. Wrap whole fatal regions (the training loop).
-    """
-    try:
-        yield
-    except Exception as exc:
-        if not _is_comm_error(exc):
-            record_failure(env, exc)
-            raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        store_error = _check_in(env)
-        # Tear down before waiting for the others: closing our sockets makes peers that
-        # are blocked on us fail now instead of at their timeout. The traceback's torch
-        # frames hold the group and its Work; free them, or the group outlives shutdown
-        # and its threads meet interpreter finalisation.
-        traceback.clear_frames(exc.__traceback__)
-        shutdown(drain=False)
-        diagnosis = (_diagnose(env, grace_s) if store_error is None else
-                     f"the rendezvous store is unreachable (it lives in rank 0's process "
-                     f"unless torchrun's agent hosts it): {store_error}")
-        raise PeerFailureError(f"rank {env.rank}: {what} failed ({first}); {diagnosis}") from exc
-
-
-# ------------------------------------------------------------------------ teardown
-def _groups_in_creation_order() -> list:
-    """Every group this rank is a member of, default group first, in the order created.
-
-    Every rank sees the same global order, so draining member groups in it cannot
-    deadlock (each rank follows one total order restricted to its own groups).
-    """
-    import torch.distributed as dist
-
-    names = dict(dist.distributed_c10d._world.pg_names)  # {group: "0", "1", ... or a hash}
-    key = lambda name: (0, int(name), "") if name.isdigit() else (1, 0, name)  # noqa: E731
-    return [g for g, n in sorted(names.items(), key=lambda gn: key(gn[1]))
-            if g != dist.GroupMember.NON_GROUP_MEMBER]
-
-
-def gloo_worker_threads() -> int:
-    """Live gloo worker threads in this process (Linux; -1 where /proc is unavailable)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return -1
-    count = 0
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                count += f.read().strip() == "pt_gloo_runloop"
-        except OSError:
-            continue  # the thread exited while we looked
-    return count
-
-
-def shutdown(drain: bool = True) -> None:
-    """Tear down every process group so the process cannot abort at exit.
-
-    Why (see docs/launching.md): a gloo worker thread that drops the last reference
-    to a Python-owned tensor needs the GIL; once the interpreter is finalising, CPython
-    makes such a thread exit through a forced unwind, which meets a noexcept C++
-    destructor and calls std::terminate ("terminate called without an active
-    exception"). So, while the interpreter is fully alive: (1) barrier every group
-    this rank belongs to, in creation order, so every member has finished all work on
-    it; (2) destroy the subgroups then the default group; (3) collect garbage so
-    groups held only by reference cycles are destroyed now, their destructors joining
-    the worker threads. Collective: every rank calls it. After a communication failure
-    use ``drain=False`` (``failure_guard`` does): the barriers could only time out.
-    """
-    import gc
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    if drain:
-        for group in _groups_in_creation_order():
-            dist.barrier(group=group)
-        group = None  # a local reference would keep the last group (and its threads) alive
-    dist.destroy_process_group()
-    gc.collect()
-    alive = gloo_worker_threads()
-    if alive > 0:
-        logger.warning("%d gloo worker threads outlive shutdown(): a ProcessGroup is still "
-                       "referenced (e.g. a ParallelGroups object); drop it before the "
-                       "interpreter exits so its threads are joined while Python is alive",
-                       alive)
 
 
 # ---------------------------------------------------------------------- op builder

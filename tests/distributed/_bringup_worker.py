@@ -7,7 +7,8 @@ VICTIM names the rank that misbehaves in the failure scenarios and TIMEOUT_S / G
 the collective timeout and the check-in grace period. The rank prints one JSON line
 with what it saw and exits normally, so the test also sees exit-time aborts.
 
-Scenarios: ok (init, collectives, groups, shutdown), die (victim os._exit(3)s), raise
+Scenarios: ok (init, collectives, groups, an optimizer, shutdown), user_init (the
+default group made by the caller, then torch._dynamo imported), die (victim os._exit(3)s), raise
 (victim raises inside failure_guard), hang (victim sleeps past the timeout).
 """
 
@@ -30,6 +31,8 @@ def main(scenario: str) -> int:
 
     torch.set_num_threads(1)
     timeout_s = float(os.environ["TIMEOUT_S"])
+    if scenario == "user_init":
+        return user_init()
     env = init_distributed(timeout_s=timeout_s)
     out = {"rank": env.rank, "world": env.world_size, "local_rank": env.local_rank,
            "launcher": env.launch.launcher, "device": str(env.device), "backend": env.backend,
@@ -45,6 +48,9 @@ def main(scenario: str) -> int:
         s = torch.tensor([float(env.rank)], dtype=torch.float64)
         dist.all_reduce(s, group=groups.tp_group)
         work = dist.all_reduce(torch.ones(8), group=groups.dp_group, async_op=True)
+        # the first optimizer imports torch._dynamo, which would pin the default group in
+        # function defaults of torch.distributed.nn.functional (docs/launching.md)
+        torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()).step()
         out["tp_sum"], out["tp_ranks"] = s.item(), list(groups.tp_ranks)
         del groups, work  # no references may outlive shutdown (docs/launching.md)
         shutdown()
@@ -74,6 +80,25 @@ def main(scenario: str) -> int:
         out["cause_type"] = type(exc.__cause__).__name__
     out["elapsed"] = time.monotonic() - start
     print(json.dumps(out), flush=True)
+    return 0
+
+
+def user_init() -> int:
+    """The caller creates the default group itself (not init_distributed), then imports
+    torch._dynamo, which pins it in function defaults; shutdown() must release it."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.dist.env import gloo_worker_threads, shutdown
+
+    dist.init_process_group("gloo")
+    import torch._dynamo  # noqa: F401
+
+    torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    shutdown()
+    print(json.dumps({"sum": t.item(), "gloo_threads_after": gloo_worker_threads()}), flush=True)
     return 0
 
 

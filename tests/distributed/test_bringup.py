@@ -92,6 +92,15 @@ def test_single_process_without_launcher():
         ("single", 1, 0.0, 0)
 
 
+def test_shutdown_releases_a_default_group_pinned_by_torch():
+    """torch.distributed.nn.functional binds group.WORLD as a default argument when first
+    imported (by torch._dynamo, by the first optimizer); shutdown() must still free the group."""
+    results = _launch("user_init", 2, TIMEOUT_S=30)
+    for rank, (rc, out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited with {rc}:\n{err[-3000:]}"
+        assert out == {"sum": 2.0, "gloo_threads_after": 0}, out
+
+
 def _check_named(results, victim, what, max_elapsed):
     for rank, (rc, out, err) in enumerate(results):
         if rank == victim:

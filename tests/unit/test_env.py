@@ -357,6 +357,7 @@ def test_diagnosis_names_raised_dead_and_silent_ranks():
     import torch.distributed as dist
 
     from engine.dist import env as E
+    from engine.dist import failures as F
 
     store = dist.HashStore()
     info = LaunchInfo("torchrun", 1, 1, 4, 4, "127.0.0.1", 1)
@@ -371,8 +372,8 @@ def test_diagnosis_names_raised_dead_and_silent_ranks():
     E.record_failure(E.DistEnv(launch=LaunchInfo("torchrun", 3, 3, 4, 4, "h", 1), device=None,
                                backend="gloo", timeout_s=1.0, store=store),
                      ValueError("bad batch"))
-    assert E._check_in(denv) is None
-    msg = E._diagnose(denv, grace_s=0.2)
+    assert F._check_in(denv) is None
+    msg = F._diagnose(denv, grace_s=0.2)
     assert "rank 3 failed with ValueError: bad batch" in msg
     assert f"rank 2 is no longer running (pid {dead.pid} on {host})" in msg
     assert "rank(s) [0] did not check in within 0.2s" in msg
@@ -380,7 +381,7 @@ def test_diagnosis_names_raised_dead_and_silent_ranks():
 
 
 def test_comm_error_classification():
-    from engine.dist.env import _is_comm_error
+    from engine.dist.failures import _is_comm_error
 
     assert _is_comm_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
                                        "Connection closed by peer [127.0.0.1]:1"))

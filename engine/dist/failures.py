@@ -1,0 +1,156 @@
+"""Naming the rank that failed: when a collective breaks (a peer died, hung or raised),
+:func:`failure_guard` turns the transport error into :class:`PeerFailureError` that says
+which rank and why, using the rendezvous store (each rank registers its host and pid at
+bring-up, records its own exception, and survivors check in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+import traceback
+from typing import TYPE_CHECKING, Iterator, Optional
+
+from engine.dist.teardown import shutdown
+
+if TYPE_CHECKING:
+    from engine.dist.env import DistEnv
+
+__all__ = ["PeerFailureError", "failure_guard", "record_failure", "register_process"]
+
+logger = logging.getLogger(__name__)
+
+_KEY = "engine/{}/{}"
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because a peer died, hung or raised; the message names it."""
+
+
+def register_process(store, rank: int) -> None:
+    store.set(_KEY.format("proc", rank), f"{socket.gethostname()} {os.getpid()}")
+
+
+def record_failure(env: DistEnv, exc: BaseException) -> None:
+    """Leave ``exc`` in the rendezvous store so peers whose collectives fail can name us."""
+    try:
+        env.store.set(_KEY.format("failed", env.rank), f"{type(exc).__name__}: {exc}"[:500])
+        env.store.add(_KEY.format("count", "failed"), 1)
+    except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
+        logger.debug("could not record the failure in the store", exc_info=True)
+
+
+def _pid_running(pid: int) -> bool:
+    """False for a process that is gone or a zombie (exited, not yet reaped by its launcher)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
+def _gone_on_this_host(store, world: int) -> dict[int, str]:
+    """Ranks whose process on this host no longer runs: rank -> 'pid P on host H'."""
+    host, gone = socket.gethostname(), {}
+    for r in range(world):
+        key = _KEY.format("proc", r)
+        if store.check([key]):
+            h, pid = store.get(key).decode().split()
+            if h == host and not _pid_running(int(pid)):
+                gone[r] = f"pid {pid} on {h}"
+    return gone
+
+
+def _check_in(env: DistEnv) -> Optional[Exception]:
+    """Tell the other survivors this rank is alive; returns the error if the store is gone."""
+    try:
+        env.store.set(_KEY.format("checkin", env.rank), "1")
+        env.store.add(_KEY.format("count", "checkin"), 1)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def _diagnose(env: DistEnv, grace_s: float) -> str:
+    """Give the other survivors up to ``grace_s`` to check in, then name who is missing."""
+    store, world = env.store, env.world_size
+    count = lambda kind, inc=0: store.add(_KEY.format("count", kind), inc)  # noqa: E731
+    try:
+        gone = _gone_on_this_host(store, world)
+        deadline = time.monotonic() + grace_s
+        while (count("checkin") + count("failed") + len(gone) < world
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        failed = {r: store.get(_KEY.format("failed", r)).decode(errors="replace")
+                  for r in range(world) if store.check([_KEY.format("failed", r)])}
+        gone = {r: why for r, why in _gone_on_this_host(store, world).items() if r not in failed}
+        silent = [r for r in range(world) if r not in failed and r not in gone
+                  and not store.check([_KEY.format("checkin", r)])]
+        count("done", 1)
+        if env.rank == 0 and not env.launch.agent_store:
+            # the store lives in this process: stay until every survivor has read it
+            deadline = time.monotonic() + grace_s
+            while count("done") < count("checkin") and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except Exception as exc:  # noqa: BLE001
+        return f"the rendezvous store became unreachable: {exc}"
+    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
+    parts += [f"rank {r} is no longer running ({why})" for r, why in sorted(gone.items())]
+    if silent:
+        parts.append(f"rank(s) {silent} did not check in within {grace_s:g}s (dead on another "
+                     "host, hung, or still blocked in a collective)")
+    return "; ".join(parts) or "every rank checked in: no peer is known to have failed"
+
+
+# gloo (torch 2.13) raises a plain RuntimeError from its transport; NCCL and the store
+# raise torch.distributed.DistError subclasses
+_TRANSPORT_ERRORS = ("gloo/transport", "Connection closed by peer", "Timed out waiting",
+                     "Connection reset by peer", "Broken pipe")
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TRANSPORT_ERRORS))
+
+
+@contextlib.contextmanager
+def failure_guard(env: DistEnv, what: str = "distributed work",
+                  grace_s: float = 5.0) -> Iterator[None]:
+    """Attribute a failure inside the block to the right rank.
+
+    A communication error (a peer died and closed its sockets, or hung past the
+    collective timeout) becomes :class:`PeerFailureError` naming the ranks that recorded
+    a failure, whose process is gone, or that did not check in within ``grace_s``; it is
+    fatal: the groups are torn down without draining (they are broken, and a live broken
+    group aborts the process at exit). Any other exception is recorded in the store for
+    the peers and re-raised unchanged. Wrap whole fatal regions (the training loop).
+    """
+    try:
+        yield
+    except Exception as exc:
+        if not _is_comm_error(exc):
+            record_failure(env, exc)
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        store_error = _check_in(env)
+        # Tear down before waiting for the others: closing our sockets makes peers that
+        # are blocked on us fail now instead of at their timeout. The traceback's torch
+        # frames hold the group and its Work; free them, or the group outlives shutdown
+        # and its threads meet interpreter finalisation.
+        traceback.clear_frames(exc.__traceback__)
+        shutdown(drain=False)
+        diagnosis = (_diagnose(env, grace_s) if store_error is None else
+                     f"the rendezvous store is unreachable (it lives in rank 0's process "
+                     f"unless torchrun's agent hosts it): {store_error}")
+        raise PeerFailureError(f"rank {env.rank}: {what} failed ({first}); {diagnosis}") from exc

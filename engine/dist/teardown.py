@@ -1,0 +1,108 @@
+"""Process-group teardown that cannot abort the process at exit (see docs/launching.md).
+
+:func:`shutdown` drains and destroys every group while the interpreter is fully alive;
+:func:`bind_world_defaults_early` (called by ``init_distributed``) keeps torch from pinning
+the default group in function defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["shutdown", "gloo_worker_threads", "bind_world_defaults_early"]
+
+logger = logging.getLogger(__name__)
+
+
+def _groups_in_creation_order() -> list:
+    """Every group this rank is a member of, default group first, in the order created.
+
+    Every rank sees the same global order, so draining member groups in it cannot
+    deadlock (each rank follows one total order restricted to its own groups).
+    """
+    import torch.distributed as dist
+
+    names = dict(dist.distributed_c10d._world.pg_names)  # {group: "0", "1", ... or a hash}
+    key = lambda name: (0, int(name), "") if name.isdigit() else (1, 0, name)  # noqa: E731
+    return [g for g, n in sorted(names.items(), key=lambda gn: key(gn[1]))
+            if g != dist.GroupMember.NON_GROUP_MEMBER]
+
+
+def bind_world_defaults_early() -> None:
+    """Import ``torch.distributed.nn.functional`` before the default group exists.
+
+    Its functions bind ``group=group.WORLD`` as default arguments when the module is first
+    imported; imported after ``init_process_group`` (torch._dynamo imports it, and the first
+    ``torch.optim`` optimizer imports torch._dynamo), ten function defaults hold the default
+    ProcessGroup for the life of the interpreter. ``destroy_process_group`` then cannot free
+    it: its gloo worker threads outlive ``shutdown()`` and are joined only during interpreter
+    finalisation, the window in which a gloo thread can abort the process at exit. Imported
+    first, the defaults are None (which means the default group at call time anyway).
+    """
+    import torch.distributed.nn.functional  # noqa: F401 - imported for its side effect
+
+
+def _release_world_defaults() -> None:
+    """Drop ProcessGroups bound as function defaults in ``torch.distributed.nn.functional``
+    (when a caller initialised the group before importing it; see
+    :func:`bind_world_defaults_early`). None is the same default at call time."""
+    import torch.distributed as dist
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(mod).values() if mod is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
+def gloo_worker_threads() -> int:
+    """Live gloo worker threads in this process (Linux; -1 where /proc is unavailable)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return -1
+    count = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "pt_gloo_runloop"
+        except OSError:
+            continue  # the thread exited while we looked
+    return count
+
+
+def shutdown(drain: bool = True) -> None:
+    """Tear down every process group so the process cannot abort at exit.
+
+    Why (see docs/launching.md): a gloo worker thread that drops the last reference
+    to a Python-owned tensor needs the GIL; once the interpreter is finalising, CPython
+    makes such a thread exit through a forced unwind, which meets a noexcept C++
+    destructor and calls std::terminate ("terminate called without an active
+    exception"). So, while the interpreter is fully alive: (1) barrier every group
+    this rank belongs to, in creation order, so every member has finished all work on
+    it; (2) destroy the subgroups then the default group; (3) collect garbage so
+    groups held only by reference cycles are destroyed now, their destructors joining
+    the worker threads. Collective: every rank calls it. After a communication failure
+    use ``drain=False`` (``failure_guard`` does): the barriers could only time out.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if drain:
+        for group in _groups_in_creation_order():
+            dist.barrier(group=group)
+        group = None  # a local reference would keep the last group (and its threads) alive
+    dist.destroy_process_group()
+    _release_world_defaults()
+    gc.collect()
+    alive = gloo_worker_threads()
+    if alive > 0:
+        logger.warning("%d gloo worker threads outlive shutdown(): a ProcessGroup is still "
+                       "referenced (e.g. a ParallelGroups object); drop it before the "
+                       "interpreter exits so its threads are joined while Python is alive",
+                       alive)
