@@ -316,11 +316,7 @@ class ZeroOptimizer:
         return True
 
     def _publish(self) -> None:
-        """Updated master shards -> parameters (all-gather over DP when sharded)."""
-        if not self.shards_optimizer_state:
-            for b in self.buckets:
-                b.full.copy_(b.shard_master)
-            return
+        """Updated master shards -> parameters: all-gather over DP (stage 0 overrides)."""
         works = []
         for b in self.buckets:
             works.append(self._gather_bucket(b))

@@ -4,10 +4,14 @@ Every rank keeps full parameters, full fp32 gradients and the full fp32 master w
 optimizer state. Gradients are added by the backward hooks into per-bucket fp32
 accumulators that are views of the master gradient, and each bucket is all-reduced (async)
 as soon as its last gradient arrives on the boundary micro-step, overlapping with the rest
-of backward. Memory per rank (mixed precision, Psi parameters): 2 Psi + 4 Psi + 12 Psi.
+of backward. Memory per rank (mixed precision, Psi parameters): 2 Psi + 4 Psi + 12 Psi. With fp32
+parameters the master IS the parameter storage (no second copy, nothing to publish after
+the step): 4 Psi + 4 Psi + 8 Psi.
 """
 
 from __future__ import annotations
+
+import torch
 
 from engine.zero.base import ZeroOptimizer
 from engine.zero.buckets import FlatBucket
@@ -19,6 +23,21 @@ class DataParallelOptimizer(ZeroOptimizer):
     stage = 0
     shards_optimizer_state = False
     keeps_full_grads = True
+
+    def _init_bucket(self, b: FlatBucket) -> None:
+        if b.dtype != torch.float32:
+            super()._init_bucket(b)
+            return
+        # fp32: bind the parameters straight into the (padded,) master view, so the inner
+        # optimizer's in-place update is the parameter update.
+        b.shard_master.copy_(b.flatten_params())
+        b.bind(b.shard_master)
+        self._init_grad_storage(b)
+
+    def _publish(self) -> None:
+        for b in self.buckets:
+            if b.full.data_ptr() != b.shard_master.data_ptr():
+                b.full.copy_(b.shard_master)
 
     def _init_grad_storage(self, b: FlatBucket) -> None:
         # one shard of the whole bucket: the accumulator IS the master gradient (fp32, in place)
