@@ -141,8 +141,4 @@ def ds_config(s: ModelSpec, stage: int, *, dp: int, lr: float = 1e-3, clip: floa
             **({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 10_000,
                 "stage3_max_live_parameters": 10 ** 9} if stage == 3 else {}),
         },
-        # DeepSpeed ignores this section; the engine requires it even for a client module
-        # (it describes the reference GPT, unused here): the plain model's sizes, for the record
-        "model": {"vocab_size": s.vocab, "hidden_size": s.hidden, "num_layers": s.layers,
-                  "num_heads": s.heads, "seq_len": s.seq},
     }

@@ -52,6 +52,9 @@ def rank_pp(spec_d: dict, steps: int, warmup: int, timeout: float, schedule: str
     bounds = partition_layers([sum(p.numel() for p in l.parameters()) for l in layers], world, "uniform")
     cfg = ds_config(spec, 0, dp=1)
     cfg["pipeline"] = {"stages": world, "partition": "uniform", "schedule": schedule}
+    # a pipeline of the caller's layers needs the activation shape (model.seq_len, hidden_size)
+    cfg["model"] = {"vocab_size": spec.vocab, "hidden_size": spec.hidden, "num_layers": spec.layers,
+                    "num_heads": spec.heads, "seq_len": spec.seq}
     clip = cfg["gradient_clipping"]
     opt_kw = {k: v for k, v in cfg["optimizer"]["params"].items() if k != "torch_adam"}
 

@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, world_size=info.world_size)
     except ConfigError as exc:
         return _bad_input("config", exc, speak)
+    if cfg.model is None:
+        return _bad_input("config", ConfigError(
+            f"{args.config} has no \"model\" section: launch/train.py trains the reference GPT it describes; "
+            "add one with vocab_size, hidden_size, num_layers, num_heads and seq_len (see configs/default.json)"),
+            speak)
     if args.steps < 1:
         return _bad_input("argument", ValueError(f"--steps must be at least 1, got {args.steps}"), speak)
     if args.save_interval is not None and args.save_interval < 0:

@@ -57,7 +57,7 @@ def _canonical(name: str, p: Any, meta: dict[str, Any]) -> str:
 
 def _model_diff(meta: dict[str, Any], engine: Any) -> str:
     saved = meta.get("config", {}).get("model", {})
-    mine = engine.config.model.to_dict()
+    mine = engine.config.model.to_dict() if engine.config.model is not None else {}
     diff = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {mine.get(k)!r}"
             for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
     return "; ".join(diff)

@@ -92,7 +92,8 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     tensor_parallel = parse_tensor_parallel(top)
     pipeline = parse_pipeline(top)
     topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages)
-    model.check_parallel(topology.tp, topology.pp)
+    if model is not None:
+        model.check_parallel(topology.tp, topology.pp)
     micro, gas, total = resolve_batch_sizes(top.raw("train_batch_size"), top.raw("train_micro_batch_size_per_gpu"),
                                             top.raw("gradient_accumulation_steps"), topology)
     optimizer = parse_optimizer(top)
@@ -108,7 +109,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         fp16=parse_fp16(top),
         bf16=parse_bf16(top),
         fp8=parse_fp8(top),
-        zero=parse_zero(top, model.hidden_size),
+        zero=parse_zero(top, None if model is None else model.hidden_size),
         activation_checkpointing=parse_activation_checkpointing(top),
         pipeline=pipeline,
         tensor_parallel=tensor_parallel,
@@ -193,6 +194,8 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.fp8.enabled and not cfg.bf16.enabled:
         raise ConfigError("fp8.enabled needs bf16.enabled true: the FP8 GEMMs take bf16 inputs and every "
                           "other op runs in bf16 (fp16 loss scaling is not combined with FP8 scaling)")
+    if cfg.model is None:
+        return  # the checks below are about the reference GPT's shape
     _check_pipeline_schedule(cfg.pipeline, cfg.model, cfg.gradient_accumulation_steps)
     if cfg.tensor_parallel.sequence_parallel and cfg.model.seq_len % cfg.tp:
         raise ConfigError(f"tensor_parallel.sequence_parallel splits the sequence over the {cfg.tp} TP ranks, "

@@ -251,7 +251,7 @@ class Config:
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
     topology: Topology
-    model: ModelConfig
+    model: Optional[ModelConfig]  # None: no "model" section (the caller passes its own module)
     optimizer: OptimizerConfig
     scheduler: Optional[SchedulerConfig]
     data: DataConfig = DataConfig()
@@ -312,7 +312,8 @@ class Config:
             "pipeline": self.pipeline.to_dict(),
             "tensor_parallel": self.tensor_parallel.to_dict(),
             "checkpoint": self.checkpoint.to_dict(),
-            "model": self.model.to_dict(),
             "data": self.data.to_dict(),
         })
+        if self.model is not None:
+            d["model"] = self.model.to_dict()
         return d

@@ -8,7 +8,7 @@ model depth) live in :mod:`engine.config.loader`.
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
-from typing import Any
+from typing import Any, Optional
 
 from engine.config.reader import Section
 from engine.config.schema import (
@@ -110,7 +110,7 @@ _OFFLOAD_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_c
 _LEAF_MODULE_KEYS = ("classes", "names", "name_suffixes")
 
 
-def parse_zero(top: Section, hidden_size: int) -> ZeroConfig:
+def parse_zero(top: Section, hidden_size: Optional[int]) -> ZeroConfig:
     accepted = _names(ZeroConfig) + ("offload_param", "offload_optimizer", "leaf_module")
     s = top.sub("zero_optimization", accepted, aliases=_ZERO_ALIASES, fixed=_ZERO_FIXED, rejected=_ZERO_REJECTED)
     for key in ("offload_param", "offload_optimizer"):
@@ -119,10 +119,11 @@ def parse_zero(top: Section, hidden_size: int) -> ZeroConfig:
     d = ZeroConfig()
     stage = s.int("stage", d.stage, min=0, max=3)
     # "auto" bucket sizes are resolved from the model width, as the Hugging Face integration does.
+    h = hidden_size or 0
     auto_sizes = {
-        "reduce_bucket_size": hidden_size * hidden_size,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
     }
     values: dict[str, Any] = {"stage": stage}
     for f in fields(ZeroConfig):
@@ -132,6 +133,10 @@ def parse_zero(top: Section, hidden_size: int) -> ZeroConfig:
         if name == "overlap_comm":
             values[name] = s.bool(name, stage == 3)  # DeepSpeed: on by default for stage 3 only
         elif name in auto_sizes and s.is_auto(name):
+            if hidden_size is None:
+                raise ConfigError(f"{s.full(name)} = \"auto\" is resolved from model.hidden_size, but the config "
+                                  f"has no model section: set a number (DeepSpeed's default is 500000000) or "
+                                  f"add the model section")
             values[name] = auto_sizes[name]
         elif isinstance(f.default, bool):
             values[name] = s.bool(name, f.default)
@@ -252,10 +257,11 @@ def parse_data(top: Section) -> DataConfig:
     )
 
 
-def parse_model(top: Section) -> ModelConfig:
+def parse_model(top: Section) -> Optional[ModelConfig]:
+    """The reference GPT's shape, or None without a ``model`` section (a DeepSpeed config for
+    a caller's own module has none; what needs it says so when it is missing)."""
     if not top.has("model") or top.raw("model") is None:
-        raise ConfigError("model is required: add a \"model\" section with vocab_size, hidden_size, "
-                          "num_layers, num_heads and seq_len")
+        return None
     raw = top.raw("model")
     known = [f.name for f in fields(ModelConfig)]
     # Section checks unknown keys with a suggestion (ModelConfig.from_dict lists them without one).

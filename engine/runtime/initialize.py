@@ -165,8 +165,16 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group if cfg.tp > 1 else None
     reference = model is None or isinstance(model, GPT)
+    if cfg.model is None and (reference or cfg.pp > 1):
+        raise ConfigError(
+            "the config has no \"model\" section, which "
+            + ("the reference GPT needs (model=None builds it from the section; an engine.models.GPT must match "
+               "it)" if reference else
+               "pipeline parallelism needs (model.seq_len and model.hidden_size give the shape of the activations "
+               "sent between stages)")
+            + ": add a model section with vocab_size, hidden_size, num_layers, num_heads and seq_len")
     if reference:
-        if isinstance(model, GPT) and model.cfg != cfg.model:
+        if isinstance(model, GPT) and cfg.model is not None and model.cfg != cfg.model:
             raise ConfigError("the GPT given to engine.initialize was built from a different model config than "
                               "the config's model section: make them equal")
         chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype)

@@ -11,7 +11,7 @@ an instance or a callable) is turned into such a factory.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist

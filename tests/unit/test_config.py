@@ -174,7 +174,8 @@ MALFORMED = [
     ("bfloat16-old-name", [("bfloat16", {"enabled": True})], 2, ["bfloat16", "bf16"]),
     ("prescale", [("prescale_gradients", True)], 2, ["prescale_gradients"]),
     ("ulysses", [("sequence_parallel_size", 2)], 2, ["sequence_parallel_size", "tensor_parallel.sequence_parallel"]),
-    ("no-model", [("model", DELETE)], 2, ["model"]),
+    ("auto-bucket-without-model", [("model", DELETE), ("zero_optimization.reduce_bucket_size", "auto")], 2,
+     ["zero_optimization.reduce_bucket_size", "model section"]),
     ("model-missing-heads", [("model.num_heads", DELETE)], 2, ["model.num_heads"]),
     ("model-auto", [("model.vocab_size", "auto")], 2, ["model.vocab_size", "auto"]),
     ("model-list", [("model", [1, 2])], 2, ["model", "object"]),
@@ -379,7 +380,13 @@ SYNTHETIC = [
     [("scheduler", {"type": "WarmupCosineLR", "params": {"total_num_steps": 5000}}),
      ("data.train_files", ["x.txt"]), ("checkpoint.keep_last", 1), ("steps_per_print", None)],
     [("zero_optimization.reduce_bucket_size", "auto"), ("zero_optimization.stage", 2)],
+    [("model", DELETE), ("zero_optimization.stage", 3)],  # a DeepSpeed config for the caller's own module
 ]
+
+
+def test_a_config_without_a_model_section_loads_as_deepspeed_would():
+    cfg = load_config(make(("model", DELETE)), world_size=2)
+    assert cfg.model is None and "model" not in cfg.to_dict()
 
 
 @pytest.mark.parametrize("edits", SYNTHETIC, ids=[str(i) for i in range(len(SYNTHETIC))])

@@ -70,6 +70,11 @@ def test_invalid_config(train_mod, capsys, tmp_path):
     assert code == 2 and "config error:" in err and "stagee" in err
 
 
+def test_config_without_a_model_section(train_mod, capsys, tmp_path):
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path, model=None), "--steps", "1")
+    assert code == 2 and err.startswith("config error:") and "no \"model\" section" in err
+
+
 def test_steps_zero(train_mod, capsys, tmp_path):
     code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path), "--steps", "0")
     assert code == 2 and "--steps must be at least 1" in err
