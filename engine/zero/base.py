@@ -207,7 +207,10 @@ class ZeroOptimizer:
                 "a gradient arrived for a parameter whose bucket was already reduced this step: "
                 "call set_boundary(True) only before the LAST backward of the step, or run every "
                 "backward before reduce_gradients()")
-        b.accumulate(i, p.grad)
+        # Pre-divided by dp * loss scale as it is accumulated (free on the add), so the reduced
+        # sum is already the unscaled mean: no extra pass after the reduction. Exactly the
+        # post-division when both are powers of two (bit-identical to DeepSpeed at dp = 2).
+        b.accumulate(i, p.grad, alpha=1.0 / (self.dp_size * self.loss_scaler.loss_scale))
         p.grad = None  # the fp32 accumulator holds it now
         self._reduced = False
         if self._boundary and self.overlap_comm:
@@ -216,25 +219,29 @@ class ZeroOptimizer:
                 self._launch(b)
 
     def _launch(self, b: FlatBucket) -> None:
-        b.launch_reduce(self.dp_group, sharded=self.shards_optimizer_state, async_op=self.overlap_comm)
+        # Always async: the hooks only launch with overlap_comm, and after backward the
+        # remaining buckets are queued back to back and waited together (gloo, 2 ranks,
+        # 11 x 500k fp32: 30 ms one at a time, 20 ms queued).
+        b.launch_reduce(self.dp_group, sharded=self.shards_optimizer_state, async_op=True)
+
+    def _launch_remaining(self) -> None:
+        """Launch the reduction of every bucket the hooks did not launch."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
 
     def reduce_gradients(self) -> None:
-        """Reduce every bucket not yet reduced, wait for all, average over DP and unscale.
+        """Reduce every bucket not yet reduced and wait for all (the hooks pre-divided by
+        dp * loss scale, so the result is the unscaled DP mean).
         Idempotent until the next backward. Call once after the last micro-batch (the
         pipeline executor does); :meth:`step` calls it if needed."""
         if self._reduced:
             return
-        for b in self.buckets:
-            if not b.launched:
-                self._launch(b)
+        self._launch_remaining()
         for b in self.buckets:
             b.wait()
             self._after_reduce(b)
-        self._reduce_tied()
-        inv = 1.0 / (self.dp_size * self.loss_scaler.loss_scale)
-        for g in self.groups:
-            if inv != 1.0:
-                g.master.grad.mul_(inv)
+        self._reduce_tied()  # the hooks already divided by dp * loss scale
         for b in self.buckets:
             b.reset_step()
         self._reduced = True
@@ -334,10 +341,10 @@ class ZeroOptimizer:
         for b in self.buckets:
             b.wait()
             b.reset_step()
-            if self.keeps_full_grads:
-                b.grad_acc.zero_()
-            else:
+            if not self.keeps_full_grads:
                 b.grad_acc = None
+            elif b.grad_acc.data_ptr() != b.shard_grad.data_ptr():  # stage 0: zeroed as the master grad
+                b.grad_acc.zero_()
             for p in b.params:
                 p.grad = None
         for g in self.groups:

@@ -81,12 +81,16 @@ class FlatBucket:
         return flat[lo:hi]
 
     # ----------------------------------------------------------------- gradients
-    def accumulate(self, i: int, grad: torch.Tensor) -> None:
-        """Add parameter ``i``'s gradient into the fp32 accumulator (allocated on demand)."""
+    def accumulate(self, i: int, grad: torch.Tensor, alpha: float = 1.0) -> None:
+        """Add ``alpha`` times parameter ``i``'s gradient into the fp32 accumulator
+        (allocated on demand); the scaling rides on the add for free."""
         if self.grad_acc is None:
             self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         lo, hi = self.layout.param_range(i)
-        self.grad_acc[lo:hi].add_(grad.reshape(-1))
+        if alpha == 1.0:
+            self.grad_acc[lo:hi].add_(grad.reshape(-1))
+        else:
+            self.grad_acc[lo:hi].add_(grad.reshape(-1), alpha=alpha)
 
     def launch_reduce(self, group: Optional[dist.ProcessGroup], sharded: bool, async_op: bool) -> None:
         """Sum the accumulator over ``group``: into ``shard_grad`` (reduce-scatter) when the
