@@ -34,6 +34,7 @@ from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.precision.fp8 import fp8_states, update_fp8_scales
+from engine.runtime.timers import PhaseTimers
 from engine.zero import ZeroOptimizer
 
 __all__ = ["Engine", "split_microbatch"]
@@ -83,6 +84,9 @@ class Engine(nn.Module):
         self._last_grad_norm: Optional[float] = None
         self._last_lr: Optional[list[float]] = None
         self._dp_group = groups.dp_group if groups is not None else None
+        # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
+        # steps_per_print steps
+        self.timers = PhaseTimers(config.wall_clock_breakdown, device)
         # FP8 layers: amaxes MAX-reduced over TP and then DP (= over TP x DP, so scales are the
         # same on every rank and replica and do not depend on the layout), once per step.
         self._fp8_states = fp8_states(module)
@@ -164,7 +168,8 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_no_pipeline("forward")
-        return self.module(*args, **kwargs)
+        with self.timers.phase("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale); on the
@@ -174,7 +179,8 @@ class Engine(nn.Module):
             raise ValueError("engine.backward expects the scalar loss tensor returned by the model")
         ga = self.gradient_accumulation_steps()
         self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
-        self.optimizer.backward(loss / ga if ga > 1 else loss, retain_graph=retain_graph)
+        with self.timers.phase("backward"):
+            self.optimizer.backward(loss / ga if ga > 1 else loss, retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
@@ -189,16 +195,28 @@ class Engine(nn.Module):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _optimizer_step(self) -> None:
-        if self._fp8_states:
-            update_fp8_scales(self._fp8_states, self._fp8_groups)
-        self._last_grad_norm = self.optimizer.grad_norm()  # reduces the gradients first
-        self._last_lr = self.get_lr()
-        taken = self.optimizer.step()
-        self._step_skipped = not taken
-        if taken and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        with self.timers.phase("reduce"):
+            self.optimizer.reduce_gradients()
+        with self.timers.phase("step"):
+            if self._fp8_states:
+                update_fp8_scales(self._fp8_states, self._fp8_groups)
+            self._last_grad_norm = self.optimizer.grad_norm()
+            self._last_lr = self.get_lr()
+            taken = self.optimizer.step()
+            self._step_skipped = not taken
+            if taken and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        self._report_timers()
+
+    def _report_timers(self) -> None:
+        if not self.timers.enabled:
+            return
+        self.timers.end_step()
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0 and self.global_rank == 0:
+            logger.info("step %d time (ms): %s", self.global_steps, self.timers.summary())
 
     # ------------------------------------------------------------------ whole steps
     def _next_microbatches(self, data_iter: Optional[Iterator[Any]], n: int) -> list[Any]:
@@ -242,14 +260,17 @@ class Engine(nn.Module):
         self.module.train()
         if self.pipeline is not None:
             self.optimizer.set_boundary(False)  # reduce once, after the last micro-batch
-            losses = self.pipeline.train(mbs)
+            with self.timers.phase("pipeline"):
+                losses = self.pipeline.train(mbs)
             self.micro_steps += ga
         else:
             losses = []
             for i, mb in enumerate(mbs):
                 self.optimizer.set_boundary(i == ga - 1)
-                loss = self._micro_loss(mb)
-                self.optimizer.backward(loss / ga if ga > 1 else loss)
+                with self.timers.phase("forward"):
+                    loss = self._micro_loss(mb)
+                with self.timers.phase("backward"):
+                    self.optimizer.backward(loss / ga if ga > 1 else loss)
                 losses.append(loss.detach())
                 self.micro_steps += 1
         self._optimizer_step()

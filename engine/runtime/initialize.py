@@ -117,9 +117,6 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
     if cfg.world_size != world:
         raise ConfigError(f"the config was resolved for {cfg.world_size} ranks but the job has {world}")
-    if cfg.wall_clock_breakdown:
-        logger.warning("wall_clock_breakdown: per-phase timings are not implemented; the metrics give the "
-                       "step time and tokens/s")
     device = dist_env.device if dist_env is not None else _device_of_default_group()
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 

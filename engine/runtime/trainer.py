@@ -64,6 +64,7 @@ def step_record(engine: Any, loss: float, seconds: float, loss_scale: float,
         "tokens_per_s": tps,
         "step_time_ms": seconds * 1e3,
         "mfu": mfu(flops_per_token(cfg.model), tps, peak_flops_total),
+        **({"phase_ms": dict(engine.timers.last)} if cfg.wall_clock_breakdown else {}),
     }
 
 

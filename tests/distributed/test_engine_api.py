@@ -331,3 +331,49 @@ def test_an_unsharded_gpt_is_sharded_and_fp16_pipeline_gradients_are_unscaled():
         assert not skipped
         assert loss16 == pytest.approx(ref3[0], rel=2e-2)
         assert norm16 == pytest.approx(norms3[0], rel=2e-2)
+
+
+# ---------------------------------------------------------------- wall_clock_breakdown
+def _timed_steps(rank, world, enabled):
+    import logging
+    import time
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("engine.engine").addHandler(Keep())
+    logging.getLogger("engine.engine").setLevel(logging.INFO)
+    model = _Wrapped()
+    eng, *_ = engine.initialize(model=model, config=_config(1, ga=2, wall_clock_breakdown=enabled,
+                                                            steps_per_print=2))
+    per_rank, micro = BATCH // world, BATCH // world // 2
+    out = []
+    for s in range(2):
+        x, y = _data(s)
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        t0 = time.perf_counter()
+        for m in range(2):
+            eng.backward(eng(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]))
+            eng.step()
+        out.append((dict(eng.timers.last), (time.perf_counter() - t0) * 1e3))
+    eng.destroy()
+    return out, records
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_wall_clock_breakdown_times_each_phase_of_the_step(enabled):
+    for rank, (steps, logged) in enumerate(run_ranks(_timed_steps, 2, enabled, timeout=120)):
+        for phases, wall_ms in steps:
+            if not enabled:
+                assert phases == {}
+                continue
+            assert set(phases) == {"forward", "backward", "reduce", "step"}, phases
+            assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= wall_ms
+        timing_lines = [m for m in logged if "time (ms)" in m]
+        if enabled and rank == 0:  # steps_per_print = 2: logged once, by rank 0
+            assert len(timing_lines) == 1 and "step 2 time (ms): forward" in timing_lines[0], logged
+        else:
+            assert timing_lines == []
