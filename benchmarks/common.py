@@ -212,6 +212,7 @@ class PhaseTimer:
         self.comm, self.device = comm, device
         self.seconds: dict[str, float] = {}
         self.comm_inside: dict[str, float] = {}  # collective (not p2p) time inside each phase
+        self._wrapped: list[tuple[Any, str]] = []
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -235,6 +236,14 @@ class PhaseTimer:
                 return orig(*a, **k)
 
         setattr(obj, method, timed)
+        self._wrapped.append((obj, method))
+
+    def unwrap(self) -> None:
+        """Remove every wrapper :meth:`wrap` installed (each holds its object through the
+        bound method; dropped, nothing keeps the engine's process groups alive)."""
+        for obj, method in reversed(self._wrapped):
+            delattr(obj, method)
+        self._wrapped.clear()
 
     def compute(self, name: str) -> float:
         return self.seconds.get(name, 0.0) - self.comm_inside.get(name, 0.0)
@@ -296,11 +305,14 @@ def machine_description() -> dict[str, Any]:
     if torch.cuda.is_available():
         d["gpu"] = torch.cuda.get_device_name(0)
         d["gpu_count"] = torch.cuda.device_count()
-    try:
-        import deepspeed  # noqa: F401 - only its version
+    # the version from the package metadata: importing deepspeed after init_process_group
+    # pins the default group (its import binds it somewhere no destroy reaches), so its
+    # gloo threads would outlive shutdown()
+    from importlib import metadata
 
-        d["deepspeed"] = deepspeed.__version__
-    except Exception:  # noqa: BLE001 - optional
+    try:
+        d["deepspeed"] = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
         d["deepspeed"] = None
     return d
 

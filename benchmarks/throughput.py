@@ -292,8 +292,10 @@ def _rank_main(args_dict: dict) -> dict:
     if dist.get_rank() == 0:
         result = _summary(args, cfg, times, losses, everyone, peak_source, env.device,
                           flops_per_token(cfg.model), param_count(cfg.model))
+    phases.unwrap()
     eng.destroy()
     comm.uninstall()
+    del eng, phases  # the optimizer holds process groups: none may outlive shutdown()
     shutdown()
     return result
 

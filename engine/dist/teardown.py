@@ -88,11 +88,16 @@ def shutdown(drain: bool = True) -> None:
     use ``drain=False`` (``failure_guard`` does): the barriers could only time out.
     """
     import gc
+    import weakref
 
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
+    c10d = dist.distributed_c10d
+    # weak references, to name the groups that survive (none should)
+    watch = [(weakref.ref(g), c10d._world.pg_names.get(g, "?"), sorted(c10d._world.pg_group_ranks.get(g, {})))
+             for g in _groups_in_creation_order()]
     if drain:
         for group in _groups_in_creation_order():
             dist.barrier(group=group)
@@ -102,7 +107,8 @@ def shutdown(drain: bool = True) -> None:
     gc.collect()
     alive = gloo_worker_threads()
     if alive > 0:
+        held = [f"group {name} (global ranks {ranks})" for ref, name, ranks in watch if ref() is not None]
         logger.warning("%d gloo worker threads outlive shutdown(): a ProcessGroup is still "
-                       "referenced (e.g. a ParallelGroups object); drop it before the "
-                       "interpreter exits so its threads are joined while Python is alive",
-                       alive)
+                       "referenced: %s (e.g. by a ParallelGroups object, an optimizer or a Work); "
+                       "drop it before the interpreter exits so its threads are joined while "
+                       "Python is alive", alive, ", ".join(held) or "one this rank is not a member of")
