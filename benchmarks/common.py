@@ -338,3 +338,46 @@ def write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, default=str)
         f.write("\n")
+
+
+# ------------------------------------------------------------------ kernel micro-benchmarks
+def copy_probe(device: torch.device) -> tuple[Callable[[], Any], int]:
+    """A large tensor copy, timed in the same round-robin as the kernels so it sees the
+    same machine load; returns (step function, bytes moved = read + write)."""
+    numel = 1 << 28 if device.type == "cuda" else 1 << 25
+    src = torch.ones(numel, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * 4 * numel
+
+
+def time_interleaved(variants: dict[str, Callable[[], Any]], device: torch.device, reps: int,
+                     warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each variant, timed round-robin (machine load hits all
+    alike) after ``warmup`` untimed calls each (first calls allocate state)."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bandwidth_table(med: dict[str, float], copy_bw: float, moved_bytes: Callable[[str], float],
+                    baseline: Callable[[str], str], speedup_key: str, width: int = 30) -> dict[str, dict]:
+    """Print, and return, one row per variant: ms, speed-up over ``baseline(name)``,
+    effective bandwidth (``moved_bytes(name)`` / time) and its % of the copy bandwidth."""
+    print(f"  {'variant':<{width}} {'ms':>9} {'speed-up':>9} {'GB/s':>8} {'% copy bw':>10}")
+    rows = {}
+    for name, t in med.items():
+        speedup = med[baseline(name)] / t
+        gbps = moved_bytes(name) / t / 1e9
+        pct = 100 * gbps * 1e9 / copy_bw
+        rows[name] = {"ms": t * 1e3, speedup_key: speedup, "GBps": gbps, "pct_copy_bw": pct}
+        print(f"  {name:<{width}} {t * 1e3:9.3f} {speedup:8.2f}x {gbps:8.1f} {pct:9.0f}%")
+    return rows

@@ -20,33 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import bandwidth_table, copy_probe, time_interleaved  # noqa: E402
 from engine.ops.adam import fused_adamw_available  # noqa: E402
 from engine.optim import FusedAdamW  # noqa: E402
 
 BYTES_PER_ELEMENT = 28  # read p, g, m, v (16) + write p, m, v (12), fp32
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_probe(device: torch.device):
-    """A large tensor copy, timed in the same round-robin as the kernels so it sees the
-    same machine load; returns (step function, bytes moved = read + write)."""
-    numel = 1 << 28 if device.type == "cuda" else 1 << 25
-    src = torch.ones(numel, device=device)
-    dst = torch.empty_like(src)
-    return (lambda: dst.copy_(src)), 2 * 4 * numel
 
 
 def make_params(shapes, device, seed=0):
@@ -97,22 +82,6 @@ def build_variants(shapes, device, with_deepspeed: bool):
     return variants
 
 
-def time_variants(variants, device, reps: int):
-    times = {name: [] for name in variants}
-    for step in variants.values():  # warm-up (first step allocates state)
-        for _ in range(2):
-            step()
-    sync(device)
-    for _ in range(reps):
-        for name, step in variants.items():
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -145,16 +114,11 @@ def main() -> int:
         variants = build_variants(shapes, device, not args.no_deepspeed)
         timed = {name: fn for name, (fn, _) in variants.items()}
         timed["memory copy (bandwidth probe)"] = copy_fn
-        med = time_variants(timed, device, args.reps)
+        med = time_interleaved(timed, device, args.reps)
         bw = copy_bytes / med.pop("memory copy (bandwidth probe)")
-        ref = med["torch fused=True"]
         print(f"\n{case} ({numel / 1e6:.1f}M elements); copy bandwidth in this run: {bw / 1e9:.1f} GB/s")
-        print(f"  {'variant':<30} {'ms':>9} {'vs fused=True':>14} {'GB/s':>8} {'% copy bw':>10}")
-        rows = {}
-        for name, t in med.items():
-            gbps = variants[name][1] * numel / t / 1e9
-            rows[name] = {"ms": t * 1e3, "speedup_vs_torch_fused": ref / t, "GBps": gbps, "pct_copy_bw": 100 * gbps * 1e9 / bw}
-            print(f"  {name:<30} {t * 1e3:9.3f} {ref / t:13.2f}x {gbps:8.1f} {100 * gbps * 1e9 / bw:9.0f}%")
+        rows = bandwidth_table(med, bw, lambda name: variants[name][1] * numel, lambda name: "torch fused=True",
+                               "speedup_vs_torch_fused")
         results["cases"][case] = {"copy_GBps": bw / 1e9, "variants": rows}
         mine = rows["engine FusedAdamW"]
         target = mine["pct_copy_bw"] >= 80 if device.type == "cuda" else mine["speedup_vs_torch_fused"] >= 1.0

@@ -21,32 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import bandwidth_table, copy_probe, time_interleaved  # noqa: E402
 from engine.ops.fp8 import fp8_cast_kernel, fp8_cast_reference, fp8_kernel_available, fp8_max  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_probe(device: torch.device):
-    """A large tensor copy, timed in the same round-robin as the kernels so it sees the
-    same machine load; returns (step function, bytes moved = read + write)."""
-    numel = 1 << 28 if device.type == "cuda" else 1 << 25
-    src = torch.ones(numel, device=device)
-    dst = torch.empty_like(src)
-    return (lambda: dst.copy_(src)), 2 * 4 * numel
 
 
 def torch_unfused(x: torch.Tensor, scale: torch.Tensor, transpose: bool):
@@ -69,20 +54,6 @@ def validate(x: torch.Tensor, scale: torch.Tensor) -> None:
                 raise AssertionError("fused FP8 bytes differ from the reference")
         if not (torch.equal(got[1], ref[1].float()) or (got[1].isnan() and ref[1].isnan())):
             raise AssertionError(f"amax {got[1].item()} != reference {ref[1].item()}")
-
-
-def time_variants(variants, device, reps):
-    for fn in variants.values():
-        fn()
-    times = {name: [] for name in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> int:
@@ -120,20 +91,17 @@ def main() -> int:
                 "engine fused + transpose": lambda: fp8_cast_kernel(x, scale, FP8, transpose=True),
                 "memory copy (bandwidth probe)": copy_fn,
             }
-            med = time_variants(variants, device, args.reps)
+            med = time_interleaved(variants, device, args.reps, warmup=1)
             bw = copy_bytes / med.pop("memory copy (bandwidth probe)")
             n = x.numel()
             case = f"{shape[0]}x{shape[1]} {str(dtype).replace('torch.', '')}"
             print(f"\n{case} -> e4m3 (validated bit-identical to the reference); "
                   f"copy bandwidth in this run: {bw / 1e9:.1f} GB/s")
-            print(f"  {'variant':<28} {'ms':>9} {'speed-up':>9} {'GB/s':>8} {'% copy bw':>10}")
-            rows = {}
-            for name, t in med.items():
-                transposed = "transpose" in name
-                base = med["torch unfused + transpose" if transposed else "torch unfused"]
-                gbps = n * (x.element_size() + (2 if transposed else 1)) / t / 1e9
-                rows[name] = {"ms": t * 1e3, "speedup_vs_torch": base / t, "GBps": gbps, "pct_copy_bw": 100 * gbps * 1e9 / bw}
-                print(f"  {name:<28} {t * 1e3:9.3f} {base / t:8.2f}x {gbps:8.1f} {100 * gbps * 1e9 / bw:9.0f}%")
+            # read x, write the e4m3 output (+ its transpose)
+            rows = bandwidth_table(
+                med, bw, lambda name: n * (x.element_size() + (2 if "transpose" in name else 1)),
+                lambda name: "torch unfused + transpose" if "transpose" in name else "torch unfused",
+                "speedup_vs_torch", width=28)
             results["cases"][case] = {"copy_GBps": bw / 1e9, "variants": rows}
             fused = rows["engine fused"]
             target = fused["pct_copy_bw"] >= 80 if device.type == "cuda" else fused["speedup_vs_torch"] >= 4.0
