@@ -21,30 +21,64 @@ rank before any process group exists. See docs/training.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import math
 import os
+import signal
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "engine")):  # run from a checkout without installing
     sys.path.insert(0, _ROOT)
 
+EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train the reference GPT with DP x TP x PP and ZeRO.",
-                                allow_abbrev=False)
+class _RankParser(argparse.ArgumentParser):
+    """argparse whose usage errors and --help are printed by rank 0 only (every rank parses)."""
+
+    speak = True
+
+    def print_usage(self, file=None) -> None:
+        if self.speak:
+            super().print_usage(file)
+
+    def print_help(self, file=None) -> None:
+        if self.speak:
+            super().print_help(file)
+
+    def exit(self, status=0, message=None):
+        if message and self.speak:
+            sys.stderr.write(message)
+        sys.exit(status)
+
+
+def parse_args(argv: list[str] | None = None, speak: bool = True) -> argparse.Namespace:
+    p = _RankParser(description="Train the reference GPT with DP x TP x PP and ZeRO.", allow_abbrev=False)
+    p.speak = speak
     p.add_argument("--config", "--deepspeed_config", dest="config", required=True, metavar="PATH",
                    help="DeepSpeed-format JSON config (see docs/config.md)")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="accepted as DeepSpeed scripts pass it (the engine is always on); the config comes "
+                        "from --config / --deepspeed_config")
     p.add_argument("--steps", type=int, required=True, metavar="N",
                    help="total optimizer steps to reach (>= 1; a run resumed at step k trains N - k more)")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="checkpoint directory: save at the end, every --save-interval steps and on SIGTERM/SIGUSR1")
-    p.add_argument("--load", default=None, metavar="DIR",
-                   help="resume from the checkpoint DIR/latest names (saved at any layout)")
+    p.add_argument("--load", default=None, metavar="PATH",
+                   help="resume from a save directory (the tag its 'latest' names) or a tag directory "
+                        "(e.g. DIR/global_step8), saved at any layout; no checkpoint there is an error")
+    p.add_argument("--load-if-exists", action="store_true",
+                   help="with --load: start from step 0 when PATH holds no checkpoint (restart loops)")
+    p.add_argument("--finetune", action="store_true",
+                   help="with --load: load the weights only; step, optimizer, LR schedule and RNG start fresh")
+    p.add_argument("--no-load-optim", action="store_true",
+                   help="with --load: do not load the optimizer state (weights, step and LR schedule are loaded)")
+    p.add_argument("--no-load-rng", action="store_true", help="with --load: do not restore the RNG states")
     p.add_argument("--save-interval", type=int, default=None, metavar="N",
                    help="save every N steps (default: the config's checkpoint.save_interval; 0: only at the end)")
     p.add_argument("--output", default=os.path.join("runs", "latest"), metavar="DIR",
@@ -58,122 +92,260 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-device peak TFLOP/s for MFU where the device is not in the table (e.g. CPUs)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="collective timeout in seconds: a hung or dead peer fails the run after this long")
+    p.add_argument("--debug", action="store_true",
+                   help="print full tracebacks of failures (otherwise: one line, traceback in OUTPUT/logs/)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p.parse_args(argv)
 
 
-def _bad_input(kind: str, exc: BaseException, speak: bool) -> int:
-    if speak:
-        print(f"{kind} error: {exc}", file=sys.stderr, flush=True)
-    return EXIT_BAD_INPUT
+class _BadInput(Exception):
+    def __init__(self, kind: str, msg: str) -> None:
+        super().__init__(msg)
+        self.kind = kind
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Flag values that are wrong on their own (no filesystem, no config)."""
+    bad = lambda msg: _BadInput("argument", msg)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise bad(f"--timeout must be a positive, finite number of seconds, got {args.timeout!r}")
+    if args.steps < 1:
+        raise bad(f"--steps must be at least 1, got {args.steps}")
+    if args.save_interval is not None and args.save_interval < 0:
+        raise bad(f"--save-interval must be >= 0, got {args.save_interval}")
+    if args.sample_tokens < 0:
+        raise bad(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
+    for flag in ("load_if_exists", "finetune", "no_load_optim", "no_load_rng"):
+        if getattr(args, flag) and args.load is None:
+            raise bad(f"--{flag.replace('_', '-')} needs --load PATH (the checkpoint to load)")
+
+
+def _check_inputs(args: argparse.Namespace, world_size: int):
+    """Every rank, before any process group: arguments, config, data. Raises _BadInput."""
     from engine.config import ConfigError, load_config
     from engine.data import DataError
-    from engine.dist.env import LaunchError, detect_launch
 
-    # 1. where am I (no process group yet); one message per node for input errors
+    _check_arguments(args)
     try:
-        info = detect_launch(os.environ, sys.argv if argv is None else [sys.argv[0], *argv])
-    except LaunchError as exc:
-        return _bad_input("launch", exc, True)
-    speak = info.local_rank == 0
-    # 2. config, steps, output, data: every rank checks, before any collective
-    try:
-        cfg = load_config(args.config, world_size=info.world_size)
+        cfg = load_config(args.config, world_size=world_size)
     except ConfigError as exc:
-        return _bad_input("config", exc, speak)
+        raise _BadInput("config", str(exc)) from None
     if cfg.model is None:
-        return _bad_input("config", ConfigError(
-            f"{args.config} has no \"model\" section: launch/train.py trains the reference GPT it describes; "
-            "add one with vocab_size, hidden_size, num_layers, num_heads and seq_len (see configs/default.json)"),
-            speak)
-    if args.steps < 1:
-        return _bad_input("argument", ValueError(f"--steps must be at least 1, got {args.steps}"), speak)
-    if args.save_interval is not None and args.save_interval < 0:
-        return _bad_input("argument", ValueError(f"--save-interval must be >= 0, got {args.save_interval}"), speak)
-    if args.load is not None and not os.path.isdir(args.load):
-        return _bad_input("argument", ValueError(f"--load {args.load!r} is not a directory"), speak)
-    if args.save is not None:
-        try:
-            os.makedirs(args.save, exist_ok=True)
-        except OSError as exc:
-            return _bad_input("argument", OSError(f"cannot use --save {args.save!r}: {exc}"), speak)
-    if args.sample_tokens < 0:
-        return _bad_input("argument", ValueError(f"--sample-tokens must be >= 0, got {args.sample_tokens}"), speak)
-    try:
-        os.makedirs(args.output, exist_ok=True)
-        if not os.access(args.output, os.W_OK):
-            raise PermissionError(f"{args.output} is not writable")
-    except OSError as exc:
-        return _bad_input("output", OSError(f"cannot use --output {args.output!r}: {exc}"), speak)
+        raise _BadInput("config", f"{args.config} has no \"model\" section: launch/train.py trains the reference "
+                                  "GPT it describes; add one with vocab_size, hidden_size, num_layers, num_heads "
+                                  "and seq_len (see configs/default.json)")
     try:
         from engine.runtime.trainer import build_data
 
         dataset, sampler = build_data(cfg)
     except DataError as exc:
-        return _bad_input("data", exc, speak)
+        raise _BadInput("data", str(exc)) from None
+    return cfg, dataset, sampler
+
+
+def _default_preemption_signals() -> None:
+    """A launcher may start us with SIGTERM/SIGUSR1 ignored (the torchrun recipe in
+    docs/training.md keeps the launcher alive that way): the ranks must still react."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.dist.env import LaunchError, detect_launch
+
+    _default_preemption_signals()
+    # 1. where am I (no process group yet): rank 0 alone speaks for input errors
+    try:
+        info = detect_launch(os.environ, sys.argv if argv is None else [sys.argv[0], *argv])
+    except LaunchError as exc:  # no rank is known: every process says it
+        print(f"launch error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    speak = info.rank == 0
+    args = parse_args(argv, speak)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    # 2. arguments, config, data: every rank checks, before any collective
+    try:
+        cfg, dataset, sampler = _check_inputs(args, info.world_size)
+    except _BadInput as exc:
+        if speak:
+            print(f"{exc.kind} error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     return _run(args, cfg, dataset, sampler)
 
 
 def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
-    import engine
     from engine.dist.env import PeerFailureError, failure_guard, init_distributed
 
     env = None
     try:
         env = init_distributed(timeout_s=args.timeout)
         with failure_guard(env, "training"):
-            _train(args, cfg, dataset, sampler, env, engine)
+            code = _job(args, cfg, dataset, sampler, env)
     except KeyboardInterrupt:
         if env is None or env.rank == 0:
             print("\ninterrupted: stopping all ranks", file=sys.stderr, flush=True)
         # no collective on the way out: the peers are being interrupted too, and a peer
         # that is not fails its next collective at once when this process's sockets close
-        os._exit(EXIT_INTERRUPTED)
-    except PeerFailureError as exc:
+        _exit(EXIT_INTERRUPTED)
+    except PeerFailureError as exc:  # this rank only stopped because of another
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
+        _exit(EXIT_FAILURE)
+    except Exception as exc:  # noqa: BLE001 - this rank's own failure: one line, traceback aside
+        _report_failure(args, env, exc)
+        _exit(EXIT_FAILURE)
     _shutdown()
+    return code
+
+
+def _exit(code: int) -> None:
+    """Leave without interpreter finalisation: broken process groups can abort it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _report_failure(args: argparse.Namespace, env, exc: BaseException) -> None:
+    """One line naming this rank and the error; the traceback goes to stderr under --debug,
+    else to OUTPUT/logs/rank<R>.log (named in the line)."""
+    import traceback
+
+    rank = "?" if env is None else env.rank
+    first = (str(exc).strip().splitlines() or [""])[0][:1000]
+    tb = "".join(traceback.format_exception(exc))
+    where = ""
+    if args.debug:
+        sys.stderr.write(tb)
+    else:
+        try:
+            path = os.path.join(args.output, "logs", f"rank{rank}.log")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(tb)
+            where = f" (traceback: {path}; or run with --debug)"
+        except OSError:
+            where = " (run with --debug for the traceback)"
+    print(f"error: rank {rank}: {type(exc).__name__}: {first}{where}", file=sys.stderr, flush=True)
+
+
+def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
+    """Claim and check the output locations (exit 2 on a problem anywhere), then train."""
+    import uuid
+
+    import torch.distributed as dist
+
+    from engine.runtime.outputs import agree_on_problems, prepare_locations
+
+    box = [uuid.uuid4().hex[:12] if env.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    run_id = box[0]  # in every metrics record and in the locks' holder lines
+    with contextlib.ExitStack() as held:  # rank 0's directory locks, released at the end
+        problem, location = prepare_locations(output=args.output, save=args.save, load=args.load,
+                                              load_if_exists=args.load_if_exists, finetune=args.finetune,
+                                              rank=env.rank, run_id=run_id, stack=held)
+        problem = agree_on_problems(problem)
+        if problem is not None:
+            if env.rank == 0:
+                print(f"argument error: {problem}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
+        import engine
+
+        _train(args, cfg, dataset, sampler, env, engine, run_id, location)
     return 0
 
 
-def _train(args: argparse.Namespace, cfg, dataset, sampler, env, engine) -> None:
-    from tqdm import tqdm
+def _load(args: argparse.Namespace, eng, location, rank0: bool) -> None:
+    """Load the checkpoint at ``location`` as the --finetune / --no-load-* flags say."""
+    from engine.checkpoint import load_checkpoint, read_metadata
 
-    from engine.checkpoint import load_checkpoint
+    load_dir, tag = location
+    path, _ = load_checkpoint(eng, load_dir, tag, load_optimizer_states=not (args.no_load_optim or args.finetune),
+                              load_module_only=args.finetune, load_rng_states=not args.no_load_rng)
+    if rank0:
+        saved = read_metadata(path)["config"].get("train_batch_size")
+        if saved is not None and saved != eng.config.train_batch_size and not args.finetune:
+            logging.getLogger("train").warning(
+                "the checkpoint %s was trained with a global batch of %s sequences (train_batch_size), this run "
+                "uses %s: from step %d on every step reads a batch of the new size, so the data stream does not "
+                "continue where the checkpoint's run would have", path, saved, eng.config.train_batch_size,
+                eng.global_steps)
+        what = "weights only (--finetune)" if args.finetune else "resuming"
+        print(f"loaded {path}: {what} at step {eng.global_steps}", file=sys.stderr, flush=True)
+    elif path is None:  # pragma: no cover - load_checkpoint only returns None without a 'latest'
+        raise RuntimeError(f"nothing loaded from {load_dir}")
+
+
+class _Progress:
+    """Rank 0's progress: a tqdm bar on a terminal, else one line every ``every`` steps (and
+    at the last), so that logs hold no carriage-return lines."""
+
+    def __init__(self, show: bool, start: int, total: int, every: int) -> None:
+        self.show, self.step, self.total, self.every = show, start, total, max(1, every)
+        self.bar = None
+        if show and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(initial=min(start, total), total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, rec: dict) -> None:
+        self.step = rec["step"]
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+            self.bar.update(1)
+        elif self.show and (self.step % self.every == 0 or self.step >= self.total):
+            print(f"step {self.step}/{self.total}: loss {rec['loss']:.4f}, {rec['tokens_per_s']:.0f} tokens/s, "
+                  f"{rec['step_time_ms']:.0f} ms/step", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _checkpoint_bytes(eng) -> int:
+    """About one checkpoint: the optimizer state (fp32 masters and moments) of every rank,
+    counted once per DP replica under ZeRO-0 (one replica writes it). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([float(eng.memory_breakdown()["optimizer_state"])], dtype=torch.float64)
+    dist.all_reduce(mine)
+    return int(mine.item() / (eng.config.dp if eng.config.zero.stage == 0 else 1))
+
+
+def _train(args: argparse.Namespace, cfg, dataset, sampler, env, engine, run_id: str, location) -> None:
     from engine.checkpoint.preempt import Checkpointer, StopTraining
     from engine.runtime.generate import gather_reference_model, greedy_generate
+    from engine.runtime.outputs import warn_if_low_space
     from engine.runtime.trainer import train, write_memory_report, write_resolved_config
 
     rank0 = env.rank == 0
     eng, *_ = engine.initialize(config=cfg, dist_env=env)
-    if args.load is not None:
-        load_checkpoint(eng, args.load)  # nothing there yet: a warning, and a fresh start
+    if location is not None:
+        _load(args, eng, location, rank0)
+    elif args.load is not None and rank0:
+        print(f"nothing to resume in {args.load} (--load-if-exists): starting at step 0", file=sys.stderr, flush=True)
+    need = _checkpoint_bytes(eng) if args.save is not None else 0
     if rank0:
         write_resolved_config(cfg, args.output)
-        _keep_metrics_up_to(os.path.join(args.output, "metrics.jsonl"), eng.global_steps)
-    bar = tqdm(initial=min(eng.global_steps, args.steps), total=args.steps, disable=not rank0, unit="step",
-               dynamic_ncols=True, file=sys.stderr)
+        _keep_metrics_up_to(os.path.join(args.output, "metrics.jsonl"), eng.global_steps)  # under the lock
+        if args.save is not None:
+            warn_if_low_space([(args.save, "--save")], need)
+    progress = _Progress(rank0, eng.global_steps, args.steps, cfg.steps_per_print or 10)
     records: list = []
     interval = cfg.checkpoint.save_interval if args.save_interval is None else args.save_interval
     with Checkpointer(eng, args.save, interval) as ckpt:
         def on_step(rec: dict) -> None:
             records.append(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
-            bar.update(1)
+            progress.update(rec)
             if ckpt.after_step():
                 raise StopTraining
 
         try:
             train(eng, sampler, max(0, args.steps - eng.global_steps), output_dir=args.output,
-                  peak_tflops=args.peak_tflops, on_step=on_step)
+                  peak_tflops=args.peak_tflops, on_step=on_step, run_id=run_id)
         except StopTraining:
             pass
-        bar.close()
+        progress.close()
         saved = ckpt.finish()
     if ckpt.preempted:
         if rank0:
@@ -181,6 +353,7 @@ def _train(args: argparse.Namespace, cfg, dataset, sampler, env, engine) -> None
         eng.destroy()
         return
     write_memory_report(eng, args.output)
+    # ---- end-of-run sample (one call site; rank 0 prints it)
     model = gather_reference_model(eng) if args.sample_tokens > 0 else None
     if rank0:
         losses = f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}" if records else "nothing to train"

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.format import (METADATA_FILE, CheckpointError, Fragment, decode_bytes, read_latest,
+from engine.checkpoint.format import (LATEST_FILE, METADATA_FILE, CheckpointError, Fragment, decode_bytes, read_latest,
                                       read_metadata, resolve_checkpoint_dir, unpickling_error)
 from engine.checkpoint.layout import local_pieces, parameter_names
 from engine.checkpoint.reader import ShardReader
@@ -39,7 +39,7 @@ from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed
 from engine.checkpoint.save import agree_on_tag
 from engine.tensor_parallel.attrs import is_tied_copy
 
-__all__ = ["load_checkpoint", "restore_rng"]
+__all__ = ["load_checkpoint", "restore_rng", "checkpoint_location"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,18 @@ def restore_rng(rng: dict[str, Any], device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------- entry point
+def checkpoint_location(path: str) -> Optional[tuple[str, Optional[str]]]:
+    """Where ``path`` points: a save directory (it has ``latest``) -> ``(path, None)``; a tag
+    directory (it has ``metadata.json``, e.g. ``ckpt/global_step8`` as a save prints it) ->
+    ``(its parent, its name)``; anything else (missing, empty, unrelated) -> None. Pure."""
+    if os.path.isfile(os.path.join(path, LATEST_FILE)):
+        return path, None
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        full = os.path.abspath(path)
+        return os.path.dirname(full), os.path.basename(full)
+    return None
+
+
 def _read_local(engine: Any, path: str, meta: dict[str, Any], load_optimizer_states: bool,
                 verify: bool) -> tuple[dict[str, Any], set[str], Optional[dict[str, Any]]]:
     reader = ShardReader(path, meta, verify)
@@ -184,7 +196,7 @@ def _check_compatible(engine: Any, path: str, meta: dict[str, Any], load_optimiz
 
 def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, *, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    verify_checksums: bool = True) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+                    verify_checksums: bool = True, load_rng_states: bool = True) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Load ``<load_dir>/<tag>`` (default: the tag ``<load_dir>/latest`` names) into ``engine``,
     whatever (dp, tp, pp, ZeRO stage) it was saved at. Returns ``(path, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` (as DeepSpeed).
@@ -192,6 +204,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, *, lo
     Collective. ``load_optimizer_states=False``: fp32 weights only (optimizer moments stay
     as they are); ``load_module_only=True``: weights only, no counters, LR schedule, loss
     scale or RNG states either. ``verify_checksums``: sha256 of every file read.
+    ``load_rng_states=False``: keep this process's RNG states.
     """
     if not dist.is_initialized():
         raise RuntimeError("checkpoints are collective: torch.distributed must be initialised (the engine does it)")
@@ -236,7 +249,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, *, lo
         raise CheckpointError(f"{path}: the checkpoint has parameters this model does not have ({extra[:8]}"
                               f"{' ...' if len(extra) > 8 else ''}): it is for a different model"
                               f"{' (' + diff + ')' if diff else ''}")
-    _apply(engine, meta, sd, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+    _apply(engine, meta, sd, load_optimizer_states, load_lr_scheduler_states, load_module_only, load_rng_states)
     logger.info("loaded checkpoint %s (saved at dp=%d tp=%d pp=%d ZeRO-%d, step %d)", path,
                 meta["topology"]["dp"], meta["topology"]["tp"], meta["topology"]["pp"],
                 meta["topology"]["zero_stage"], meta["counters"]["global_steps"])
@@ -244,7 +257,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, *, lo
 
 
 def _apply(engine: Any, meta: dict[str, Any], sd: dict[str, Any], load_optimizer_states: bool,
-           load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+           load_lr_scheduler_states: bool, load_module_only: bool, load_rng_states: bool = True) -> None:
     """Install what was read (collective: the optimizer publishes the weights)."""
     opt = engine.optimizer
     if not load_module_only:
@@ -272,6 +285,8 @@ def _apply(engine: Any, meta: dict[str, Any], sd: dict[str, Any], load_optimizer
             for group, lr in zip(opt.optimizer.param_groups, sched.get_last_lr()):
                 group["lr"] = lr
     topo, cfg = meta["topology"], engine.config
+    if not load_rng_states:
+        return
     if (topo["dp"], topo["tp"], topo["pp"]) == (cfg.dp, cfg.tp, cfg.pp):
         rng = meta["rng"].get(str(engine.groups.rank))
         if rng is not None:

@@ -4,8 +4,10 @@ Protocol (collective over the default group; every rank calls it):
 
 1. The ranks agree on the tag (a tag that differs across ranks is reported per
    ``checkpoint.tag_validation``: Fail raises, Warn logs; rank 0's tag is used) and on a
-   nonce; rank 0 creates ``<save_dir>/.tmp-<tag>-<nonce>/`` (removing leftovers of
-   crashed saves).
+   nonce; rank 0 creates ``<save_dir>/.tmp-<tag>-<nonce>/`` with an ``.owner`` line (host,
+   pid), removing leftovers of crashed saves: its own, those whose writer no longer runs,
+   or all of them when this process holds the directory's lock (:mod:`engine.dist.lock`);
+   another live job's save in progress is never touched.
 2. Each rank that owns optimizer state writes its shard file (safetensors, hashed while
    written, fsynced) and sends rank 0 its fragment table, RNG states and file digest.
 3. Rank 0 writes ``metadata.json`` and the client state, checks every shard file is
@@ -27,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import time
 import uuid
 from typing import Any, Optional
@@ -40,6 +43,7 @@ from engine.checkpoint.format import (CLIENT_STATE_FILE, FORMAT, FORMAT_VERSION,
                                       CheckpointError, Fragment, SafetensorsWriter, check_tag, encode_bytes,
                                       fsync_dir, read_latest, shard_file_name, tag_step, tensor_key, unpickling_error,
                                       write_latest, write_metadata)
+from engine.dist.lock import held_here, pid_running
 from engine.checkpoint.layout import local_pieces, owns_group, parameter_names, stage_chunks, tied_names
 
 __all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
@@ -325,16 +329,45 @@ def prune_tags(save_dir: str, keep_last: int, keep: str) -> list[str]:
     return doomed
 
 
+OWNER_FILE = ".owner"   # in a .tmp-* directory: "<host> <pid>" of the rank 0 that is writing it
+
+
+def _write_owner(tmp_dir: str) -> None:
+    with open(os.path.join(tmp_dir, OWNER_FILE), "w", encoding="utf-8") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def _leftover_is_stale(path: str, locked: bool) -> bool:
+    """A ``.tmp-*`` save directory may be removed: this process wrote it, its writer is a
+    process of this host that no longer runs, or this process holds the directory's lock
+    (then no other live job saves here). Another live job's save in progress is kept."""
+    if locked:
+        return True
+    try:
+        with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as f:
+            host, pid = f.read().split()[:2]
+    except (OSError, ValueError):
+        return False  # no owner line (yet): possibly another job's save that just started
+    if host != socket.gethostname():
+        return False
+    return int(pid) == os.getpid() or not pid_running(int(pid))
+
+
 def _clean_leftovers(save_dir: str) -> None:
-    """Remove directories of saves that crashed (``.tmp-*``), temporary ``latest`` files of
-    an interrupted update, and moved-aside tags whose replacement was published
-    (``.old-<tag>-*`` when ``<tag>`` exists)."""
+    """Remove directories of saves that crashed (``.tmp-*`` whose writer is gone, see
+    :func:`_leftover_is_stale`), temporary ``latest`` files of an interrupted update and
+    moved-aside tags whose replacement was published (``.old-<tag>-*`` when ``<tag>``
+    exists); without the directory's lock, only this process's own or known-dead ones."""
+    locked = held_here(save_dir)
     for d in os.listdir(save_dir):
         path = os.path.join(save_dir, d)
         if d.startswith(f"{LATEST_FILE}.tmp-") and os.path.isfile(path):
-            os.remove(path)
+            pid = d[len(LATEST_FILE) + 5:]  # written as latest.tmp-<pid> by the writer of latest
+            if locked or (pid.isdigit() and (int(pid) == os.getpid() or not pid_running(int(pid)))):
+                os.remove(path)
         elif d.startswith(TMP_PREFIX) and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+            if _leftover_is_stale(path, locked):
+                shutil.rmtree(path, ignore_errors=True)
         elif d.startswith(OLD_PREFIX) and os.path.isdir(path):
             tag = d[len(OLD_PREFIX):].rsplit("-", 1)[0]
             if os.path.isdir(os.path.join(save_dir, tag)):
@@ -373,6 +406,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
             os.makedirs(save_dir, exist_ok=True)
             _clean_leftovers(save_dir)
             os.makedirs(tmp_dir)
+            _write_owner(tmp_dir)
         except OSError as exc:
             err = f"cannot create {tmp_dir}: {exc}"
     err = _broadcast(err)
@@ -409,6 +443,7 @@ def _finish(engine: Any, save_dir: str, tmp_dir: str, tag: str, nonce: str, part
             meta["client_state"] = CLIENT_STATE_FILE
         _check_files(tmp_dir, meta["files"])
         write_metadata(tmp_dir, meta)
+        os.remove(os.path.join(tmp_dir, OWNER_FILE))
         fsync_dir(tmp_dir)
         path = _publish(save_dir, tmp_dir, tag, nonce, save_latest)
         if keep_last is not None:

@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Iterator, Optional
 
+from engine.dist.lock import pid_running
 from engine.dist.teardown import shutdown
 
 if TYPE_CHECKING:
@@ -43,19 +44,9 @@ def record_failure(env: DistEnv, exc: BaseException) -> None:
         logger.debug("could not record the failure in the store", exc_info=True)
 
 
-def _pid_running(pid: int) -> bool:
-    """False for a process that is gone or a zombie (exited, not yet reaped by its launcher)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
-        return True
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an error: torch's store and transport errors append C++ frames."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
 
 
 def _gone_on_this_host(store, world: int) -> dict[int, str]:
@@ -65,7 +56,7 @@ def _gone_on_this_host(store, world: int) -> dict[int, str]:
         key = _KEY.format("proc", r)
         if store.check([key]):
             h, pid = store.get(key).decode().split()
-            if h == host and not _pid_running(int(pid)):
+            if h == host and not pid_running(int(pid)):
                 gone[r] = f"pid {pid} on {h}"
     return gone
 
@@ -80,8 +71,31 @@ def _check_in(env: DistEnv) -> Optional[Exception]:
     return None
 
 
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+
+def _describe(env: DistEnv, failed: dict[int, str], killed: dict[int, str], stopped: list[int],
+              silent: list[int], grace_s: float) -> str:
+    """Causes first (ranks that raised, ranks that died), then the ranks that only stopped."""
+    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
+    parts += [f"rank {r} is no longer running ({why}) and reported nothing: killed or crashed"
+              for r, why in sorted(killed.items())]
+    if not parts:
+        parts.append("no peer reported a failure")
+    others = [r for r in stopped if r != env.rank]
+    if others:
+        parts.append(f"{_ranks(others)} stopped because of it")
+    if silent:
+        parts.append(f"{_ranks(silent)} not heard from within {grace_s:g}s (still blocked in a collective, "
+                     "hung, or dead on another host)")
+    return "; ".join(parts)
+
+
 def _diagnose(env: DistEnv, grace_s: float) -> str:
-    """Give the other survivors up to ``grace_s`` to check in, then name who is missing."""
+    """Give the other survivors up to ``grace_s`` to check in, then name who failed, who
+    died (its process is gone and it never checked in: the only ranks called killed) and
+    who merely stopped (checked in, as this rank did)."""
     store, world = env.store, env.world_size
     count = lambda kind, inc=0: store.add(_KEY.format("count", kind), inc)  # noqa: E731
     try:
@@ -92,23 +106,36 @@ def _diagnose(env: DistEnv, grace_s: float) -> str:
             time.sleep(0.05)
         failed = {r: store.get(_KEY.format("failed", r)).decode(errors="replace")
                   for r in range(world) if store.check([_KEY.format("failed", r)])}
-        gone = {r: why for r, why in _gone_on_this_host(store, world).items() if r not in failed}
-        silent = [r for r in range(world) if r not in failed and r not in gone
-                  and not store.check([_KEY.format("checkin", r)])]
+        stopped = [r for r in range(world) if r not in failed and store.check([_KEY.format("checkin", r)])]
+        killed = {r: why for r, why in _gone_on_this_host(store, world).items()
+                  if r not in failed and r not in stopped}
+        silent = [r for r in range(world) if r not in failed and r not in killed and r not in stopped]
         count("done", 1)
-        if env.rank == 0 and not env.launch.agent_store:
-            # the store lives in this process: stay until every survivor has read it
-            deadline = time.monotonic() + grace_s
-            while count("done") < count("checkin") and time.monotonic() < deadline:
-                time.sleep(0.05)
+        if _hosts_store(env):
+            _wait_for_readers(env, grace_s)
     except Exception as exc:  # noqa: BLE001
-        return f"the rendezvous store became unreachable: {exc}"
-    parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
-    parts += [f"rank {r} is no longer running ({why})" for r, why in sorted(gone.items())]
-    if silent:
-        parts.append(f"rank(s) {silent} did not check in within {grace_s:g}s (dead on another "
-                     "host, hung, or still blocked in a collective)")
-    return "; ".join(parts) or "every rank checked in: no peer is known to have failed"
+        return f"the rendezvous store became unreachable: {_first_line(exc)}"
+    return _describe(env, failed, killed, stopped, silent, grace_s)
+
+
+def _hosts_store(env: DistEnv) -> bool:
+    """The rendezvous store lives in this process (rank 0, unless torchrun's agent hosts it)."""
+    return env.rank == 0 and env.world_size > 1 and not env.launch.agent_store
+
+
+def _wait_for_readers(env: DistEnv, grace_s: float) -> None:
+    """Keep the store (this process) alive until every survivor has read it, or ``grace_s``:
+    peers that have not finished reading would only see 'store unreachable'."""
+    store, world = env.store, env.world_size
+    count = lambda kind: store.add(_KEY.format("count", kind), 0)  # noqa: E731
+    deadline, gone, next_scan = time.monotonic() + grace_s, {}, 0.0
+    while time.monotonic() < deadline:
+        if time.monotonic() >= next_scan:  # dead ranks never read: do not wait for them
+            gone = {r for r in _gone_on_this_host(store, world) if not store.check([_KEY.format("checkin", r)])}
+            next_scan = time.monotonic() + 0.5
+        if count("done") + count("failed") + len(gone) >= world:
+            return
+        time.sleep(0.05)
 
 
 # gloo (torch 2.13) raises a plain RuntimeError from its transport; NCCL and the store
@@ -152,5 +179,6 @@ def failure_guard(env: DistEnv, what: str = "distributed work",
         shutdown(drain=False)
         diagnosis = (_diagnose(env, grace_s) if store_error is None else
                      f"the rendezvous store is unreachable (it lives in rank 0's process "
-                     f"unless torchrun's agent hosts it): {store_error}")
-        raise PeerFailureError(f"rank {env.rank}: {what} failed ({first}); {diagnosis}") from exc
+                     f"unless torchrun's agent hosts it: rank 0 is gone): {_first_line(store_error)}")
+        raise PeerFailureError(f"rank {env.rank}: {what} stopped because a peer failed: {diagnosis} "
+                               f"(here: {first})") from None

@@ -70,9 +70,11 @@ def step_record(engine: Any, loss: float, seconds: float, loss_scale: float,
 
 def train(engine: Any, sampler: GlobalBatchSampler, steps: int, *, output_dir: Optional[str],
           peak_tflops: Optional[float] = None,
-          on_step: Optional[Callable[[dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
+          on_step: Optional[Callable[[dict[str, Any]], None]] = None,
+          run_id: Optional[str] = None) -> list[dict[str, Any]]:
     """Run ``steps`` optimizer steps; returns the records (every rank computes them, rank 0
-    writes them). ``peak_tflops``: per-device peak for MFU where the device table has none."""
+    writes them). ``peak_tflops``: per-device peak for MFU where the device table has none;
+    ``run_id``: stored in every record as ``run_id`` (which job wrote it)."""
     cfg: Config = engine.config
     groups = engine.groups
     is_writer = engine.global_rank == 0
@@ -92,6 +94,8 @@ def train(engine: Any, sampler: GlobalBatchSampler, steps: int, *, output_dir: O
             loss = engine.train_batch(data)
             loss_value = float(loss.item())
             rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
+            if run_id is not None:
+                rec["run_id"] = run_id
             writer.write(rec)
             records.append(rec)
             if is_writer and cfg.steps_per_print and rec["step"] % cfg.steps_per_print == 0:

@@ -90,7 +90,40 @@ def test_output_that_is_a_file(train_mod, capsys, tmp_path):
     (tmp_path / "f").write_text("x")
     code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path), "--steps", "1", "--output",
                          str(tmp_path / "f"))
-    assert code == 2 and "output error" in err
+    assert code == 2 and err.startswith("argument error:") and "--output" in err and "not a directory" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_invalid_timeout(train_mod, capsys, tmp_path, value):
+    """Was: exit 1 with a traceback from init_distributed."""
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path), "--steps", "1", "--timeout", value)
+    assert code == 2 and err.startswith("argument error: --timeout must be a positive, finite number")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", ["--load-if-exists", "--finetune", "--no-load-optim", "--no-load-rng"])
+def test_load_flags_need_load(train_mod, capsys, tmp_path, flag):
+    code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path), "--steps", "1", flag)
+    assert code == 2 and f"{flag} needs --load PATH" in err
+
+
+def test_deepspeed_flag_is_accepted(train_mod):
+    args = train_mod.parse_args(["--deepspeed", "--deepspeed_config", "c.json", "--steps", "1"])
+    assert args.deepspeed and args.config == "c.json"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_usage_errors_are_printed_by_rank_0_only(train_mod, capsys, monkeypatch, rank):
+    """Every rank parses the command line; argparse's usage message comes from rank 0 alone."""
+    for k, v in dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                     TORCHELASTIC_RUN_ID="x", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        train_mod.main(["--config", "c.json", "--steps", "1", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert ("unrecognized arguments: --bogus" in err) == (rank == 0) and (err == "") == (rank == 1)
 
 
 @pytest.mark.parametrize("what", ["missing", "empty", "directory"])
@@ -124,7 +157,7 @@ def test_tokenizer_that_does_not_match_the_vocab_size(train_mod, capsys, tmp_pat
 def test_world_size_that_does_not_match_the_config_exits_on_every_rank(train_mod, capsys, tmp_path, monkeypatch,
                                                                         rank):
     """Rank 1 of 3 (no peer exists): it must exit 2 at once, not wait in a rendezvous.
-    Only local rank 0 prints, so a node shows the message once."""
+    Only rank 0 prints, so the job shows the message once."""
     cfg = _cfg(tmp_path, tensor_parallel={"autotp_size": 2})
     for k, v in dict(RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), LOCAL_SIZE="3",
                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
