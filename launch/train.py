@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
     env = None
     try:
         env = init_distributed(timeout_s=args.timeout)
-        with failure_guard(env, "training"):
+        with failure_guard(env, "training", record_dir=_logs_dir(args)):
             code = _job(args, cfg, dataset, sampler, env)
     except KeyboardInterrupt:
         if env is None or env.rank == 0:
@@ -196,6 +196,12 @@ def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
         _exit(EXIT_FAILURE)
     _shutdown()
     return code
+
+
+def _logs_dir(args: argparse.Namespace) -> str:
+    """Per-rank tracebacks (rank<R>.log) and failure records (rank<R>.failed, read by the
+    peers when the failing rank hosted the rendezvous store)."""
+    return os.path.join(args.output, "logs")
 
 
 def _exit(code: int) -> None:
@@ -218,7 +224,7 @@ def _report_failure(args: argparse.Namespace, env, exc: BaseException) -> None:
         sys.stderr.write(tb)
     else:
         try:
-            path = os.path.join(args.output, "logs", f"rank{rank}.log")
+            path = os.path.join(_logs_dir(args), f"rank{rank}.log")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(tb)
@@ -226,6 +232,12 @@ def _report_failure(args: argparse.Namespace, env, exc: BaseException) -> None:
         except OSError:
             where = " (run with --debug for the traceback)"
     print(f"error: rank {rank}: {type(exc).__name__}: {first}{where}", file=sys.stderr, flush=True)
+
+
+def _clear_failure_records(logs: str) -> None:
+    for name in os.listdir(logs) if os.path.isdir(logs) else []:
+        if name.endswith(".failed"):
+            os.remove(os.path.join(logs, name))
 
 
 def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
@@ -243,7 +255,9 @@ def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
         problem, location = prepare_locations(output=args.output, save=args.save, load=args.load,
                                               load_if_exists=args.load_if_exists, finetune=args.finetune,
                                               rank=env.rank, run_id=run_id, stack=held)
-        problem = agree_on_problems(problem)
+        if problem is None and env.rank == 0:  # the folder is ours now: a previous run's records go
+            _clear_failure_records(_logs_dir(args))
+        problem = agree_on_problems(problem)  # (collective: after it, every record is this run's)
         if problem is not None:
             if env.rank == 0:
                 print(f"argument error: {problem}", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 import traceback
@@ -35,10 +36,19 @@ def register_process(store, rank: int) -> None:
     store.set(_KEY.format("proc", rank), f"{socket.gethostname()} {os.getpid()}")
 
 
-def record_failure(env: DistEnv, exc: BaseException) -> None:
-    """Leave ``exc`` in the rendezvous store so peers whose collectives fail can name us."""
+def record_failure(env: DistEnv, exc: BaseException, record_dir: Optional[str] = None) -> None:
+    """Leave ``exc`` in the rendezvous store (and as ``<record_dir>/rank<R>.failed``) so
+    peers whose collectives fail can name us."""
+    line = f"{type(exc).__name__}: {_first_line(exc, 500)}"
+    if record_dir is not None:
+        try:
+            os.makedirs(record_dir, exist_ok=True)
+            with open(os.path.join(record_dir, f"rank{env.rank}.failed"), "w", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError:
+            logger.debug("could not record the failure in %s", record_dir, exc_info=True)
     try:
-        env.store.set(_KEY.format("failed", env.rank), f"{type(exc).__name__}: {exc}"[:500])
+        env.store.set(_KEY.format("failed", env.rank), line)
         env.store.add(_KEY.format("count", "failed"), 1)
     except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
         logger.debug("could not record the failure in the store", exc_info=True)
@@ -49,16 +59,21 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
 
 
-def _gone_on_this_host(store, world: int) -> dict[int, str]:
-    """Ranks whose process on this host no longer runs: rank -> 'pid P on host H'."""
-    host, gone = socket.gethostname(), {}
+def _on_this_host(store, world: int) -> dict[int, tuple[str, bool]]:
+    """Ranks registered on this host: rank -> ('pid P on host H', whether it still runs)."""
+    host, out = socket.gethostname(), {}
     for r in range(world):
         key = _KEY.format("proc", r)
         if store.check([key]):
             h, pid = store.get(key).decode().split()
-            if h == host and not pid_running(int(pid)):
-                gone[r] = f"pid {pid} on {h}"
-    return gone
+            if h == host:
+                out[r] = (f"pid {pid} on {h}", pid_running(int(pid)))
+    return out
+
+
+def _gone_on_this_host(store, world: int) -> dict[int, str]:
+    """Ranks whose process on this host no longer runs: rank -> 'pid P on host H'."""
+    return {r: why for r, (why, alive) in _on_this_host(store, world).items() if not alive}
 
 
 def _check_in(env: DistEnv) -> Optional[Exception]:
@@ -76,7 +91,7 @@ def _ranks(rs: list[int]) -> str:
 
 
 def _describe(env: DistEnv, failed: dict[int, str], killed: dict[int, str], stopped: list[int],
-              silent: list[int], grace_s: float) -> str:
+              running: list[int], silent: list[int], grace_s: float) -> str:
     """Causes first (ranks that raised, ranks that died), then the ranks that only stopped."""
     parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
     parts += [f"rank {r} is no longer running ({why}) and reported nothing: killed or crashed"
@@ -86,9 +101,12 @@ def _describe(env: DistEnv, failed: dict[int, str], killed: dict[int, str], stop
     others = [r for r in stopped if r != env.rank]
     if others:
         parts.append(f"{_ranks(others)} stopped because of it")
+    if running:
+        parts.append(f"{_ranks(running)} still running, not stopped within {grace_s:g}s (waiting in a collective "
+                     "with a rank that stopped, or hung)")
     if silent:
-        parts.append(f"{_ranks(silent)} not heard from within {grace_s:g}s (still blocked in a collective, "
-                     "hung, or dead on another host)")
+        parts.append(f"{_ranks(silent)} not heard from within {grace_s:g}s (on another host: still waiting in a "
+                     "collective, hung, or dead)")
     return "; ".join(parts)
 
 
@@ -107,15 +125,17 @@ def _diagnose(env: DistEnv, grace_s: float) -> str:
         failed = {r: store.get(_KEY.format("failed", r)).decode(errors="replace")
                   for r in range(world) if store.check([_KEY.format("failed", r)])}
         stopped = [r for r in range(world) if r not in failed and store.check([_KEY.format("checkin", r)])]
-        killed = {r: why for r, why in _gone_on_this_host(store, world).items()
-                  if r not in failed and r not in stopped}
+        local = _on_this_host(store, world)
+        killed = {r: why for r, (why, alive) in local.items() if not alive and r not in failed and r not in stopped}
         silent = [r for r in range(world) if r not in failed and r not in killed and r not in stopped]
+        running = [r for r in silent if r in local]  # alive here: blocked in a collective, or hung
+        silent = [r for r in silent if r not in local]
         count("done", 1)
         if _hosts_store(env):
             _wait_for_readers(env, grace_s)
     except Exception as exc:  # noqa: BLE001
         return f"the rendezvous store became unreachable: {_first_line(exc)}"
-    return _describe(env, failed, killed, stopped, silent, grace_s)
+    return _describe(env, failed, killed, stopped, running, silent, grace_s)
 
 
 def _hosts_store(env: DistEnv) -> bool:
@@ -151,34 +171,89 @@ def _is_comm_error(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TRANSPORT_ERRORS))
 
 
+def _store_reachable(env: DistEnv) -> bool:
+    """Whether the TCP store still accepts connections: a plain connect, because a store
+    call on a dead store logs a C++ stack trace (TCPStore.cpp) before it raises."""
+    if env.launch.launcher == "single":
+        return True  # an in-process HashStore
+    try:
+        with socket.create_connection((env.launch.master_addr, env.launch.master_port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+def _transport_summary(exc: BaseException) -> str:
+    """gloo's '[.../pair.cc:553] Connection closed by peer [addr]:port. This is typically
+    ...' -> 'Connection closed by peer [addr]:port'."""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(exc))
+    return line.split(". ", 1)[0]
+
+
+def _read_records(record_dir: Optional[str]) -> dict[int, str]:
+    """Failures ranks recorded in ``record_dir`` (``rank<R>.failed``)."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(record_dir) if record_dir else []
+    except OSError:
+        return out
+    for name in names:
+        m = re.fullmatch(r"rank(\d+)\.failed", name)
+        if m:
+            try:
+                with open(os.path.join(record_dir, name), encoding="utf-8", errors="replace") as f:
+                    out[int(m.group(1))] = f.read().strip()
+            except OSError:
+                continue
+    return out
+
+
+def _store_gone(env: DistEnv, record_dir: Optional[str], grace_s: float) -> str:
+    """The diagnosis when the store (rank 0's process, unless torchrun's agent hosts it) is gone."""
+    deadline = time.monotonic() + grace_s
+    records = _read_records(record_dir)
+    while not records and record_dir and time.monotonic() < deadline:  # rank 0 may still be writing
+        time.sleep(0.1)
+        records = _read_records(record_dir)
+    if records:
+        return "; ".join(f"rank {r} failed with {msg}" for r, msg in sorted(records.items()))
+    host = "torchrun's agent" if env.launch.agent_store else "rank 0"
+    return f"the rendezvous store is unreachable: {host}, which hosts it, is gone (killed or crashed)"
+
+
 @contextlib.contextmanager
-def failure_guard(env: DistEnv, what: str = "distributed work",
-                  grace_s: float = 5.0) -> Iterator[None]:
+def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float = 5.0,
+                  record_dir: Optional[str] = None) -> Iterator[None]:
     """Attribute a failure inside the block to the right rank.
 
     A communication error (a peer died and closed its sockets, or hung past the
-    collective timeout) becomes :class:`PeerFailureError` naming the ranks that recorded
-    a failure, whose process is gone, or that did not check in within ``grace_s``; it is
-    fatal: the groups are torn down without draining (they are broken, and a live broken
-    group aborts the process at exit). Any other exception is recorded in the store for
-    the peers and re-raised unchanged. Wrap whole fatal regions (the training loop).
+    collective timeout) becomes :class:`PeerFailureError` saying that this rank stopped
+    because of a peer and naming the ranks that recorded a failure, whose process is
+    gone (the only ones called killed), that stopped for the same reason, or that were
+    not heard from within ``grace_s``; it is fatal: the groups are torn down without
+    draining (they are broken, and a live broken group aborts the process at exit).
+    Any other exception is recorded for the peers and re-raised unchanged: in the store,
+    and in ``record_dir`` (a directory every rank can read, e.g. the run's output) as
+    ``rank<R>.failed``, which is where peers find it when the failing rank hosted the
+    store and took it with it. Wrap whole fatal regions (the training loop).
     """
     try:
         yield
     except Exception as exc:
         if not _is_comm_error(exc):
-            record_failure(env, exc)
+            record_failure(env, exc, record_dir)
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        store_error = _check_in(env)
+        first = _transport_summary(exc)
+        # rank 0 recorded a failure: it is leaving and takes the store with it (a store call
+        # racing its exit would log a C++ stack trace), so the records are the source
+        host_failed = not env.launch.agent_store and 0 in _read_records(record_dir)
+        store_error = _check_in(env) if not host_failed and _store_reachable(env) else "gone"
         # Tear down before waiting for the others: closing our sockets makes peers that
         # are blocked on us fail now instead of at their timeout. The traceback's torch
         # frames hold the group and its Work; free them, or the group outlives shutdown
         # and its threads meet interpreter finalisation.
         traceback.clear_frames(exc.__traceback__)
         shutdown(drain=False)
-        diagnosis = (_diagnose(env, grace_s) if store_error is None else
-                     f"the rendezvous store is unreachable (it lives in rank 0's process "
-                     f"unless torchrun's agent hosts it: rank 0 is gone): {_first_line(store_error)}")
+        diagnosis = _diagnose(env, grace_s) if store_error is None else _store_gone(env, record_dir, grace_s)
         raise PeerFailureError(f"rank {env.rank}: {what} stopped because a peer failed: {diagnosis} "
                                f"(here: {first})") from None

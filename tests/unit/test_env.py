@@ -376,7 +376,7 @@ def test_diagnosis_names_raised_dead_and_silent_ranks():
     msg = F._diagnose(denv, grace_s=0.2)
     assert "rank 3 failed with ValueError: bad batch" in msg
     assert f"rank 2 is no longer running (pid {dead.pid} on {host})" in msg
-    assert "rank 0 not heard from within 0.2s" in msg
+    assert "rank 0 still running, not stopped within 0.2s" in msg
     assert "rank 1" not in msg
 
 
