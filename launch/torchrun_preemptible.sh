@@ -3,12 +3,22 @@
 #
 #   launch/torchrun_preemptible.sh --nproc_per_node 8 launch/train.py --config ... --save ckpt ...
 #
-# torchrun's agent turns SIGTERM into SignalException and exits 1 whatever its workers do, so a
-# job whose ranks saved a checkpoint and exited 0 still ends "failed". Here the launcher ignores
-# SIGTERM and SIGUSR1 (inherited dispositions; --signals-to-handle keeps torchrun from
-# installing its own SIGTERM handler): the signal reaches the ranks (Slurm and `kill -- -PGID`
-# signal every process of the job), launch/train.py re-enables it on each rank, every rank saves
-# and exits 0, and torchrun reports 0. Ctrl-C (SIGINT) still stops everything at once. A rank
-# that does not stop is still killed by the scheduler's SIGKILL after its grace period.
-trap '' TERM USR1
-exec ${TORCHRUN:-torchrun} --signals-to-handle SIGINT,SIGHUP,SIGQUIT "$@"
+# torchrun's agent turns a SIGTERM it receives into SignalException and exits 1 whatever its
+# workers do, so a job whose ranks saved a checkpoint and exited 0 still ends "failed". Here
+# torchrun runs with SIGTERM and SIGUSR1 ignored (--signals-to-handle keeps it from installing
+# its own SIGTERM handler), and this script forwards both signals to the ranks (torchrun starts
+# each in its own session, so a process-group kill does not reach them): every rank saves and
+# exits 0 (launch/train.py with --save), and torchrun reports 0. SIGINT (Ctrl-C) is torchrun's as
+# usual. A rank that does not stop is still killed by the scheduler's SIGKILL after its grace time.
+# TORCHRUN overrides the launcher command (default: torchrun).
+( trap '' TERM USR1; exec ${TORCHRUN:-torchrun} --signals-to-handle SIGINT,SIGHUP,SIGQUIT "$@" ) &
+launcher=$!
+forward() { pkill "-$1" -P "$launcher" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+while true; do
+    wait "$launcher"
+    rc=$?
+    kill -0 "$launcher" 2>/dev/null || break  # wait returned because a signal was trapped: wait again
+done
+exit "$rc"

@@ -275,6 +275,8 @@ def _load(args: argparse.Namespace, eng, location, rank0: bool) -> None:
     load_dir, tag = location
     path, _ = load_checkpoint(eng, load_dir, tag, load_optimizer_states=not (args.no_load_optim or args.finetune),
                               load_module_only=args.finetune, load_rng_states=not args.no_load_rng)
+    if path is None:  # 'latest' vanished since the check (another process removed it)
+        raise RuntimeError(f"no checkpoint to load in {load_dir}: its 'latest' file is gone")
     if rank0:
         saved = read_metadata(path)["config"].get("train_batch_size")
         if saved is not None and saved != eng.config.train_batch_size and not args.finetune:
@@ -285,8 +287,6 @@ def _load(args: argparse.Namespace, eng, location, rank0: bool) -> None:
                 eng.global_steps)
         what = "weights only (--finetune)" if args.finetune else "resuming"
         print(f"loaded {path}: {what} at step {eng.global_steps}", file=sys.stderr, flush=True)
-    elif path is None:  # pragma: no cover - load_checkpoint only returns None without a 'latest'
-        raise RuntimeError(f"nothing loaded from {load_dir}")
 
 
 class _Progress:
@@ -321,7 +321,8 @@ def _checkpoint_bytes(eng) -> int:
     import torch
     import torch.distributed as dist
 
-    mine = torch.tensor([float(eng.memory_breakdown()["optimizer_state"])], dtype=torch.float64)
+    # on the engine's device: NCCL takes no CPU tensors
+    mine = torch.tensor([float(eng.memory_breakdown()["optimizer_state"])], dtype=torch.float64, device=eng.device)
     dist.all_reduce(mine)
     return int(mine.item() / (eng.config.dp if eng.config.zero.stage == 0 else 1))
 

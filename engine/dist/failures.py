@@ -148,7 +148,8 @@ def _wait_for_readers(env: DistEnv, grace_s: float) -> None:
     peers that have not finished reading would only see 'store unreachable'."""
     store, world = env.store, env.world_size
     count = lambda kind: store.add(_KEY.format("count", kind), 0)  # noqa: E731
-    deadline, gone, next_scan = time.monotonic() + grace_s, {}, 0.0
+    deadline, next_scan = time.monotonic() + grace_s, 0.0
+    gone: set[int] = set()
     while time.monotonic() < deadline:
         if time.monotonic() >= next_scan:  # dead ranks never read: do not wait for them
             gone = {r for r in _gone_on_this_host(store, world) if not store.check([_KEY.format("checkin", r)])}

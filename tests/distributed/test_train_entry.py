@@ -178,7 +178,8 @@ def test_torchrun_trains_and_writes_its_outputs(torchrun_run, reference):
     assert tr.returncode == 0, tr.stdout[-3000:] + tr.stderr[-3000:]
     # the same losses as the in-process loop (another layout: within the layout tolerance)
     assert _losses(str(out)) == pytest.approx(reference[2][:LAUNCH_STEPS], rel=RTOL)
-    assert "sample (greedy):" in tr.stdout and "loss" in tr.stderr  # progress bar on rank 0
+    assert "sample (greedy):" in tr.stdout and "step 4/4: loss" in tr.stderr  # rank 0's progress line (no TTY)
+    assert "\r" not in tr.stderr and tr.stderr.count("step 4/4") == 1
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     for key in ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_s", "step_time_ms", "mfu"):
         assert all(key in r for r in recs), key
@@ -200,7 +201,7 @@ def test_deepspeed_launcher_gives_the_same_losses_as_torchrun(torchrun_run, tmp_
     cfg, tr_out, tr = torchrun_run
     assert tr.returncode == 0, tr.stderr[-3000:]
     ds = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), TRAIN,
-                         "--deepspeed_config", cfg, "--steps", str(LAUNCH_STEPS), "--output", str(tmp_path / "ds"),
+                         "--deepspeed", "--deepspeed_config", cfg, "--steps", str(LAUNCH_STEPS), "--output", str(tmp_path / "ds"),
                          "--sample-tokens", "8"],
                         cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=240)
     assert ds.returncode == 0, ds.stdout[-3000:] + ds.stderr[-3000:]

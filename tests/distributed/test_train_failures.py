@@ -29,12 +29,23 @@ import sys
 import time
 
 import pytest
-from test_train_entry import TRAIN, _env, _free_port, cache_dir, tiny_config  # noqa: F401 - cache_dir: fixture
+from test_train_entry import TRAIN, _env, _free_port, tiny_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAULT = os.path.join(HERE, "_train_fault.py")
 TORCHRUN_PREEMPTIBLE = os.path.join(os.path.dirname(TRAIN), "torchrun_preemptible.sh")
 NOISE = ("Traceback", "frame #", "outlive shutdown", "ChildFailedError")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """Tokenizer and token file built once, here, so the ranks only read the cache."""
+    from engine.config import load_config
+    from engine.runtime.trainer import build_data
+
+    d = str(tmp_path_factory.mktemp("data_cache"))
+    build_data(load_config(tiny_config(d), world_size=1))
+    return d
 
 
 def _cfg(tmp_path, cache_dir, name="cfg.json", **kw) -> str:
@@ -156,7 +167,7 @@ def test_a_second_job_on_the_same_folders_is_refused_and_the_first_finishes(tmp_
         same_save = _train(tmp_path, "--config", cfg, "--steps", "4", "--output", str(tmp_path / "o2"),
                            "--save", str(ck), "--load", str(ck))
         first.send_signal(signal.SIGTERM)  # preemption: saves, exits 0
-        code, err = first.wait(timeout=60), first.communicate()[1]
+        code, (stdout, err) = first.wait(timeout=60), first.communicate()
     finally:
         if first.poll() is None:
             first.kill()
@@ -164,7 +175,7 @@ def test_a_second_job_on_the_same_folders_is_refused_and_the_first_finishes(tmp_
         assert second.returncode == 2, second.stderr[-3000:]
         assert second.stderr.startswith(f"argument error: {what}") and "in use by another job" in second.stderr
         assert f"pid {first.pid} on host" in second.stderr and _lines(second.stderr) == [second.stderr.strip()]
-    assert code == 0 and "preempted at step" in err, err[-3000:]
+    assert code == 0 and "preempted at step" in stdout, err[-3000:]
     recs = _records(out)
     assert [r["step"] for r in recs] == list(range(1, len(recs) + 1)) and len({r["run_id"] for r in recs}) == 1
     assert (ck / f"global_step{len(recs)}").is_dir() and not [n for n in os.listdir(ck) if n.startswith(".tmp-")]
@@ -260,8 +271,9 @@ def test_torchrun_bad_input_and_preemption(tmp_path, cache_dir):
     bad = subprocess.run([*torchrun, "--master_port", str(_free_port()), TRAIN, "--config", cfg, "--steps", "1",
                           "--timeout", "0"], cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
     assert bad.stderr.count("argument error: --timeout") == 1, bad.stderr  # rank 0 only
-    # SIGTERM to every process of the job (as Slurm and `kill -- -PGID` do): the ranks save and
-    # exit 0, and so does the launcher (plain torchrun exits 1: its agent raises SignalException)
+    # SIGTERM to the launcher's process group (`kill -- -PGID`; torchrun's ranks have their own
+    # sessions): the wrapper forwards it, the ranks save and exit 0, and so does the launcher
+    # (plain torchrun exits 1: its agent raises SignalException)
     out, ck = tmp_path / "out", tmp_path / "ck"
     job = subprocess.Popen([TORCHRUN_PREEMPTIBLE, "--nproc_per_node", "2", "--master_port", str(_free_port()), TRAIN,
                             "--config", cfg, "--steps", "100000", "--output", str(out), "--save", str(ck),
