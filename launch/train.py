@@ -8,14 +8,20 @@
 
 Checkpoints (Megatron's flags): ``--save DIR`` saves at the end, every ``--save-interval N``
 steps (default: the config's ``checkpoint.save_interval``) and on SIGTERM/SIGUSR1 (then it
-exits 0 after the current step); ``--load DIR`` resumes from the tag ``DIR/latest`` names,
-at any (dp, tp, pp, ZeRO stage); ``--steps`` is the total step count to reach.
+exits 0 after the current step); ``--load PATH`` resumes from a save directory (the tag its
+``latest`` names) or a tag directory, at any (dp, tp, pp, ZeRO stage); ``--steps`` is the
+total step count to reach. See docs/checkpoints.md for ``--load-if-exists``,
+``--finetune``, ``--no-load-optim``, ``--no-load-rng`` and the guards.
 
-Writes ``metrics.jsonl`` (one JSON object per optimizer step), ``memory.json``,
-``config.json`` (the resolved config) and TensorBoard events (if installed) into
-``--output``, shows a progress bar on rank 0 and ends with a short greedy sample.
-Bad input (config, paths, data, ``--steps``, world size) exits with status 2 on every
-rank before any process group exists. See docs/training.md.
+Writes ``metrics.jsonl`` (one JSON object per optimizer step, with the job's ``run_id``),
+``memory.json``, ``config.json`` (the resolved config) and TensorBoard events (if
+installed) into ``--output``, shows progress on rank 0 and ends with a short greedy sample.
+Rank 0 locks ``--output`` and ``--save`` (one job per folder).
+
+Exit status (docs/training.md): 0 trained or preempted cleanly; 2 bad input, one line from
+rank 0 (arguments, config and data before any process group exists; folders, locks and
+``--load`` right after, agreed by all ranks); 1 a runtime failure, one line per rank (the
+traceback in ``OUTPUT/logs/rank<R>.log``, or on stderr with ``--debug``); 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -236,7 +242,7 @@ def _report_failure(args: argparse.Namespace, env, exc: BaseException) -> None:
 
 def _clear_failure_records(logs: str) -> None:
     for name in os.listdir(logs) if os.path.isdir(logs) else []:
-        if name.endswith(".failed"):
+        if name.endswith((".failed", ".stopped")):
             os.remove(os.path.join(logs, name))
 
 

@@ -40,13 +40,7 @@ def record_failure(env: DistEnv, exc: BaseException, record_dir: Optional[str] =
     """Leave ``exc`` in the rendezvous store (and as ``<record_dir>/rank<R>.failed``) so
     peers whose collectives fail can name us."""
     line = f"{type(exc).__name__}: {_first_line(exc, 500)}"
-    if record_dir is not None:
-        try:
-            os.makedirs(record_dir, exist_ok=True)
-            with open(os.path.join(record_dir, f"rank{env.rank}.failed"), "w", encoding="utf-8") as f:
-                f.write(line + "\n")
-        except OSError:
-            logger.debug("could not record the failure in %s", record_dir, exc_info=True)
+    _write_record(record_dir, env.rank, "failed", line)
     try:
         env.store.set(_KEY.format("failed", env.rank), line)
         env.store.add(_KEY.format("count", "failed"), 1)
@@ -191,16 +185,17 @@ def _transport_summary(exc: BaseException) -> str:
     return line.split(". ", 1)[0]
 
 
-def _read_records(record_dir: Optional[str]) -> dict[int, str]:
-    """Failures ranks recorded in ``record_dir`` (``rank<R>.failed``)."""
+def _read_records(record_dir: Optional[str], kind: str = "failed") -> dict[int, str]:
+    """Records ranks left in ``record_dir``: ``rank<R>.failed`` (its own exception) or
+    ``rank<R>.stopped`` (the causes a survivor found)."""
     out: dict[int, str] = {}
     try:
         names = os.listdir(record_dir) if record_dir else []
     except OSError:
         return out
     for name in names:
-        m = re.fullmatch(r"rank(\d+)\.failed", name)
-        if m:
+        m = re.fullmatch(rf"rank(\d+)\.{kind}", name)
+        if m and record_dir:
             try:
                 with open(os.path.join(record_dir, name), encoding="utf-8", errors="replace") as f:
                     out[int(m.group(1))] = f.read().strip()
@@ -209,15 +204,39 @@ def _read_records(record_dir: Optional[str]) -> dict[int, str]:
     return out
 
 
+def _write_record(record_dir: Optional[str], rank: int, kind: str, text: str) -> None:
+    if record_dir is None:
+        return
+    try:
+        os.makedirs(record_dir, exist_ok=True)
+        with open(os.path.join(record_dir, f"rank{rank}.{kind}"), "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError:
+        logger.debug("could not write a record in %s", record_dir, exc_info=True)
+
+
+def _causes(diagnosis: str) -> str:
+    """The parts of a diagnosis that name a cause (a rank that raised or died)."""
+    return "; ".join(p for p in diagnosis.split("; ") if " failed with " in p or " is no longer running " in p)
+
+
 def _store_gone(env: DistEnv, record_dir: Optional[str], grace_s: float) -> str:
-    """The diagnosis when the store (rank 0's process, unless torchrun's agent hosts it) is gone."""
+    """The diagnosis when the store (rank 0's process, unless torchrun's agent hosts it) is
+    gone: from the records of the ranks that failed, else from what another survivor found
+    while the store was up (this rank noticed the failure only after the store host left)."""
     deadline = time.monotonic() + grace_s
     records = _read_records(record_dir)
     while not records and record_dir and time.monotonic() < deadline:  # rank 0 may still be writing
         time.sleep(0.1)
         records = _read_records(record_dir)
+        if not records and _read_records(record_dir, "stopped"):
+            break
     if records:
         return "; ".join(f"rank {r} failed with {msg}" for r, msg in sorted(records.items()))
+    found = {r: c for r, c in _read_records(record_dir, "stopped").items() if c}
+    if found:
+        r = min(found)
+        return f"{found[r]} (found by rank {r} while the rendezvous store was up)"
     host = "torchrun's agent" if env.launch.agent_store else "rank 0"
     return f"the rendezvous store is unreachable: {host}, which hosts it, is gone (killed or crashed)"
 
@@ -236,7 +255,8 @@ def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float =
     Any other exception is recorded for the peers and re-raised unchanged: in the store,
     and in ``record_dir`` (a directory every rank can read, e.g. the run's output) as
     ``rank<R>.failed``, which is where peers find it when the failing rank hosted the
-    store and took it with it. Wrap whole fatal regions (the training loop).
+    store and took it with it; a survivor also leaves the causes it found there
+    (``rank<R>.stopped``) for peers that notice only after the store has gone. Wrap whole fatal regions (the training loop).
     """
     try:
         yield
@@ -255,6 +275,10 @@ def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float =
         # and its threads meet interpreter finalisation.
         traceback.clear_frames(exc.__traceback__)
         shutdown(drain=False)
-        diagnosis = _diagnose(env, grace_s) if store_error is None else _store_gone(env, record_dir, grace_s)
+        if store_error is None:
+            diagnosis = _diagnose(env, grace_s)
+            _write_record(record_dir, env.rank, "stopped", _causes(diagnosis))  # for ranks that come later
+        else:
+            diagnosis = _store_gone(env, record_dir, grace_s)
         raise PeerFailureError(f"rank {env.rank}: {what} stopped because a peer failed: {diagnosis} "
                                f"(here: {first})") from None
