@@ -51,6 +51,7 @@ from engine.dist import comm
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
 from engine.pipeline.schedule import build_schedule
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
+from engine.runtime.device import move_to_device
 
 __all__ = ["ActionRecord", "PipelineExecutor", "allreduce_tied_grads", "broadcast_tied_weights"]
 
@@ -245,9 +246,10 @@ class PipelineExecutor:
             elif not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise TypeError(f"data_iter must yield (inputs, targets) pairs, got {type(item).__name__}")
             if self.is_first_holder or self.is_last_holder:
-                self._batches[self._drawn] = [_to(item[0], self.device), _to(item[1], self.device)]
+                self._batches[self._drawn] = [move_to_device(item[0], self.device),
+                                              move_to_device(item[1], self.device)]
             if self.side_inputs:
-                self._side[self._drawn] = [_to(item[2], self.device), self.virtual_stages]
+                self._side[self._drawn] = [move_to_device(item[2], self.device), self.virtual_stages]
             self._drawn += 1
 
     def _side_kwargs(self, mb: int) -> dict:
@@ -357,7 +359,7 @@ class PipelineExecutor:
                 t = src.detach()  # (B, S, H) activation or input grad; kept alive until sent
                 ops.append(dist.P2POp(dist.isend, t, peer, self.pp_group))
                 batch.sends.append((a, t))
-        batch.works = dist.batch_isend_irecv(ops)
+        batch.works = comm.batch_isend_irecv(ops)
         self._posted.append(batch)
         self._note(" ".join(map(str, acts)), "COMM", acts[0].microbatch, acts[0].chunk, t0)
 
@@ -400,13 +402,3 @@ class _Posted:
     index: int
     works: list = field(default_factory=list)
     sends: list = field(default_factory=list)  # (action, tensor kept alive until sent)
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x
