@@ -91,6 +91,14 @@ class Pairs(torch.utils.data.Dataset):
         return mark(item) if self.marked else item
 
 
+def _dp_both(rank, world):
+    return _dp_losses(rank, world, True), _dp_losses(rank, world, False)
+
+
+def _pp_both(rank, world):
+    return _pp_losses(rank, world, True), _pp_losses(rank, world, False)
+
+
 def _dp_losses(rank, world, marked):
     import engine
 
@@ -115,9 +123,8 @@ def _dp_losses(rank, world, marked):
 
 
 def test_dp_and_zero_paths_move_every_batch_to_the_device():
-    marked = run_ranks(_dp_losses, 2, True, timeout=240)
-    plain = run_ranks(_dp_losses, 2, False, timeout=240)
-    assert marked == plain
+    for marked, plain in run_ranks(_dp_both, 2, timeout=240):
+        assert marked == plain
 
 
 def _pp_losses(rank, world, marked):
@@ -144,7 +151,6 @@ def _pp_losses(rank, world, marked):
 
 
 def test_pipeline_path_moves_every_batch_to_the_device():
-    marked = run_ranks(_pp_losses, 2, True, timeout=240)
-    plain = run_ranks(_pp_losses, 2, False, timeout=240)
-    assert marked == plain
-    assert marked[0] == marked[1]  # the loss is broadcast to every stage
+    (m0, p0), (m1, p1) = run_ranks(_pp_both, 2, timeout=240)
+    assert m0 == p0 and m1 == p1
+    assert m0 == m1  # the loss is broadcast to every stage
