@@ -432,18 +432,21 @@ def _make_store(info: LaunchInfo, timeout: datetime.timedelta):
 
 # Flight recorder and dump on timeout: when a collective times out, NCCL's watchdog aborts
 # the communicator; with these set every rank first writes the last collectives it issued
-# (op, group, sizes, state) to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>, which names the rank
-# that never arrived (torch's tools/flight_recorder analyses the dumps). The user's own
-# settings win.
-NCCL_ENV_DEFAULTS = {
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives per rank
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-}
+# (op, group, sizes, state) to TORCH_FR_DUMP_TEMP_FILE (older name
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE) + rank, which names the rank that never arrived. The
+# buffer size has two names (TORCH_FR_BUFFER_SIZE, the older TORCH_NCCL_TRACE_BUFFER_SIZE):
+# both are set, and neither if the user set one. The user's own settings always win.
+FLIGHT_RECORDER_ENTRIES = "2000"
 
 
 def nccl_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     """The NCCL variables to set before the group is created: the defaults the user has not set."""
-    return {k: v for k, v in NCCL_ENV_DEFAULTS.items() if k not in environ}
+    out = {}
+    if "TORCH_FR_BUFFER_SIZE" not in environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ:
+        out["TORCH_FR_BUFFER_SIZE"] = out["TORCH_NCCL_TRACE_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:
+        out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    return out
 
 
 def strict_comm_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:

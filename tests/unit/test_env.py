@@ -417,6 +417,7 @@ def test_user_initialised_nccl_group_without_set_device_uses_the_local_rank_gpu(
 def test_nccl_flight_recorder_defaults_do_not_override_the_user():
     from engine.dist.env import nccl_env_defaults, strict_comm_from_env
 
-    assert nccl_env_defaults({}) == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    assert nccl_env_defaults({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+    assert nccl_env_defaults({}) == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                                     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert nccl_env_defaults({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
     assert strict_comm_from_env({}) is False and strict_comm_from_env({"ENGINE_STRICT_COMM": "1"}) is True
