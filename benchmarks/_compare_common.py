@@ -77,7 +77,7 @@ def alternate(systems: list[System], steps: int, warmup: int, comm: CommTimer,
             rec["p2p"].append(comm.by_kind["p2p"] - p0)
     # the step time is the slowest rank's
     for s in systems:
-        t = torch.tensor(out[s.name]["time"], dtype=torch.float64)
+        t = torch.tensor(out[s.name]["time"], dtype=torch.float64, device=device)  # NCCL: on the GPU
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[s.name]["time"] = t.tolist()
     return out

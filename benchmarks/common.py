@@ -140,9 +140,15 @@ class _TimedWork:
 
 
 class CommTimer:
-    """Exposed communication time of this process: wall time spent inside a collective
-    or point-to-point call of ``torch.distributed`` plus time blocked in ``Work.wait()``
-    of an asynchronous one (time that overlapped with compute is not counted).
+    """Exposed communication time of this process: time spent inside a collective or
+    point-to-point call of ``torch.distributed`` plus time blocked in ``Work.wait()`` of an
+    asynchronous one (time that overlapped with compute is not counted).
+
+    CPU (gloo): wall time of the call. CUDA (NCCL): the call only enqueues, so a CUDA event
+    pair is recorded around it on the current stream and resolved when ``by_kind`` /
+    ``seconds`` is read (after the step): the time the compute stream waited for the
+    collective. No device sync per collective, which would serialise the overlap of
+    compute and communication being measured.
 
     ``install()`` wraps the module-level functions of ``torch.distributed``; call it before
     any library binds them (DeepSpeed keeps references from its ``init_distributed``).
@@ -151,27 +157,56 @@ class CommTimer:
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.device = device
-        self.seconds = 0.0
-        self.by_kind = {"collective": 0.0, "p2p": 0.0}
+        self._seconds = 0.0
+        self._by_kind = {"collective": 0.0, "p2p": 0.0}
+        self._pending: list[tuple[str, Any, Any]] = []  # (kind, start event, end event), CUDA only
         self.calls = 0
         self._local = threading.local()
         self._originals: dict[str, Callable] = {}
+
+    def _resolve(self) -> None:
+        """Add the CUDA event pairs recorded so far (waits for the last of them only)."""
+        if not self._pending:
+            return
+        self._pending[-1][2].synchronize()
+        for kind, start, end in self._pending:
+            dt = start.elapsed_time(end) / 1e3
+            self._seconds += dt
+            self._by_kind[kind] += dt
+        self._pending.clear()
+
+    @property
+    def by_kind(self) -> dict[str, float]:
+        self._resolve()
+        return self._by_kind
+
+    @property
+    def seconds(self) -> float:
+        self._resolve()
+        return self._seconds
 
     @contextlib.contextmanager
     def region(self, kind: str = "collective"):
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
+        on_gpu = depth == 0 and self.device is not None and self.device.type == "cuda"
+        if on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self._local.depth = depth
             if depth == 0:
-                sync(self.device)  # CUDA: the collective's own duration (serialises overlap)
-                dt = time.perf_counter() - t0
-                self.seconds += dt
-                self.by_kind[kind] += dt
                 self.calls += 1
+                if on_gpu:
+                    end.record()
+                    self._pending.append((kind, start, end))
+                else:
+                    dt = time.perf_counter() - t0
+                    self._seconds += dt
+                    self._by_kind[kind] += dt
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         timer = self

@@ -261,7 +261,7 @@ def _rank_main(args_dict: dict) -> dict:
         losses.append(float(loss.item()))
         step += 1
     # the same step time on every rank: the slowest rank's
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=eng.device)  # NCCL: no CPU tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     times = t.tolist()
 

@@ -34,6 +34,7 @@ from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.precision.fp8 import fp8_states, update_fp8_scales
+from engine.runtime.device import move_to_device
 from engine.runtime.timers import PhaseTimers
 from engine.zero import ZeroOptimizer
 
@@ -90,11 +91,15 @@ class Engine(nn.Module):
         # FP8 layers: amaxes MAX-reduced over TP and then DP (= over TP x DP, so scales are the
         # same on every rank and replica and do not depend on the layout), once per step.
         self._fp8_states = fp8_states(module)
-        if config.fp8.enabled and not self._fp8_states:
+        # With a pipeline a stage may legitimately hold no FP8 layer (embedding or head only);
+        # engine.initialize checks the whole model on every rank before any collective.
+        if config.fp8.enabled and not self._fp8_states and pipeline is None:
             raise ConfigError("fp8.enabled but the model has no FP8 layer (the reference model's blocks get them "
                               "from the config; a custom module needs engine.precision.fp8.Fp8Linear)")
         self._fp8_groups = [] if groups is None else [
             g for g, n in ((groups.tp_group, groups.tp_size), (groups.dp_group, groups.dp_size)) if n > 1]
+        # strict NCCL-rules mode: the groups whose collective sequences are compared at each step
+        self._checked_groups = [] if groups is None else groups.all_groups()
 
     # ------------------------------------------------------------------ DeepSpeed-named queries
     def train_batch_size(self) -> int:
@@ -179,7 +184,7 @@ class Engine(nn.Module):
             raise ValueError("engine.backward expects the scalar loss tensor returned by the model")
         ga = self.gradient_accumulation_steps()
         self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
-        with self.timers.phase("backward"):
+        with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
             self.optimizer.backward(loss / ga if ga > 1 else loss, retain_graph=retain_graph)
         return loss
 
@@ -208,6 +213,7 @@ class Engine(nn.Module):
                 self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        comm.check_sequence(self._checked_groups, f"end of step {self.global_steps}", self.device)
         self._report_timers()
 
     def _report_timers(self) -> None:
@@ -236,15 +242,18 @@ class Engine(nn.Module):
         return out
 
     def _micro_loss(self, mb: Any) -> torch.Tensor:
-        """Loss of one micro-batch without pipeline parallelism. Document ids of a packed
-        ``engine.data.Batch`` (``data.document_masking``) go to the module as ``doc_ids=``."""
+        """Loss of one micro-batch without pipeline parallelism. Every tensor of the
+        micro-batch (tensor, tuple, dict, ``engine.data.Batch``, nested) is moved to the
+        engine's device first. Document ids of a packed ``engine.data.Batch``
+        (``data.document_masking``) go to the module as ``doc_ids=``."""
+        mb = move_to_device(mb, self.device)
         doc_ids = getattr(mb, "input_doc_ids", None)
-        extra = {} if doc_ids is None else {"doc_ids": doc_ids.to(self.device)}
+        extra = {} if doc_ids is None else {"doc_ids": doc_ids}
         if self.loss_fn is not None:
             inputs, targets = split_microbatch(mb)
-            return self.loss_fn(self.module(inputs.to(self.device), **extra), targets.to(self.device))
+            return self.loss_fn(self.module(inputs, **extra), targets)
         if hasattr(mb, "inputs") and hasattr(mb, "targets"):
-            return self.module(mb.inputs.to(self.device), mb.targets.to(self.device), **extra)
+            return self.module(mb.inputs, mb.targets, **extra)
         if isinstance(mb, dict):
             return self.module(**mb)
         if isinstance(mb, (tuple, list)):
@@ -260,7 +269,7 @@ class Engine(nn.Module):
         self.module.train()
         if self.pipeline is not None:
             self.optimizer.set_boundary(False)  # reduce once, after the last micro-batch
-            with self.timers.phase("pipeline"):
+            with self.timers.phase("pipeline"), comm.no_host_sync("the pipeline executor's step"):
                 losses = self.pipeline.train(mbs)
             self.micro_steps += ga
         else:
@@ -269,7 +278,7 @@ class Engine(nn.Module):
                 self.optimizer.set_boundary(i == ga - 1)
                 with self.timers.phase("forward"):
                     loss = self._micro_loss(mb)
-                with self.timers.phase("backward"):
+                with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
                     self.optimizer.backward(loss / ga if ga > 1 else loss)
                 losses.append(loss.detach())
                 self.micro_steps += 1

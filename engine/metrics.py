@@ -21,13 +21,22 @@ import torch
 __all__ = ["PEAK_TFLOPS", "device_peak_flops", "mfu", "peak_memory_bytes", "MetricsWriter",
            "StepTimer", "summarize_times", "get_rank_logger"]
 
-# Dense (no sparsity) peak TFLOP/s per device by compute dtype, from the vendors' data sheets.
-# Matched by substring of torch.cuda.get_device_name(), longest key first.
+# Dense (no sparsity) peak TFLOP/s per device by compute dtype, from NVIDIA's data sheets
+# (which quote Hopper tensor-core figures with 2:4 sparsity: halved here). Matched by
+# substring of torch.cuda.get_device_name(), longest key first, so a variant ("H100 NVL",
+# "H100 PCIe", "H200 NVL", "H800 PCIe") wins over its family. Names as the driver reports
+# them: the H100 SXM is "NVIDIA H100 80GB HBM3" (the bare "H100" row), the H200 SXM
+# "NVIDIA H200". The NVL cards (PCIe form factor, lower clocks) are ~15% below the SXM parts;
+# the H800 is the H100 with cut FP64 and NVLink, the same tensor-core peaks.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
-    "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 60.0},
+    "H200": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "fp32": 67.0},
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "fp8": 1513.0, "fp32": 51.0},
+    "H100 SXM": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "fp32": 67.0},
+    "H100": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "fp32": 67.0},
+    "H800 PCIe": {"bf16": 756.5, "fp16": 756.5, "fp8": 1513.0, "fp32": 51.0},
+    "H800": {"bf16": 989.5, "fp16": 989.5, "fp8": 1979.0, "fp32": 67.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     "L40S": {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 91.6},
     "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},

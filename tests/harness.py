@@ -13,6 +13,9 @@ Failure behaviour (what a test sees):
   names the ranks that had not reported;
 - no process outlives the call (``finally`` kills survivors).
 
+Strict NCCL-rules mode (``engine.dist.strict``) is on in every rank when
+``ENGINE_STRICT_COMM`` is set (tests/conftest.py sets it for the whole suite).
+
 ``fn`` must be importable by the child (module level in a test file).
 """
 
@@ -51,6 +54,14 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args, 
                               timeout=datetime.timedelta(seconds=collective_timeout_s))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
+        # NCCL's rules checked on gloo (engine.dist.strict): on for the whole test suite
+        # (tests/conftest.py sets ENGINE_STRICT_COMM=1; env={"ENGINE_STRICT_COMM": "0"} opts out)
+        from engine.dist.env import strict_comm_from_env
+
+        if strict_comm_from_env():
+            from engine.dist import strict
+
+            strict.enable("cpu")
         # Plain pickle copies tensors into bytes (the queue's own pickler would pass them as
         # shared memory that vanishes when this process exits), and pickling now drops every
         # reference the result held before the groups are torn down.

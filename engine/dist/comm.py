@@ -1,21 +1,31 @@
-"""Typed wrappers for the collectives the engine uses.
+"""Typed wrappers for the collectives and batched point-to-point transfers the engine uses.
 
 One place to adapt to torch's collective API (``*_single`` names replaced the
 ``*_tensor`` ones), to check shapes before a collective (a shape mismatch otherwise
 hangs or corrupts silently on some backends), and to keep the group an explicit
 argument. No hidden device syncs: async calls return the ``Work`` handle.
+
+Strict NCCL-rules mode (:mod:`engine.dist.strict`, on in the distributed test suite, off
+by default): every call here is also checked for what NCCL requires and gloo forgives
+(device type, contiguity, the same collective/dtype/size on every member, send/receive
+headers, the per-group sequence of collectives).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import zlib
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "group_size", "group_rank"]
+from engine.dist import strict
+
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "batch_isend_irecv", "group_size",
+           "group_rank", "check_sequence", "no_host_sync"]
 
 ProcessGroup = Optional[dist.ProcessGroup]
+no_host_sync = strict.no_host_sync
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -26,11 +36,16 @@ def group_rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
+def _op_code(op: dist.ReduceOp) -> int:
+    return zlib.crc32(str(op).encode()) % 1000
+
+
 def all_reduce(t: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM,
                async_op: bool = False):
     """In place; a no-op on a group of one."""
     if group_size(group) == 1:
         return None
+    strict.check_collective("all_reduce", t, group, extra=_op_code(op))
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
@@ -43,6 +58,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup,
     if world == 1:
         out.copy_(inp)
         return None
+    strict.check_tensor(inp, "reduce_scatter input")
+    strict.check_collective("reduce_scatter", out, group, extra=_op_code(op))
     return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
 
 
@@ -54,6 +71,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, async_
     if world == 1:
         out.copy_(inp)
         return None
+    strict.check_tensor(out, "all_gather output")
+    strict.check_collective("all_gather", inp, group)
     return dist.all_gather_single(out, inp, group=group, async_op=async_op)
 
 
@@ -61,4 +80,22 @@ def broadcast(t: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = F
     """``src`` is a GLOBAL rank, as in torch.distributed."""
     if group_size(group) == 1:
         return None
+    strict.check_collective("broadcast", t, group, extra=src)
     return dist.broadcast(t, src=src, group=group, async_op=async_op)
+
+
+def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list[Any]:
+    """Post a batch of sends and receives (``dist.P2POp`` with the group's communicator, so no
+    pairwise communicator is created); returns the works to wait for. Ops between two ranks
+    must be posted in the same order on both. Strict mode adds a shape/dtype header to each."""
+    if not ops:
+        return []
+    if strict.enabled():
+        return strict.checked_batch_isend_irecv(list(ops))
+    return dist.batch_isend_irecv(list(ops))
+
+
+def check_sequence(groups: Sequence[ProcessGroup], where: str, device: torch.device) -> None:
+    """Strict mode: compare each group's running hash of collectives across its members (call
+    at step boundaries, same groups in the same order on every rank). Free when off."""
+    strict.check_sequence(groups, where, device)

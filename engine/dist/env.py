@@ -28,6 +28,7 @@ __all__ = [
     "DistEnv", "init_distributed", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
+    "strict_comm_from_env", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -346,6 +347,25 @@ class DistEnv:
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
 
+def cuda_index_for(local_rank: int, visible: int, launcher: str) -> int:
+    """The CUDA device index of a process with ``local_rank`` that sees ``visible`` GPUs.
+
+    One GPU per process, in local-rank order, when the process sees the whole node. A
+    process that sees exactly one GPU has been bound to it (Slurm ``--gpus-per-task=1`` /
+    ``--gpu-bind``, or a CUDA_VISIBLE_DEVICES per task): that one is index 0 whatever the
+    local rank. Anything else cannot be mapped one-to-one and is an error.
+    """
+    if visible < 1:
+        raise LaunchError(f"launcher {launcher!r}: no GPU is visible to this process (CUDA_VISIBLE_DEVICES empty?)")
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise LaunchError(f"launcher {launcher!r}: local rank {local_rank} needs cuda:{local_rank} but only {visible} "
+                      f"GPU(s) are visible: start at most {visible} processes per node, fix CUDA_VISIBLE_DEVICES, "
+                      "or bind one GPU per task (srun --gpus-per-task=1)")
+
+
 def _pick_device(device: Optional[str], info: LaunchInfo):
     import torch
 
@@ -361,14 +381,33 @@ def _pick_device(device: Optional[str], info: LaunchInfo):
         if not torch.cuda.is_available():
             raise LaunchError(f"device {device!r} requested but CUDA is not available "
                               "(CPU-only torch build or no visible GPU): use device='cpu'")
-        if dev.index is None:
-            dev = torch.device("cuda", info.local_rank)
         count = torch.cuda.device_count()
-        if dev.index >= count:
-            raise LaunchError(f"launcher {info.launcher!r}: local rank {info.local_rank} needs "
-                              f"{dev} but only {count} GPU(s) are visible: start at most {count} "
-                              "processes per node or fix CUDA_VISIBLE_DEVICES")
+        if dev.index is None:
+            dev = torch.device("cuda", cuda_index_for(info.local_rank, count, info.launcher))
+        elif dev.index >= count:
+            raise LaunchError(f"launcher {info.launcher!r}: {dev} requested but only {count} GPU(s) are visible")
     return dev
+
+
+def device_for_initialised_group(backend: str, bound_index: Optional[int], current_index: int, visible: int,
+                                 environ: Optional[Mapping[str, str]] = None) -> tuple[str, Optional[int]]:
+    """Device of a default group the user initialised (``engine.initialize`` without a DistEnv):
+    ``(type, index)``. Pure apart from reading the launch variables.
+
+    gloo -> cpu. NCCL: the device the group was bound to (``init_process_group(device_id=)``),
+    else the current device if the user chose one (``set_device`` to a non-zero index), else the
+    local rank's GPU from the launcher's variables - a group initialised without ``set_device``
+    would otherwise put every rank on GPU 0 (NCCL: "Duplicate GPU detected", or all ranks
+    sharing one GPU's memory).
+    """
+    if backend != "nccl":
+        return "cpu", None
+    if bound_index is not None:
+        return "cuda", bound_index
+    if current_index != 0:
+        return "cuda", current_index
+    info = detect_launch(os.environ if environ is None else environ, sys.argv)
+    return "cuda", cuda_index_for(info.local_rank, visible, info.launcher)
 
 
 def _pick_backend(backend: Optional[str], dev) -> str:
@@ -389,6 +428,32 @@ def _make_store(info: LaunchInfo, timeout: datetime.timedelta):
     return dist.TCPStore(info.master_addr, info.master_port, info.world_size,
                          is_master=info.rank == 0 and not info.agent_store,
                          timeout=timeout, multi_tenant=True)
+
+
+# Flight recorder and dump on timeout: when a collective times out, NCCL's watchdog aborts
+# the communicator; with these set every rank first writes the last collectives it issued
+# (op, group, sizes, state) to TORCH_FR_DUMP_TEMP_FILE (older name
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE) + rank, which names the rank that never arrived. The
+# buffer size has two names (TORCH_FR_BUFFER_SIZE, the older TORCH_NCCL_TRACE_BUFFER_SIZE):
+# both are set, and neither if the user set one. The user's own settings always win.
+FLIGHT_RECORDER_ENTRIES = "2000"
+
+
+def nccl_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """The NCCL variables to set before the group is created: the defaults the user has not set."""
+    out = {}
+    if "TORCH_FR_BUFFER_SIZE" not in environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ:
+        out["TORCH_FR_BUFFER_SIZE"] = out["TORCH_NCCL_TRACE_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:
+        out["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    return out
+
+
+def strict_comm_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``ENGINE_STRICT_COMM``: check every collective and transfer against NCCL's rules on any
+    backend (engine.dist.strict); on in the test suite, off by default (it adds one small
+    all-gather per collective)."""
+    return env_flag("ENGINE_STRICT_COMM", False, environ)
 
 
 def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
@@ -414,6 +479,14 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
     timeout = datetime.timedelta(seconds=timeout_s)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if be == "nccl":
+        # read by ProcessGroupNCCL when it is constructed: set before init_process_group
+        for name, value in nccl_env_defaults(os.environ).items():
+            os.environ[name] = value
+    if strict_comm_from_env():
+        from engine.dist import strict
+
+        strict.enable(dev.type)
     store = _make_store(info, timeout)
     extra = {"device_id": dev} if dev.type == "cuda" else {}
     bind_world_defaults_early()

@@ -5,12 +5,15 @@ Construction protocol (why it is written this way):
 * ``dist.new_group`` names an unnamed group from a per-process counter, so every rank
   must call it for EVERY group, members or not, in the SAME order; a non-member gets
   ``NON_GROUP_MEMBER`` back and spends no communication. We walk a fixed order (tp, dp,
-  pp, embedding, model-parallel; within an axis ``Topology.groups`` order, sorted by
+  pp, then embedding when pp > 2; within an axis ``Topology.groups`` order, sorted by
   first rank) on every rank.
 * ``use_local_synchronization`` stays False, deliberately: with True, torch names a
-  group by hashing its rank list, and two of our groups can have identical rank lists
-  (the embedding group equals the pp group when pp == 2; the model-parallel group equals
-  the world when dp == 1), which would give two groups the same name and store prefix.
+  group by hashing its rank list, and two groups with identical rank lists would get the
+  same name and store prefix.
+* No group is built twice: with pp <= 2 the embedding group (first and last stage) IS the
+  pp group and is that object; every group costs an NCCL communicator (GPU memory and
+  set-up time on its first collective). No model-parallel (tp x pp) group is built:
+  nothing communicates over it.
   Since torch 2.3 no store barrier follows ``new_group`` unless
   TORCH_DIST_INIT_BARRIER=1, so calling it on every rank costs O(#groups) local work only.
 * Subgroups do NOT inherit the default group's timeout (torch uses 30 min for gloo), so
@@ -52,7 +55,7 @@ def _default_timeout() -> datetime.timedelta:
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's tp / dp / pp / embedding / model-parallel groups and their global ranks.
+    """This rank's tp / dp / pp / embedding groups and their global ranks.
 
     Immutable after :meth:`build`. Pass it (or one of its groups) to whatever
     communicates; nothing here is global.
@@ -63,13 +66,11 @@ class ParallelGroups:
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
-    embedding_group: Optional[dist.ProcessGroup]  # None on middle pipeline stages
-    model_parallel_group: dist.ProcessGroup
+    embedding_group: Optional[dist.ProcessGroup]  # None on middle pipeline stages; pp_group if pp <= 2
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     pp_ranks: tuple[int, ...]
     embedding_ranks: tuple[int, ...]  # () on middle pipeline stages
-    model_parallel_ranks: tuple[int, ...]
 
     @classmethod
     def build(cls, topology: Topology, rank: Optional[int] = None,
@@ -105,10 +106,9 @@ class ParallelGroups:
         tp = make(topology.groups(Axis.TP))
         dp = make(topology.groups(Axis.DP))
         pp = make(topology.groups(Axis.PP))
-        emb = make(topology.embedding_groups())
-        mp = make(topology.model_parallel_groups())
-        return cls(topology, rank, tp[0], dp[0], pp[0], emb[0], mp[0],
-                   tp[1], dp[1], pp[1], emb[1], mp[1])
+        # first + last stage: the whole pp group when pp <= 2 (the rank alone at pp == 1)
+        emb = pp if topology.pp <= 2 else make(topology.embedding_groups())
+        return cls(topology, rank, tp[0], dp[0], pp[0], emb[0], tp[1], dp[1], pp[1], emb[1])
 
     # ------------------------------------------------------------- coordinates
     @property
@@ -164,7 +164,9 @@ class ParallelGroups:
         return self.embedding_group is not None
 
     def all_groups(self) -> list[dist.ProcessGroup]:
-        """This rank's groups in creation order."""
-        groups = [self.tp_group, self.dp_group, self.pp_group, self.embedding_group,
-                  self.model_parallel_group]
-        return [g for g in groups if g is not None]
+        """This rank's distinct groups in creation order (the embedding group only when it is
+        not the pp group)."""
+        groups = [self.tp_group, self.dp_group, self.pp_group]
+        if self.embedding_group is not None and self.embedding_group is not self.pp_group:
+            groups.append(self.embedding_group)
+        return groups

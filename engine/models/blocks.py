@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.data.packing import document_causal_mask, position_ids_from_doc_ids
+from engine.dist.strict import host_sync_allowed
 from engine.models.config import ModelConfig
 from engine.precision.fp8 import Fp8Recipe
 from engine.tensor_parallel.attrs import set_tp_attrs
@@ -135,8 +136,10 @@ def attention_inputs(seq_len: Optional[int], doc_ids: Optional[torch.Tensor] = N
         if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.is_floating_point():
             raise ValueError(f"position_ids must be integer (B, {seq_len}), got {tuple(position_ids.shape)} "
                              f"{position_ids.dtype}")
-        if position_ids.device.type == "cpu" and position_ids.numel() and \
-                not 0 <= int(position_ids.min()) <= int(position_ids.max()) < seq_len:
+        if position_ids.device.type == "cpu" and position_ids.numel():
+            with host_sync_allowed():  # CPU only: no device sync
+                in_range = 0 <= int(position_ids.min()) <= int(position_ids.max()) < seq_len
+        if position_ids.device.type == "cpu" and position_ids.numel() and not in_range:
             raise ValueError(f"position_ids must lie in [0, {seq_len}) (checked on CPU only)")
     return attn_mask, position_ids
 

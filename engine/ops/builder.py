@@ -29,6 +29,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -120,22 +121,45 @@ def _cuda_toolkit_problem() -> Optional[str]:
     return None
 
 
+# TORCH_CUDA_ARCH_LIST names, as torch's cpp_extension accepts them
+NAMED_ARCHES = {"Volta": "7.0+PTX", "Turing": "7.5+PTX", "Ampere": "8.0;8.6+PTX", "Ada": "8.9+PTX",
+                "Hopper": "9.0+PTX", "Blackwell": "10.0;10.3;12.0;12.1+PTX"}
+_ARCH = re.compile(r"(\d+)\.(\d+)([af]?)")
+
+
 def _arch_flags(cuda_arch_list: Optional[str]) -> list[str]:
-    """'8.0;9.0+PTX' -> nvcc -gencode flags (None: let torch pick the visible GPUs' archs)."""
+    """'8.0;9.0a;Hopper;10.0+PTX' -> nvcc -gencode flags (None: let torch pick the visible
+    GPUs' archs). ``9.0a`` / ``10.0a`` are the architecture-specific targets (Hopper's wgmma /
+    TMA instructions); names expand as in torch (``Hopper`` = ``9.0+PTX``)."""
     if not cuda_arch_list:
         return []
-    flags = []
-    for arch in cuda_arch_list.replace(",", ";").replace(" ", ";").split(";"):
+    flags: list[str] = []
+    entries = cuda_arch_list.replace(",", ";").replace(" ", ";").split(";")
+    for arch in [e for name in entries for e in NAMED_ARCHES.get(name, name).split(";")]:
         if not arch:
             continue
         ptx = arch.endswith("+PTX")
-        num = arch.removesuffix("+PTX").replace(".", "")
-        if not num.isdigit():
-            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {arch!r} is not like '9.0' or '9.0+PTX'")
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        m = _ARCH.fullmatch(arch.removesuffix("+PTX"))
+        if m is None:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {arch!r} is not like '9.0', '9.0a', '9.0+PTX' or one of "
+                             f"{', '.join(NAMED_ARCHES)}")
+        num = m.group(1) + m.group(2) + m.group(3)
+        flag = f"-gencode=arch=compute_{num},code=sm_{num}"
+        if flag not in flags:
+            flags.append(flag)
         if ptx:
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
     return flags
+
+
+def _visible_gpu_archs() -> str:
+    """Compute capabilities of the visible GPUs ('' without CUDA): what torch compiles for
+    when TORCH_CUDA_ARCH_LIST is unset, so it belongs in the cache key - a cache shared by
+    nodes with different GPUs must not hand an sm_80 build to an H100."""
+    if not torch.cuda.is_available():
+        return ""
+    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    return ";".join(f"{a}.{b}" for a, b in caps)
 
 
 class OpBuilder:
@@ -175,6 +199,8 @@ class OpBuilder:
         h.update(" ".join(self.cflags(cuda) + list(CPU_LDFLAGS)).encode())
         if cuda:
             h.update(" ".join(self.cuda_cflags()).encode())
+            if not self.settings.cuda_arch_list:
+                h.update(f"gpus:{_visible_gpu_archs()}".encode())
         h.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:3]}|{sys.platform}".encode())
         return h.hexdigest()[:16]
 

@@ -8,8 +8,11 @@ Contract (the kernel is bit-identical to this reference; tests/unit/test_fp8_cas
 
 * The product is computed in fp32 (bf16/fp16 inputs are widened first, exactly), then
   rounded to the FP8 format with round-to-nearest-even.
-* NaN/inf policy: NaN stays NaN (torch's encoding 0x7F, with the NaN's sign bit);
-  +-inf saturates to +-MAX, as does every finite value beyond MAX; -0.0 stays -0.0.
+* NaN/inf policy: NaN stays NaN (torch's encoding 0x7F/0xFF); its SIGN is unspecified:
+  GPUs canonicalise NaN in arithmetic (the product x * scale is a positive NaN on CUDA
+  whatever x's sign), so the contract - and tests/gpu - compare NaN by position, every other
+  byte exactly. +-inf saturates to +-MAX, as does every finite value beyond MAX; -0.0
+  stays -0.0.
   amax is NaN if the input holds a NaN, inf if it holds an inf (torch.max semantics), so a
   scaling recipe can detect overflow and skip the update.
 * An empty input gives amax = 0.

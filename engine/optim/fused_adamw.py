@@ -61,6 +61,10 @@ class FusedAdamW(torch.optim.Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
                         fused=fused, bias_correction=bias_correction)
         super().__init__(params, defaults)
+        # Build/load the kernel now, at construction: a JIT build inside the first step would
+        # hold every other rank in a collective for minutes (NCCL timeout on a cold cache).
+        for device in {p.device for g in self.param_groups for p in g["params"]}:
+            fused_adamw_available(device)
         # param -> low-precision tensor the kernel refreshes after each update; not part of
         # the state dict (it is model memory, not optimizer state).
         self._param_copies: dict[torch.Tensor, torch.Tensor] = {}

@@ -38,7 +38,6 @@ values). ``activation_checkpointing=True`` recomputes each chunk's forward in ba
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -49,8 +48,10 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.dist import comm
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
+from engine.pipeline.clock import make_clock
 from engine.pipeline.schedule import build_schedule
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
+from engine.runtime.device import move_to_device
 
 __all__ = ["ActionRecord", "PipelineExecutor", "allreduce_tied_grads", "broadcast_tied_weights"]
 
@@ -67,8 +68,8 @@ class ActionRecord:
     kind: str  # "F", "B", "I", "W", "SEND_ACT", ..., or "WAIT" (blocked on a receive)
     microbatch: int
     chunk: int
-    start: float  # time.perf_counter() seconds (one clock for all processes of a host)
-    end: float
+    start: float  # time.perf_counter() seconds (one clock for all processes of a host); on CUDA
+    end: float    # from CUDA events resolved after the step (engine.pipeline.clock)
 
 
 def allreduce_tied_grads(params: Sequence[torch.nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
@@ -129,6 +130,8 @@ class PipelineExecutor:
         self.record = record
         self.side_inputs = side_inputs
         self.records: list[ActionRecord] = []
+        self._clock = make_clock(self.device)
+        self._raw: list[tuple] = []  # (name, kind, mb, chunk, start mark, end mark) until resolved
         self._hooks: list[Callable[[], None]] = []
         self._warmed_up = False
         self._dispatch = {K.FORWARD: self._forward, K.BACKWARD: self._backward,
@@ -179,17 +182,20 @@ class PipelineExecutor:
             comm.all_reduce(torch.zeros(1, device=self.device), self.pp_group)
             self._warmed_up = True
         self._reset(data_iter)
-        self.records = []
+        self.records, self._raw = [], []
+        if self.record:
+            self._clock.start_step()
         for is_comm, acts in comm_batches(self.actions):
             if is_comm:
                 self._post(acts)
             else:
                 a = acts[0]
                 self._await_inputs(a)  # blocked time is recorded as WAIT, not as compute
-                t0 = time.perf_counter()
+                t0 = self._mark()
                 self._dispatch[a.kind](a.microbatch, a.chunk)
                 self._note(str(a), a.kind.value, a.microbatch, a.chunk, t0)
         self._complete_upto(len(self._posted) - 1)
+        self._resolve_records()
         if needs_data and self._drawn != self.num_microbatches:
             raise RuntimeError(f"stage {self.stage} drew {self._drawn} microbatches, expected {self.num_microbatches}")
         leftovers = [k for k, v in self._state.items() if v] + (["side"] if self._side else [])
@@ -212,9 +218,23 @@ class PipelineExecutor:
         self._arrived: dict[tuple, torch.Tensor] = {}  # received and waited for, not yet consumed
         self._done = 0  # batches before this index have completed
 
-    def _note(self, name: str, kind: str, mb: int, chunk: int, t0: float) -> None:
+    def _mark(self) -> Any:
+        return self._clock.mark() if self.record else None
+
+    def _note(self, name: str, kind: str, mb: int, chunk: int, t0: Any) -> None:
         if self.record:
-            self.records.append(ActionRecord(name, kind, mb, chunk, t0, time.perf_counter()))
+            self._raw.append((name, kind, mb, chunk, t0, self._clock.mark()))
+
+    def _resolve_records(self) -> None:
+        """Turn the step's marks into records (on CUDA: one wait for the last event)."""
+        if not self._raw:
+            return
+        times = self._clock.resolve([m for r in self._raw for m in r[4:]])
+        for i, (name, kind, mb, chunk, _, _) in enumerate(self._raw):
+            start, end = times[2 * i], times[2 * i + 1]
+            if kind != "WAIT" or end - start > 1e-5:  # a wait that did not block is no record
+                self.records.append(ActionRecord(name, kind, mb, chunk, start, end))
+        self._raw = []
 
     def _step_loss(self) -> Optional[torch.Tensor]:
         loss = None
@@ -245,9 +265,10 @@ class PipelineExecutor:
             elif not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise TypeError(f"data_iter must yield (inputs, targets) pairs, got {type(item).__name__}")
             if self.is_first_holder or self.is_last_holder:
-                self._batches[self._drawn] = [_to(item[0], self.device), _to(item[1], self.device)]
+                self._batches[self._drawn] = [move_to_device(item[0], self.device),
+                                              move_to_device(item[1], self.device)]
             if self.side_inputs:
-                self._side[self._drawn] = [_to(item[2], self.device), self.virtual_stages]
+                self._side[self._drawn] = [move_to_device(item[2], self.device), self.virtual_stages]
             self._drawn += 1
 
     def _side_kwargs(self, mb: int) -> dict:
@@ -343,7 +364,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ communication
     def _post(self, acts: list[Action]) -> None:
         """Post one batch of sends and receives; nothing waits here."""
-        t0 = time.perf_counter()
+        t0 = self._mark()
         ops, batch = [], _Posted(index=len(self._posted))
         for a in acts:
             peer = self._peer(a)
@@ -357,7 +378,7 @@ class PipelineExecutor:
                 t = src.detach()  # (B, S, H) activation or input grad; kept alive until sent
                 ops.append(dist.P2POp(dist.isend, t, peer, self.pp_group))
                 batch.sends.append((a, t))
-        batch.works = dist.batch_isend_irecv(ops)
+        batch.works = comm.batch_isend_irecv(ops)
         self._posted.append(batch)
         self._note(" ".join(map(str, acts)), "COMM", acts[0].microbatch, acts[0].chunk, t0)
 
@@ -367,10 +388,9 @@ class PipelineExecutor:
         except KeyError:
             raise RuntimeError(f"stage {self.stage}: {Action(*key)} was never posted before its use "
                                f"(schedule bug)") from None
-        t0 = time.perf_counter()
+        t0 = self._mark()
         self._complete_upto(index)
-        if time.perf_counter() - t0 > 1e-5:
-            self._note("WAIT", "WAIT", key[1], key[2], t0)
+        self._note("WAIT", "WAIT", key[1], key[2], t0)
         return buf
 
     def _complete_upto(self, index: int) -> None:
@@ -400,13 +420,3 @@ class _Posted:
     index: int
     works: list = field(default_factory=list)
     sends: list = field(default_factory=list)  # (action, tensor kept alive until sent)
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x

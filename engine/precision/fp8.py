@@ -169,11 +169,24 @@ class Fp8LinearState:
         return self
 
 
+_WARNED_SHAPES: set = set()
+
+
 def fp8_backend(device: torch.device, *dims: int) -> str:
-    """'scaled_mm' on FP8-capable GPUs (sm_89+) when every GEMM dim is a multiple of 16, else 'emulate'."""
+    """'scaled_mm' on FP8-capable GPUs (sm_89+) when every GEMM dim is a multiple of 16, else 'emulate'.
+
+    On an FP8-capable GPU the emulation (an fp32 GEMM, several times slower) is a silent
+    performance cliff, so falling back there is logged once per GEMM shape."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return "emulate"
-    if torch.cuda.get_device_capability(device) < (8, 9) or any(d % 16 for d in dims):
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "emulate"
+    if any(d % 16 for d in dims):
+        if dims not in _WARNED_SHAPES:
+            _WARNED_SHAPES.add(dims)
+            logger.warning("FP8 GEMM of shape %s falls back to the fp32 emulation (much slower): every dim must "
+                           "be a multiple of 16 for torch._scaled_mm (micro_batch x seq, hidden, ffn, heads x "
+                           "head_dim / tp)", dims)
         return "emulate"
     return "scaled_mm"
 
@@ -221,7 +234,14 @@ class _Fp8LinearFn(torch.autograd.Function):
         y = _mm(x8, x_inv, w8, w_inv, backend, x.dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv, x8_t, w8_t)
+        # Only what the backward reads: the column-major copies for _scaled_mm (x8 and w8
+        # themselves would be an unused FP8 copy of every activation), the row-major ones
+        # for the emulation.
+        if transpose:
+            ctx.save_for_backward(x_inv, w_inv, x8_t, w8_t)
+        else:
+            ctx.save_for_backward(x_inv, w_inv, x8, w8)
+        ctx.out_features = weight.shape[0]
         ctx.state, ctx.group, ctx.backend = state, group, backend
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -229,15 +249,17 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x8, x_inv, w8, w_inv, x8_t, w8_t = ctx.saved_tensors
+        x_inv, w_inv, xs, ws = ctx.saved_tensors  # (x8_t, w8_t) for _scaled_mm, else (x8, w8)
         state, backend = ctx.state, ctx.backend
-        g2 = gy.reshape(-1, w8.shape[0])  # (M, N)
+        g2 = gy.reshape(-1, ctx.out_features)  # (M, N)
         transpose = backend == "scaled_mm"
         g8, g_inv, g8_t = _quantize(g2, state.grad_output, state.recipe, ctx.group, transpose)
         if backend == "scaled_mm":
+            x8_t, w8_t = xs, ws
             dx = _mm(g8, g_inv, w8_t, w_inv, backend, ctx.x_dtype)       # (M,N)@(N,K): B^T = W^T (K,N)
             dw = _mm(g8_t, g_inv, x8_t, x_inv, backend, torch.float32)   # (N,M)@(M,K): B^T = x^T (K,M)
         else:
+            x8, w8 = xs, ws
             dx = ((g8.float() * g_inv) @ (w8.float() * w_inv)).to(ctx.x_dtype)   # (M, K)
             dw = (g8.float() * g_inv).t() @ (x8.float() * x_inv)                  # (N, K)
         db = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
@@ -319,15 +341,38 @@ def update_fp8_scales(states: Iterable[Fp8LinearState],
     metas = [m for s in states for m in s.metas()]
     if not metas:
         return
-    fresh = torch.stack([m.amax_history[0] for m in metas])  # (3 * layers,)
+    recipes = [s.recipe for s in states for _ in s.metas()]
+    lens = {m.amax_history.numel() for m in metas}
+    if len(lens) != 1:  # mixed history lengths: one stacked update per length
+        for n in sorted(lens):
+            _update_same_length([m for m in metas if m.amax_history.numel() == n],
+                                [r for m, r in zip(metas, recipes) if m.amax_history.numel() == n], group)
+        return
+    _update_same_length(metas, recipes, group)
+
+
+def _update_same_length(metas: list[ScalingMeta], recipes: list[Fp8Recipe],
+                        group: Union[None, dist.ProcessGroup, Sequence[Optional[dist.ProcessGroup]]]) -> None:
+    """All metas at once: a fixed number of kernels whatever the number of layers (the
+    per-meta loop was ~10 tiny kernels per meta, 3 metas per layer)."""
+    device = metas[0].amax_history.device
+    hist = torch.stack([m.amax_history for m in metas])  # (n, L)
+    fresh = hist[:, 0].clone()                            # (n,) this step's amaxes
     for g in (group if isinstance(group, (list, tuple)) else [group]):
         _reduce_max(fresh, g)
-    recipe_of = {id(m): s.recipe for s in states for m in s.metas()}
-    for m, amax_now in zip(metas, fresh):
-        recipe = recipe_of[id(m)]
-        m.amax_history[0] = amax_now
-        if recipe.scaling == "delayed":
-            amax = m.amax_history.max() if recipe.amax_compute_algo == "max" else m.amax_history[0]
-            m.scale = compute_scale(amax, m.scale, fp8_max(m.dtype), recipe.margin)
-        m.amax_history = torch.roll(m.amax_history, 1)
-        m.amax_history[0] = 0.0
+    hist[:, 0] = fresh
+    # per-meta constants, built on the host and copied once
+    consts = torch.tensor([[fp8_max(m.dtype), 2.0 ** r.margin, r.scaling == "delayed", r.amax_compute_algo == "max"]
+                           for m, r in zip(metas, recipes)], dtype=torch.float32).to(device, non_blocking=True)
+    max_value, div, delayed, use_max = consts.unbind(1)
+    amax = torch.where(use_max.bool(), hist.max(dim=1).values, fresh)
+    old = torch.stack([m.scale for m in metas])
+    # FP8_MAX / amax / 2**margin, computed as compute_scale does (python scalar / tensor is
+    # reciprocal-then-multiply in torch), so both give the same bits
+    new = amax.reciprocal() * max_value / div
+    ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(new)
+    scales = torch.where(delayed.bool() & ok, new, old)
+    hist = torch.roll(hist, 1, dims=1)
+    hist[:, 0] = 0.0
+    for m, h, sc in zip(metas, hist.unbind(0), scales.unbind(0)):  # views: no kernels
+        m.amax_history, m.scale = h, sc

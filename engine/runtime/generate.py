@@ -1,24 +1,41 @@
 """Greedy text generation from a trained engine.
 
 The model may be split over TP, PP and (ZeRO-3) DP ranks. Generation is a small demo
-step, so we take the simplest correct route: gather the unsharded weights onto global
-rank 0 (TP all-gather per parameter, then one ``gather_object`` over the world) and run
-the whole reference model there with ``tp_group=None``. Collective: every rank calls
-:func:`gather_reference_model`; only rank 0 gets a model.
+step, so rank 0 runs the whole reference model on CPU with ``tp_group=None``. Its weights
+arrive one parameter at a time: each TP group all-gathers a parameter, and the holder on
+(dp 0, tp 0) of each later pipeline stage sends it to global rank 0 over the pp group
+(point-to-point on the engine's device), which copies it into the CPU model at once. The
+device memory this needs is one full parameter, not the model: an object gather of the
+whole fp32 model through rank 0 (``gather_object`` stages ``max size x world`` bytes on
+rank 0's GPU under NCCL) runs out of memory for any multi-billion model at the end of a
+successful run. Collective: every rank calls :func:`gather_reference_model`; only rank 0
+gets a model.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from engine.dist import comm
 from engine.models import GPT
+from engine.pipeline.partition import layers_of
+from engine.runtime.model import reference_layer_params, stage_bounds
 from engine.tensor_parallel.layers import gather_full_tensor
 
 __all__ = ["gather_reference_model", "greedy_generate"]
+
+
+def _local_full_params(chunks, tp_group) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(layer index, name, full tensor) of this rank's layers in order; TP-collective."""
+    for chunk in chunks:
+        for j, layer in enumerate(chunk.layers):
+            for name, p in layer.named_parameters():
+                full = gather_full_tensor(p.detach(), p, tp_group) if tp_group is not None else p.detach()
+                yield chunk.start + j, name, full
 
 
 @torch.no_grad()
@@ -34,26 +51,36 @@ def gather_reference_model(engine) -> Optional[GPT]:
         raise ValueError("gather_reference_model needs an engine built on the reference model "
                          "(engine.initialize with model=None or an engine.models.GPT)")
     tp_group = groups.tp_group if cfg.tp > 1 else None
-    keep = groups.dp_rank == 0 and groups.tp_rank == 0
+    holder = groups.dp_rank == 0 and groups.tp_rank == 0  # sends (or, on rank 0, keeps) full tensors
     gathered = engine.optimizer.gathered_params() if cfg.zero.stage == 3 else contextlib.nullcontext()
-    local: dict[str, torch.Tensor] = {}
+    model = GPT(cfg.model, tp_group=None, seed=cfg.seed) if dist.get_rank() == 0 else None
     with gathered:
-        for chunk in chunks:
-            for j, layer in enumerate(chunk.layers):
-                for name, p in layer.named_parameters():
-                    full = gather_full_tensor(p.detach(), p, tp_group) if tp_group is not None else p.detach()
-                    if keep:
-                        local[f"{chunk.start + j}/{name}"] = full.float().cpu().clone()
-    everything: Optional[list] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, everything, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    model = GPT(cfg.model, tp_group=None, seed=cfg.seed)
-    for part in everything:
-        for key, t in part.items():
-            idx, name = key.split("/", 1)
-            model.layers[int(idx)].get_parameter(name).copy_(t)
-    return model.eval()
+        for idx, name, full in _local_full_params(chunks, tp_group):
+            if model is not None:
+                model.layers[idx].get_parameter(name).copy_(full)
+            elif holder:
+                op = dist.P2POp(dist.isend, full.contiguous(), groups.pp_ranks[0], groups.pp_group)
+                for work in comm.batch_isend_irecv([op]):
+                    work.wait()
+        if model is not None and cfg.pp > 1:
+            dtype = next(p for c in chunks for p in c.parameters()).dtype
+            _receive_later_stages(model, cfg, groups, dtype, engine.device)
+    return None if model is None else model.eval()
+
+
+def _receive_later_stages(model: GPT, cfg, groups, dtype: torch.dtype, device: torch.device) -> None:
+    """On global rank 0: every parameter of pipeline stages 1.. from its (dp 0, tp 0) holder,
+    in the order it sends them (chunks, layers, named_parameters), one at a time."""
+    bounds = stage_bounds(reference_layer_params(cfg.model), cfg)
+    for stage in range(1, cfg.pp):
+        for c in range(cfg.pipeline.virtual_stages):
+            for idx in layers_of(bounds, stage, cfg.pp, c):
+                for name, target in model.layers[idx].named_parameters():
+                    buf = torch.empty(target.shape, dtype=dtype, device=device)
+                    op = dist.P2POp(dist.irecv, buf, groups.pp_ranks[stage], groups.pp_group)
+                    for work in comm.batch_isend_irecv([op]):
+                        work.wait()
+                    target.copy_(buf)
 
 
 @torch.no_grad()

@@ -55,10 +55,19 @@ def _config_source(args: Any, config: ConfigArg, config_params: ConfigArg) -> Un
 
 
 def _device_of_default_group() -> torch.device:
-    """The device collectives of an already-initialised default group work on."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device collectives of an already-initialised default group work on (see
+    :func:`engine.dist.env.device_for_initialised_group`); NCCL: also made current."""
+    from engine.dist.env import device_for_initialised_group
+
+    backend = dist.get_backend()
+    if backend != "nccl":
+        return torch.device("cpu")
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    kind, index = device_for_initialised_group(backend, bound.index if bound is not None else None,
+                                               torch.cuda.current_device(), torch.cuda.device_count())
+    dev = torch.device(kind, index)
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def _broadcast_from_first_replica(module: nn.Module, groups: ParallelGroups) -> None:
@@ -70,13 +79,30 @@ def _broadcast_from_first_replica(module: nn.Module, groups: ParallelGroups) -> 
             comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
 
 
+def _check_fp8_model(cfg: Config, model: Any) -> None:
+    """``fp8.enabled`` needs an FP8 layer somewhere in the model. Decided from the whole model,
+    which every rank has (the config for the reference GPT, the full layer list, the module),
+    so all ranks raise together: a check on one pipeline stage's chunk alone would raise on a
+    stage holding only the embedding or the head and leave its peers in a collective."""
+    from engine.precision.fp8 import fp8_states
+
+    if not cfg.fp8.enabled or model is None or isinstance(model, GPT):
+        return  # the reference model's blocks get FP8 layers from the config
+    whole = nn.ModuleList(list(model)) if _is_layer_list(model) else model
+    if isinstance(whole, nn.Module) and not fp8_states(whole):
+        raise ConfigError("fp8.enabled but the model has no FP8 layer (the reference model's blocks get them "
+                          "from the config; a custom module needs engine.precision.fp8.Fp8Linear)")
+
+
 def _is_layer_list(model: Any) -> bool:
     return isinstance(model, (list, tuple, nn.ModuleList))
 
 
-def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Optional[Callable]) -> Any:
+def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Optional[Callable],
+                device: torch.device) -> Any:
     """DeepSpeed's ``deepspeed_io``: micro-batches of ``train_micro_batch_size_per_gpu``,
-    each DP rank reading its own shard of the dataset (``DistributedSampler``)."""
+    each DP rank reading its own shard of the dataset (``DistributedSampler``). On a GPU the
+    batches are pinned, so the engine's non-blocking copy to the device overlaps compute."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     if not isinstance(data, torch.utils.data.Dataset):
@@ -84,7 +110,7 @@ def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Opti
     sampler = DistributedSampler(data, num_replicas=groups.dp_size, rank=groups.dp_rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     return DataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=True)
+                      collate_fn=collate_fn, drop_last=True, pin_memory=device.type != "cpu")
 
 
 def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], None] = None,
@@ -117,6 +143,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
     if cfg.world_size != world:
         raise ConfigError(f"the config was resolved for {cfg.world_size} ranks but the job has {world}")
+    _check_fp8_model(cfg, model)  # on every rank, before any collective
     device = dist_env.device if dist_env is not None else _device_of_default_group()
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
@@ -130,7 +157,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
                              "and model_parameters=None")
         engine = _parallel_engine(cfg, model, lr_scheduler, groups, device, dist_env, loss_fn)
     if training_data is not None:
-        engine.training_dataloader = _dataloader(training_data, cfg, groups, collate_fn)
+        engine.training_dataloader = _dataloader(training_data, cfg, groups, collate_fn, device)
     logger.info("engine: %s, ZeRO-%d, %s, %s", cfg.topology, cfg.zero.stage, cfg.precision,
                 f"pipeline {cfg.pipeline.schedule}" if cfg.pp > 1 else "no pipeline")
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

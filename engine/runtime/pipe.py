@@ -3,8 +3,12 @@
 Training runs the configured schedule through the executor (gradients accumulate into the
 ZeRO optimizer's buffers through its hooks; the engine reduces and steps once after the
 last micro-batch). Evaluation is forward-only: each micro-batch walks the chain of
-virtual stages in order, one blocking send/receive per hop (a single token passing along
-the chain, so it cannot deadlock), which is simple and fast enough for evaluation.
+virtual stages in order, one transfer per hop (a single token passing along the chain, so
+it cannot deadlock). Each hop is a ``batch_isend_irecv`` on the pp group, as in training
+(NCCL then uses the group's communicator instead of creating a pairwise one mid-run), and
+the sender checks the activation's shape and dtype against the receiver's fixed buffer
+before sending (the strict mode also exchanges a header): a mismatch is an error naming
+both, not an NCCL hang or silent corruption.
 
 Document masking (``data.document_masking``): stage boundaries still carry one hidden-state
 tensor; the micro-batch's document ids (B, S) are data, and every stage of a data-parallel
@@ -21,9 +25,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
+from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.pipeline.actions import next_hop, prev_hop
 from engine.pipeline.executor import PipelineExecutor
+from engine.runtime.device import move_to_device
 from engine.runtime.model import check_doc_ids
 
 __all__ = ["PipelineRunner", "activation_shape", "microbatch_doc_ids"]
@@ -89,7 +95,7 @@ class PipelineRunner:
         """Chunk keyword inputs of a micro-batch: ``{"doc_ids": (B, S)}`` with document masking."""
         doc_ids = microbatch_doc_ids(mb)
         check_doc_ids(doc_ids, self.document_masking)
-        return {} if doc_ids is None else {"doc_ids": doc_ids.to(self.device)}
+        return {} if doc_ids is None else {"doc_ids": move_to_device(doc_ids, self.device)}
 
     def _item(self, mb: Any) -> tuple:
         inputs, targets = self._split(mb)
@@ -114,14 +120,28 @@ class PipelineRunner:
             for c in range(v):
                 prev = prev_hop(self.stage, c, self.num_stages)
                 if prev is None:
-                    x = inputs.to(self.device)
+                    x = move_to_device(inputs, self.device)
                 else:
-                    x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    dist.recv(x, self.stage_ranks[prev[0]], group=self.groups.pp_group)
+                    x = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # (B, S, H)
+                    self._transfer(dist.P2POp(dist.irecv, x, self.stage_ranks[prev[0]], self.groups.pp_group))
                 out = self.chunks[c](x, **side)
                 nxt = next_hop(self.stage, c, self.num_stages, v)
                 if nxt is None:
-                    losses.append(self.loss_fn(out, targets.to(self.device)).detach())
+                    losses.append(self.loss_fn(out, move_to_device(targets, self.device)).detach())
                 else:
-                    dist.send(out.contiguous(), self.stage_ranks[nxt[0]], group=self.groups.pp_group)
+                    self._check_boundary(out, c)
+                    self._transfer(dist.P2POp(dist.isend, out.contiguous(), self.stage_ranks[nxt[0]],
+                                              self.groups.pp_group))
         return losses if self.is_last else None
+
+    def _check_boundary(self, out: torch.Tensor, chunk: int) -> None:
+        """The receiver allocates ``self.shape`` / ``self.dtype``: anything else must not be sent."""
+        if tuple(out.shape) != self.shape or out.dtype != self.dtype:
+            raise ValueError(f"pipeline evaluation: stage {self.stage} chunk {chunk} output is {tuple(out.shape)} "
+                             f"{out.dtype} but the next stage receives {self.shape} {self.dtype} (micro-batch, seq, "
+                             "hidden): evaluate with micro-batches of train_micro_batch_size_per_gpu rows of seq_len")
+
+    @staticmethod
+    def _transfer(op: dist.P2POp) -> None:
+        for work in comm.batch_isend_irecv([op]):
+            work.wait()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.strict import host_sync_allowed
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -89,7 +90,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     vocab = logits.shape[-1] * tp_world_size(tp_group)
     if targets.device.type == "cpu" and targets.numel():  # no device sync on CPU
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-        if bool(bad.any()):
+        with host_sync_allowed():
+            any_bad = bool(bad.any())
+        if any_bad:
             raise ValueError(f"targets must be in [0, {vocab}) or equal ignore_index={ignore_index}; "
                              f"found {targets[bad][:4].tolist()}")
     loss = _VocabParallelCrossEntropy.apply(logits, targets.long(), tp_group, ignore_index)

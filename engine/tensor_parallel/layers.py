@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.dist.strict import host_sync_allowed
 from engine.precision.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear
 from engine.tensor_parallel.attrs import is_tp_sharded, set_tp_attrs, tp_partition_dim
 from engine.tensor_parallel.mappings import (
@@ -398,10 +399,12 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VocabParallelEmbedding expects integer token ids, got {ids.dtype}")
-        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            # Checked on CPU only, where it costs no device sync.
-            raise ValueError(f"token ids must be in [0, {self.num_embeddings}), got range "
-                             f"[{int(ids.min())}, {int(ids.max())}]: check the tokenizer's vocab_size against model.vocab_size")
+        if ids.device.type == "cpu" and ids.numel():
+            with host_sync_allowed():  # checked on CPU only, where it costs no device sync
+                lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise ValueError(f"token ids must be in [0, {self.num_embeddings}), got range "
+                                 f"[{lo}, {hi}]: check the tokenizer's vocab_size against model.vocab_size")
         if tp_world_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)                      # (B, S, H)
         local = ids - self.vocab_start

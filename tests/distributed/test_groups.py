@@ -23,7 +23,7 @@ def _group_sums(rank, world_size):
         topo = Topology(dp=dp, tp=tp, pp=pp, world_size=world_size)
         groups = ParallelGroups.build(topo, timeout_s=40.0)
         sums = {}
-        for name in ("tp", "dp", "pp", "embedding", "model_parallel"):
+        for name in ("tp", "dp", "pp", "embedding"):
             group = getattr(groups, f"{name}_group")
             if group is None:  # middle pipeline stage: no embedding group
                 sums[name] = (None, list(getattr(groups, f"{name}_ranks")))
@@ -38,7 +38,8 @@ def _group_sums(rank, world_size):
         sums["facts"] = (groups.coord, groups.tp_rank, groups.dp_rank, groups.pp_rank,
                          groups.tp_size, groups.dp_size, groups.pp_size, groups.is_first_stage,
                          groups.is_last_stage, groups.prev_stage_rank, groups.next_stage_rank,
-                         groups.in_embedding_group, len(groups.all_groups()))
+                         groups.in_embedding_group, len(groups.all_groups()),
+                         groups.embedding_group is groups.pp_group)
         # p2p between pipeline neighbours uses the global ranks the groups report
         if groups.pp_size > 1:
             send = torch.tensor([float(rank)])
@@ -93,7 +94,6 @@ def test_group_allreduce_sums_match_topology():
                 "dp": topo.ranks_along("dp", rank),
                 "pp": topo.ranks_along("pp", rank),
                 "embedding": topo.embedding_ranks(rank),
-                "model_parallel": topo.model_parallel_ranks(rank),
             }
             c = topo.coord(rank)
             if 0 < c.pp < pp - 1:  # a middle stage holds no embedding
@@ -107,14 +107,13 @@ def test_group_allreduce_sums_match_topology():
             ends = c.pp in (0, pp - 1)
             assert got["facts"] == (c, c.tp, c.dp, c.pp, tp, dp, pp, c.pp == 0, c.pp == pp - 1,
                                     topo.prev_stage_rank(rank), topo.next_stage_rank(rank),
-                                    ends, 5 if ends else 4)
+                                    ends, 4 if ends and pp > 2 else 3, pp <= 2)
             assert got["timeout"] == 40.0
             if pp > 1 and c.pp > 0:
                 assert got["from_prev"] == float(topo.prev_stage_rank(rank))
-        # the layouts above include the special cases: pp == 1 (singleton embedding group)
-        # and dp == 1 (model-parallel group is the world)
+        # the layouts above include the special cases: pp == 1 (singleton embedding group,
+        # the pp group itself) and pp == 2 (the embedding group is the pp group: not built twice)
         assert results[rank][(2, 4, 1)]["embedding"][1] == [rank]
-        assert results[rank][(1, 4, 2)]["model_parallel"][1] == list(range(8))
         errors = results[rank]["errors"]
         assert "needs 4 ranks but the job has 8" in errors[0]
         assert "is not this process's rank" in errors[1]

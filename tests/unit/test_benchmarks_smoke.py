@@ -121,3 +121,39 @@ def test_common_helpers():
     assert spread([3.0, 1.0, 2.0])["median"] == 2.0
     md = markdown_table([{"a": 1.23456, "b": None}], ["a", "b"])
     assert md.splitlines()[2] == "| 1.2 | - |"
+
+
+def test_comm_timer_on_cuda_records_events_and_never_syncs_per_collective(monkeypatch):
+    """On a GPU the comm timer must not synchronise the device after every collective (that
+    serialises compute and communication, so every GPU ratio would be wrong): it records a
+    CUDA event pair per call and resolves them when read. Fake events stand in for CUDA."""
+    import time as time_mod
+
+    import torch
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = time_mod.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    def no_sync(*a, **k):
+        raise AssertionError("device synchronised inside the comm timer")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    timer = CommTimer(torch.device("cuda", 0))
+    for kind in ("collective", "p2p", "collective"):
+        with timer.region(kind):
+            time_mod.sleep(0.01)
+    assert len(timer._pending) == 3  # nothing resolved (no sync) until read
+    assert timer.by_kind["collective"] >= 0.02 and timer.by_kind["p2p"] >= 0.01
+    assert timer.calls == 3 and not timer._pending

@@ -388,3 +388,36 @@ def test_comm_error_classification():
     assert _is_comm_error(RuntimeError("Timed out waiting 3000ms for recv operation"))
     assert not _is_comm_error(RuntimeError("ProcessGroupGloo::allreduce: invalid tensor size"))
     assert not _is_comm_error(ValueError("Connection closed by peer"))
+
+
+# ------------------------------------------------------------------ GPU choice (issue 17)
+def test_cuda_index_one_gpu_per_task_binding_and_errors():
+    from engine.dist.env import LaunchError, cuda_index_for
+
+    assert cuda_index_for(3, 8, "torchrun") == 3          # whole node visible: local rank's GPU
+    assert cuda_index_for(5, 1, "slurm") == 0             # srun --gpus-per-task=1: the one bound GPU
+    with pytest.raises(LaunchError, match="only 2 GPU"):
+        cuda_index_for(3, 2, "slurm")                     # cannot map one-to-one
+    with pytest.raises(LaunchError, match="no GPU is visible"):
+        cuda_index_for(0, 0, "slurm")
+
+
+def test_user_initialised_nccl_group_without_set_device_uses_the_local_rank_gpu():
+    from engine.dist.env import device_for_initialised_group
+
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h",
+           "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"}
+    # no set_device (current device 0 everywhere): the local rank's GPU, not GPU 0
+    assert device_for_initialised_group("nccl", None, 0, 4, env) == ("cuda", 1)
+    assert device_for_initialised_group("nccl", 2, 0, 4, env) == ("cuda", 2)   # device_id= given at init wins
+    assert device_for_initialised_group("nccl", None, 3, 4, env) == ("cuda", 3)  # the user's set_device wins
+    assert device_for_initialised_group("gloo", None, 0, 0, env) == ("cpu", None)
+
+
+def test_nccl_flight_recorder_defaults_do_not_override_the_user():
+    from engine.dist.env import nccl_env_defaults, strict_comm_from_env
+
+    assert nccl_env_defaults({}) == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                                     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert nccl_env_defaults({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
+    assert strict_comm_from_env({}) is False and strict_comm_from_env({"ENGINE_STRICT_COMM": "1"}) is True

@@ -42,3 +42,16 @@ def test_metrics_jsonl_lines_parse_and_nonwriter_writes_nothing(tmp_path):
     w2.write({"step": 1})
     w2.close()
     assert not (tmp_path / "b").exists()
+
+
+def test_peak_table_picks_the_hopper_variant_from_the_driver_name(monkeypatch):
+    import torch
+
+    from engine.metrics import device_peak_flops
+
+    expected = {"NVIDIA H100 80GB HBM3": 989.5, "NVIDIA H100 PCIe": 756.5, "NVIDIA H100 NVL": 835.5,
+                "NVIDIA H200": 989.5, "NVIDIA H200 NVL": 835.5, "NVIDIA H800": 989.5, "NVIDIA H800 PCIe": 756.5}
+    for name, bf16 in expected.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert device_peak_flops(torch.device("cuda", 0), "bf16") == bf16 * 1e12, name
+        assert abs(device_peak_flops(torch.device("cuda", 0), "fp8") / (bf16 * 1e12) - 2) < 0.01, name

@@ -115,7 +115,29 @@ def test_arch_list_to_gencode_flags():
                                           "-gencode=arch=compute_90,code=compute_90"]
     assert _arch_flags(None) == []
     with pytest.raises(ValueError, match="TORCH_CUDA_ARCH_LIST"):
-        _arch_flags("hopper")
+        _arch_flags("hopper")  # names are case-sensitive, as in torch
+    # Hopper's architecture-specific target and torch's named lists (were rejected, so the
+    # build fell back to the slow reference optimizer)
+    assert _arch_flags("9.0a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert _arch_flags("Hopper") == ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+    assert _arch_flags("8.0 9.0a;10.0a+PTX") == ["-gencode=arch=compute_80,code=sm_80",
+                                                 "-gencode=arch=compute_90a,code=sm_90a",
+                                                 "-gencode=arch=compute_100a,code=sm_100a",
+                                                 "-gencode=arch=compute_100a,code=compute_100a"]
+
+
+def test_cache_key_includes_the_visible_gpu_architecture(monkeypatch):
+    """A cache shared by nodes with different GPUs: a build for one architecture must not be
+    found by another (without TORCH_CUDA_ARCH_LIST torch compiles for the visible GPUs)."""
+    import engine.ops.builder as b
+
+    builder = OpBuilder(OP_SPECS["adam"], OpBuildSettings())
+    monkeypatch.setattr(builder, "with_cuda", lambda: True)
+    keys = set()
+    for cap in ((8, 0), (9, 0)):
+        monkeypatch.setattr(b, "_visible_gpu_archs", lambda cap=cap: f"{cap[0]}.{cap[1]}")
+        keys.add(builder.fingerprint())
+    assert len(keys) == 2
 
 
 def test_ahead_of_time_extensions_hook():
