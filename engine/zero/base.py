@@ -54,6 +54,7 @@ from engine.dist import comm
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
+from engine.zero.init import is_partitioned, param_numel
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "normalize_param_groups"]
@@ -136,7 +137,7 @@ class ZeroOptimizer:
         for key, plist in keyed.items():
             buckets = []
             for chunk in self._plan_buckets(key, plist):
-                layout = build_layout([p.numel() for p in chunk], num_shards, self.alignment)
+                layout = build_layout([param_numel(p) for p in chunk], num_shards, self.alignment)
                 buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
             options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
             group = FlatGroup(key, buckets, options, self._device)
@@ -156,6 +157,9 @@ class ZeroOptimizer:
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
         self._device = devices.pop()
+        if self.stage != 3 and any(is_partitioned(p) for p in params):
+            raise ValueError("the model was built under engine.zero.Init(): its parameters are partitioned, which "
+                             "only ZeRO stage 3 takes; set zero_optimization.stage to 3 or build it without Init")
         for p in params:
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"parameter of dtype {p.dtype} cannot be trained with ZeRO: use fp32/bf16/fp16")

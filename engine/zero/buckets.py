@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.zero.init import param_shape
 from engine.zero.partition import FlatLayout, GroupKey
 
 __all__ = ["FlatBucket", "FlatGroup", "BufferPool"]
@@ -40,7 +41,7 @@ class FlatBucket:
         self.index = index  # position among all buckets of the optimizer (collective order)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.dtype = self.params[0].dtype if self.params else torch.float32
-        self.shapes = [p.shape for p in self.params]
+        self.shapes = [param_shape(p) for p in self.params]
         self.full: Optional[torch.Tensor] = None  # (padded,) compute dtype
         self.grad_acc: Optional[torch.Tensor] = None  # (padded,) fp32
         self.shard_master: Optional[torch.Tensor] = None  # (shard,) fp32 view into the group master
@@ -50,6 +51,7 @@ class FlatBucket:
         # an in-flight prefetch (full buffer, work), and whether the bucket stays whole.
         self.compute_shard: Optional[torch.Tensor] = None  # (shard,) compute dtype
         self.pending: Optional[tuple[torch.Tensor, Any]] = None
+        self.gather_buf: Optional[torch.Tensor] = None  # (padded,) whose storage is freed between uses
         self.persistent = True
         # per-step reduction state
         self.ready = 0  # parameters whose gradient arrived on the boundary micro-step
