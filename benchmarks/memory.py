@@ -1,209 +1,246 @@
 #!/usr/bin/env python
-"""Per-rank memory of ZeRO stages 0-3 at several data-parallel sizes, measured against the
-ZeRO paper's formula, as a table, JSON and a PNG bar chart.
+"""Per-rank PEAK memory of ZeRO stages 0-3, ours next to DeepSpeed on the same model and
+config, next to the peak formula and the planner's prediction.
 
-    python benchmarks/memory.py --params 20e6 --dp 1 2 4 --json benchmarks/results/memory.json --png memory.png
-    python benchmarks/memory.py --params 50e6 --dp 2 --dtype fp32 --stages 3
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/memory.py --json benchmarks/results/memory_peak.json
+    python benchmarks/memory.py --hidden 256 --layers 2 --vocab 1024 --stages 2 3 --dtypes fp32 --ga 1
 
-For each (DP size, stage) it starts ``dp`` fresh ranks on gloo (CPU), builds an MLP of about
-``--params`` parameters in the compute dtype, runs ``--steps`` optimizer steps and reports
-what each rank holds (``ZeroOptimizer.memory_bytes()``: parameters, gradients, optimizer
-state, counted from the optimizer's own tensors) next to the formula
-(engine.zero.memory.zero_memory_formula: compute-dtype parameters, fp32 gradients, fp32
-master + Adam moments = 12 bytes; our stage 1 also holds a 4 Psi / N_d master-gradient
-shard, shown as "+shard"), and the process's peak RSS. Fresh processes per case keep the
-peak RSS clean (it is a process-wide high-water mark: interpreter + torch + this case).
+The model is the reference GPT (``model`` section: hidden, layers, vocab, seq), DP = ``--dp``
+ranks on gloo (CPU), micro-batch ``--micro`` x ``seq`` tokens, ``--steps`` optimizer steps.
+Each (system, stage, dtype, GA) runs in fresh processes so that peaks do not mix:
 
-The PNG (matplotlib when installed, else a plain raster by engine.pipeline.timeline's PNG
-writer: stacked bars without text) shows per case the measured params / grads / optimizer
-bars with the formula's total as a marker.
+- ours: ``engine.initialize(model=None, config=...)`` (stage 3 builds under
+  ``engine.zero.Init``);
+- DeepSpeed (``deepspeed.initialize``, same JSON minus the ``model`` section) on the same
+  reference model built by ``engine.runtime.model.build_reference_chunks`` (stage 3: under
+  ``deepspeed.zero.Init``), the same micro-batches, ``torch.optim.AdamW`` on both sides.
+
+Two measurements per rank, both from the rank's own start (after imports and the process
+group): ``tensor`` = the exact live-storage high-water mark (engine.zero.peak), and ``rss``
+= the resident-set high-water mark (VmHWM, reset after start-up) minus the start-up RSS,
+with glibc's mmap threshold fixed by the parent (freed tensors leave the RSS at once). The
+tensor peak is what the formula and the planner predict; the RSS peak adds allocator,
+communication staging and interpreter growth, and cross-checks it. ``construction`` is the
+tensor peak up to the end of ``initialize``; ``step`` the one during training.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import sys
 import time
 
-import torch
-import torch.nn as nn
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the gloo multi-rank harness
 
-from harness import run_ranks  # noqa: E402
-
-from engine.precision.mixed import PrecisionPolicy  # noqa: E402
-from engine.zero import build_zero_optimizer  # noqa: E402
-from engine.zero.memory import memory_report, zero_memory_formula  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KINDS = ("params", "grads", "optimizer_state")
 MiB = float(2 ** 20)
+MMAP_THRESHOLD = "131072"
 
 
-def _model(num_params: float, dtype: torch.dtype) -> nn.Module:
-    """Square Linear layers of width 1024..4096 adding up to about ``num_params``."""
-    width = 1024 if num_params < 20e6 else 2048 if num_params < 200e6 else 4096
-    layers = max(1, round(num_params / (width * width + width)))
-    with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    for p in model.parameters():
-        p.data.uniform_(-0.02, 0.02, generator=gen)
-    return model.to(dtype)
+def config(args: argparse.Namespace, stage: int, dtype: str, ga: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": ga,
+        "train_batch_size": args.micro * ga * args.dp, "steps_per_print": 10 ** 9, "seed": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
+                              "stage3_prefetch_bucket_size": args.bucket,
+                              "stage3_param_persistence_threshold": 10_000,
+                              "stage3_max_live_parameters": 4 * args.bucket},
+        "model": {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_layers": args.layers,
+                  "num_heads": args.heads, "seq_len": args.seq},
+    }
 
 
-def _rank(rank: int, world: int, num_params: float, dtype_name: str, stage: int, steps: int) -> dict:
-    dtype = DTYPES[dtype_name]
-    model = _model(num_params, dtype)
-    numel = sum(p.numel() for p in model.parameters())
-    opt = build_zero_optimizer(stage, model, lambda g: torch.optim.AdamW(g, lr=1e-4), None,
-                               precision=PrecisionPolicy(compute_dtype=dtype, check_nonfinite=False))
-    width = model[0].in_features
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        x = torch.randn(4, width).to(dtype)
-        opt.backward(model(x).float().pow(2).mean())
-        opt.step()
-    elapsed = time.perf_counter() - t0
-    rep = memory_report(opt, torch.device("cpu"))
-    rep.update(numel=numel, step_s=elapsed / steps)
-    opt.remove_hooks()
-    del model, opt
+def _batches(cfg: dict, step: int, rank: int) -> list:
+    import torch
+
+    m = cfg["model"]
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for _ in range(cfg["gradient_accumulation_steps"]):
+        ids = torch.randint(0, m["vocab_size"], (cfg["train_micro_batch_size_per_gpu"], m["seq_len"] + 1), generator=g)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+def _ds_engine(cfg: dict):
+    """DeepSpeed on the same reference model (built under deepspeed.zero.Init at stage 3)."""
+    import logging
+
+    import deepspeed
+    import torch
+
+    from engine.config import load_config
+    from engine.runtime.model import ReferenceModel, build_reference_chunks
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    ds_cfg = {k: v for k, v in cfg.items() if k not in ("model", "seed")}
+    ds_cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}}
+    conf = load_config(cfg, world_size=torch.distributed.get_world_size())
+    dtype = torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
+    stage3 = cfg["zero_optimization"]["stage"] == 3
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
+    ctx = deepspeed.zero.Init(config_dict_or_path=ds_cfg) if stage3 else contextlib.nullcontext()
+    with ctx:
+        chunks = build_reference_chunks(conf, 0, None, device=torch.device("cpu"), dtype=torch.float32)
+        model = ReferenceModel(chunks[0], None)
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=ds_cfg,
+                                   dist_init_required=False)
+    del dtype
+    return eng
+
+
+def _step_ds(eng, mbs) -> float:
+    losses = []
+    for x, y in mbs:
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return sum(losses) / len(losses)
+
+
+def _rank(rank: int, world: int, system: str, cfg: dict, steps: int) -> dict:
+    import torch
+
+    from engine.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+    from engine.zero.memory import optimizer_peak_inputs
+    from engine.zero.peak import LiveMemoryTracker
+
+    cpu = torch.device("cpu")
+    if system == "deepspeed":
+        # DeepSpeed's sanity check wants its launcher's variables (the group already exists)
+        os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+        import deepspeed  # noqa: F401  (imported before the baseline: its import is not the model's memory)
+    import engine
+
     gc.collect()
-    return rep
+    base_rss = current_memory_bytes(cpu)
+    reset_peak_memory(cpu)
+    losses = []
+    t0 = time.perf_counter()
+    with LiveMemoryTracker() as t:
+        with t.phase("construction"):
+            if system == "ours":
+                eng, *_ = engine.initialize(config=cfg)
+            else:
+                eng = _ds_engine(cfg)
+        with t.phase("step"):
+            for s in range(steps):
+                mbs = _batches(cfg, s, rank)
+                losses.append(eng.train_batch(iter(mbs)).item() if system == "ours" else _step_ds(eng, mbs))
+        inputs = optimizer_peak_inputs(eng.optimizer, eng.module) if system == "ours" else None
+    out = {"tensor_peak": t.peak, "construction": t.phases.get("construction", 0), "step": t.phases.get("step", 0),
+           "rss_peak": peak_memory_bytes(cpu) - base_rss, "losses": losses, "inputs": inputs,
+           "seconds": time.perf_counter() - t0}
+    del eng
+    gc.collect()
+    return out
 
 
-def formula(numel: int, stage: int, dp: int, dtype_name: str) -> dict[str, float]:
-    """The ZeRO formula with our byte counts, plus our stage 1's master-gradient shard."""
-    pb = torch.finfo(DTYPES[dtype_name]).bits // 8
-    f = zero_memory_formula(numel, stage, dp, param_bytes=pb, grad_bytes=4, optimizer_bytes=12)
-    f["grads_shard"] = 4.0 * numel / dp if stage == 1 else 0.0
-    return f
+def predict(cfg: dict, inputs: dict, dp: int) -> dict:
+    """The planner's peak for the same layout (engine.planner.cost.peak_estimate)."""
+    from engine.models.config import ModelConfig
+    from engine.planner.cost import Layout, peak_estimate
+
+    zc = cfg["zero_optimization"]
+    layout = Layout(dp=dp, tp=1, pp=1, micro_batch=cfg["train_micro_batch_size_per_gpu"],
+                    num_microbatches=cfg["gradient_accumulation_steps"], zero_stage=zc["stage"])
+    pb = 2 if cfg["bf16"]["enabled"] else 4
+    return peak_estimate(ModelConfig(**cfg["model"]), layout, param_bytes=pb, bucket_numel=inputs["bucket_numel"],
+                         prefetch_numel=zc["stage3_prefetch_bucket_size"])
 
 
-def measure(dps: list[int], stages: list[int], num_params: float, dtype_name: str, steps: int) -> list[dict]:
-    """One row per (dp, stage): rank 0's bytes, the spread over ranks, the formula."""
+def run(args: argparse.Namespace) -> list[dict]:
+    from harness import run_ranks
+
     rows = []
-    for dp in dps:
-        for stage in stages:
-            ranks = run_ranks(_rank, dp, num_params, dtype_name, stage, steps, timeout=1800)
-            r = ranks[0]
-            f = formula(r["numel"], stage, dp, dtype_name)
-            rows.append({
-                "dp": dp, "stage": stage, "numel": r["numel"], "dtype": dtype_name,
-                "measured": {k: r[k] for k in KINDS}, "formula": {k: f[k] for k in KINDS},
-                "formula_grads_shard": f["grads_shard"],
-                "peak_rss": [x["peak"] for x in ranks], "step_s": r["step_s"],
-                "spread": {k: max(x[k] for x in ranks) - min(x[k] for x in ranks) for k in KINDS},
-            })
-            print(f"  dp={dp} stage={stage}: {sum(r[k] for k in KINDS) / MiB:.1f} MiB accounted, "
-                  f"peak RSS {r['peak'] / MiB:.0f} MiB", file=sys.stderr, flush=True)
+    for dtype in args.dtypes:
+        for ga in args.ga:
+            for stage in args.stages:
+                cfg = config(args, stage, dtype, ga)
+                row = {"stage": stage, "dtype": dtype, "ga": ga, "dp": args.dp}
+                for system in args.systems:
+                    try:
+                        ranks = run_ranks(_rank, args.dp, system, cfg, args.steps, timeout=args.timeout)
+                        row[system] = {k: [r[k] for r in ranks] for k in
+                                       ("tensor_peak", "construction", "step", "rss_peak", "losses", "seconds")}
+                        if system == "ours":
+                            row["inputs"] = ranks[0]["inputs"]
+                    except Exception as exc:  # noqa: BLE001 - a system's failure is its row's reason
+                        row[system] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+                    print(f"  {dtype} ga{ga} Z{stage} {system}: " + (
+                        f"tensor {max(row[system]['tensor_peak']) / MiB:.0f} MiB, rss {max(row[system]['rss_peak']) / MiB:.0f} MiB"
+                        if "error" not in row[system] else row[system]["error"]), file=sys.stderr, flush=True)
+                if "inputs" in row:
+                    row["predicted"] = predict(cfg, row["inputs"], args.dp)
+                    from engine.zero.memory import zero_peak_formula
+
+                    row["formula"] = zero_peak_formula(param_bytes=2 if dtype == "bf16" else 4, stage=stage, dp=args.dp,
+                                                       **row["inputs"],
+                                                       activation_bytes=row["predicted"]["activations"])
+                rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: measured / formula per kind, in MiB."""
-    head = ("| DP | stage | params MiB (meas / formula) | grads MiB | optimizer MiB | total MiB | "
-            "peak RSS MiB (max rank) | step s |")
-    out = [head, "|" + "---|" * 8]
+    head = ("| dtype | GA | stage | ours tensor peak MiB (max rank) | ours RSS peak | DeepSpeed tensor peak | "
+            "DeepSpeed RSS peak | ours / DS (tensor) | formula peak | planner | states (paper) |")
+    out = [head, "|" + "---|" * 11]
     for r in rows:
-        m, f = r["measured"], r["formula"]
-        cells = [f"{m[k] / MiB:.1f} / {f[k] / MiB:.1f}" for k in KINDS]
-        if r["formula_grads_shard"]:
-            cells[1] += f" +shard {r['formula_grads_shard'] / MiB:.1f}"
-        tot_m = sum(m.values())
-        tot_f = sum(f.values()) + r["formula_grads_shard"]
-        out.append(f"| {r['dp']} | {r['stage']} | " + " | ".join(cells)
-                   + f" | {tot_m / MiB:.1f} / {tot_f / MiB:.1f} | {max(r['peak_rss']) / MiB:.0f} | {r['step_s']:.2f} |")
+        def cell(sys_: str, k: str) -> str:
+            d = r.get(sys_, {})
+            return "n/a" if k not in d else f"{max(d[k]) / MiB:.0f}"
+
+        ratio = "n/a"
+        if "tensor_peak" in r.get("ours", {}) and "tensor_peak" in r.get("deepspeed", {}):
+            ratio = f"{max(r['ours']['tensor_peak']) / max(r['deepspeed']['tensor_peak']):.2f}"
+        f = r.get("formula", {})
+        pred = r.get("predicted", {})
+        out.append(f"| {r['dtype']} | {r['ga']} | {r['stage']} | {cell('ours', 'tensor_peak')} | {cell('ours', 'rss_peak')} "
+                   f"| {cell('deepspeed', 'tensor_peak')} | {cell('deepspeed', 'rss_peak')} | {ratio} "
+                   f"| {f.get('peak', 0) / MiB:.0f} | {pred.get('peak', 0) / MiB:.0f} | {f.get('states', 0) / MiB:.0f} |")
     return "\n".join(out)
-
-
-# ------------------------------------------------------------------ the chart
-_COLOURS = {"params": (66, 133, 244), "grads": (52, 168, 83), "optimizer_state": (251, 188, 5)}
-
-
-def write_chart(rows: list[dict], path: str, title: str) -> str:
-    """Stacked bars per (dp, stage); returns "matplotlib" or "raw"."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _raw_chart(rows, path)
-        return "raw"
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(rows) + 2), 4.5))
-    xs = list(range(len(rows)))
-    bottom = [0.0] * len(rows)
-    for k in KINDS:
-        vals = [r["measured"][k] / MiB for r in rows]
-        ax.bar(xs, vals, bottom=bottom, color=[tuple(c / 255 for c in _COLOURS[k])], label=f"measured {k}")
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ftot = [(sum(r["formula"].values()) + r["formula_grads_shard"]) / MiB for r in rows]
-    ax.scatter(xs, ftot, marker="_", s=400, color="black", zorder=3, label="formula total")
-    ax.set_xticks(xs, [f"dp{r['dp']}\nZ{r['stage']}" for r in rows])
-    ax.set_ylabel("MiB per rank")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return "matplotlib"
-
-
-def _raw_chart(rows: list[dict], path: str, height: int = 300, bar: int = 30, gap: int = 14) -> None:
-    from engine.pipeline.timeline import write_png
-
-    top = max(sum(r["measured"].values()) for r in rows) or 1.0
-    width = len(rows) * (bar + gap) + gap
-    white = (255, 255, 255)
-    pixels = [[white] * width for _ in range(height)]
-    for i, r in enumerate(rows):
-        x0 = gap + i * (bar + gap)
-        y = height
-        for k in KINDS:
-            h = int(round(r["measured"][k] / top * (height - 10)))
-            for row in range(max(y - h, 0), y):
-                for x in range(x0, x0 + bar):
-                    pixels[row][x] = _COLOURS[k]
-            y -= h
-        ft = int(round((sum(r["formula"].values()) + r["formula_grads_shard"]) / top * (height - 10)))
-        row = min(max(height - ft, 0), height - 1)
-        for x in range(x0 - 4, x0 + bar + 4):
-            pixels[row][x] = (0, 0, 0)
-    write_png(path, pixels)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", type=float, default=20e6, help="approximate parameter count")
-    ap.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="data-parallel sizes (processes)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--micro", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--bucket", type=int, default=5_000_000, help="reduce_bucket_size (elements)")
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    ap.add_argument("--ga", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--systems", nargs="+", choices=["ours", "deepspeed"], default=["ours", "deepspeed"])
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", help="write the rows (bytes) here")
-    ap.add_argument("--png", help="write the bar chart here")
     args = ap.parse_args(argv)
-    if any(d < 1 for d in args.dp) or any(s not in (0, 1, 2, 3) for s in args.stages) or args.steps < 1:
-        ap.error("--dp must be >= 1, --stages among 0-3, --steps >= 1")
-    rows = measure(args.dp, args.stages, args.params, args.dtype, args.steps)
-    print(f"per-rank memory, {args.dtype} compute, fp32 grads / master / Adam, {rows[0]['numel']:,} parameters "
-          "(measured on rank 0 / ZeRO formula)\n")
+    if any(s not in (0, 1, 2, 3) for s in args.stages) or args.dp < 1 or args.steps < 1:
+        ap.error("--stages among 0-3, --dp >= 1, --steps >= 1")
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by the spawned ranks
+    rows = run(args)
+    print(f"per-rank peak memory, reference GPT h{args.hidden} L{args.layers} V{args.vocab}, DP={args.dp}, "
+          f"micro-batch {args.micro}x{args.seq}, reduce_bucket_size {args.bucket:,}\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
-    if args.png:
-        how = write_chart(rows, args.png, f"ZeRO memory per rank, {rows[0]['numel'] / 1e6:.0f}M params, {args.dtype}")
-        print(f"\nchart: {args.png} ({how})")
     return 0
 
 

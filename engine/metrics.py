@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["PEAK_TFLOPS", "device_peak_flops", "mfu", "peak_memory_bytes", "MetricsWriter",
+__all__ = ["PEAK_TFLOPS", "device_peak_flops", "mfu", "peak_memory_bytes", "reset_peak_memory",
+           "current_memory_bytes", "MetricsWriter",
            "StepTimer", "summarize_times", "get_rank_logger"]
 
 # Dense (no sparsity) peak TFLOP/s per device by compute dtype, from NVIDIA's data sheets
@@ -70,11 +71,55 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_total: Optional[
     return flops_per_token * tokens_per_s / peak_flops_total
 
 
+def _proc_status_kib(field: str) -> Optional[int]:
+    """A ``kB`` field of /proc/self/status (Linux), or None where there is none."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak bytes: max allocated on CUDA, max resident set size of this process on CPU."""
+    """Peak bytes since the process started or the last :func:`reset_peak_memory`: max
+    allocated on CUDA; on CPU the resident set's high-water mark (``VmHWM``, which
+    :func:`reset_peak_memory` can reset; ``ru_maxrss`` where /proc is missing).
+
+    On CPU run with ``MALLOC_MMAP_THRESHOLD_`` fixed (e.g. 131072): glibc's threshold
+    otherwise grows with the largest freed block, freed tensors stay in the heap and the
+    RSS over-counts what is live."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = _proc_status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """Bytes held now: allocated on CUDA, resident set size on CPU (0 where unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    rss = _proc_status_kib("VmRSS")
+    return 0 if rss is None else rss * 1024
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new high-water mark from what is held now (CUDA: the allocator's peak
+    statistics; CPU: writes ``5`` to /proc/self/clear_refs, which resets ``VmHWM``).
+    Returns False where the platform cannot reset it (the peak then stays process-wide)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class StepTimer:

@@ -51,7 +51,7 @@ from engine.runtime.model import reference_layer_params
 from engine.zero.memory import zero_memory_formula
 
 __all__ = ["Layout", "MemoryEstimate", "TimeEstimate", "StageShape", "stage_shapes", "memory_estimate",
-           "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "check_layout", "model_states_bytes", "zero_state_bytes",
+           "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "check_layout", "model_states_bytes", "zero_state_bytes", "peak_estimate",
            "memory_lower_bound",
            "ADAM_STEP_BYTES"]
 
@@ -427,3 +427,48 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[s
         why.append(f"sequence parallelism needs seq_len ({model.seq_len}) divisible by tp={layout.tp}")
     return why
 
+
+
+def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.0, bucket_numel: int = 500_000_000,
+                  prefetch_numel: int = 50_000_000) -> dict[str, float]:
+    """Predicted per-rank PEAK bytes during a step (no pipeline simulation: 1F1B holds
+    ``min(pp - rank, micro-batches)`` micro-batches on rank ``rank``), by term:
+
+    - ``states`` and the step-only terms of :func:`engine.zero.memory.zero_peak_formula`
+      (two fp32 buckets at stages 2/3; the largest parameter's gradient in flight, three
+      copies of a tied embedding summed by autograd; at stage 3 the gathered unit, the
+      prefetch window and the tied embedding kept gathered through backward);
+    - ``activations``: the blocks' saved activations (:func:`activation_bytes_per_token`)
+      plus the logits (compute dtype, fp32 log-softmax and its gradient).
+
+    ``bucket_numel``: ``reduce_bucket_size`` (or the largest bucket when a single parameter
+    is larger); ``prefetch_numel``: ``stage3_prefetch_bucket_size``. Measured against
+    ``benchmarks/memory.py`` (tests/unit/test_planner_peak.py)."""
+    from engine.zero.memory import zero_peak_formula
+
+    shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
+    tokens = layout.micro_batch * model.seq_len
+    act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
+    vh = model.vocab_size * model.hidden_size // layout.tp
+    h, f = model.hidden_size, model.ffn_hidden_size
+    largest_block_unit = max(2 * f * h, (h + 2 * model.num_kv_heads * model.head_dim) * h) // layout.tp
+    best: Optional[dict[str, float]] = None
+    for rank in range(layout.pp):
+        mine = [shapes[c * layout.pp + rank] for c in range(layout.virtual_stages)]
+        numel = sum(s.params for s in mine) / layout.tp
+        has_embed = rank == 0
+        has_head = any(s.has_head for s in mine)
+        tied_here = model.tie_embeddings and has_embed and has_head
+        inflight = min(layout.pp - rank, layout.num_microbatches)
+        acts = inflight * max(s.blocks for s in mine) * tokens * act_tok
+        logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if has_head else 0.0
+        largest = vh if (has_embed or has_head) else largest_block_unit
+        out = zero_peak_formula(int(numel), layout.zero_stage, layout.dp, param_bytes=int(param_bytes),
+                                bucket_numel=min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 2 else 0,
+                                largest_param_numel=largest, unit_numel=largest,
+                                prefetch_numel=int(prefetch_numel) if layout.zero_stage == 3 else 0,
+                                tied_numel=vh if tied_here else 0, activation_bytes=acts + logits)
+        if best is None or out["peak"] > best["peak"]:
+            best = out
+    assert best is not None
+    return best

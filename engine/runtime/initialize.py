@@ -30,6 +30,8 @@ from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_
 from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
                                   optimizer_factory, precision_policy)
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.zero.init import Init as zero_init
+from engine.zero.init import is_partitioned
 
 __all__ = ["initialize"]
 
@@ -76,7 +78,8 @@ def _broadcast_from_first_replica(module: nn.Module, groups: ParallelGroups) -> 
         return
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
+            if not is_partitioned(t):  # built under engine.zero.Init: already equal slices
+                comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
 
 
 def _check_fp8_model(cfg: Config, model: Any) -> None:
@@ -201,7 +204,10 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
         if isinstance(model, GPT) and cfg.model is not None and model.cfg != cfg.model:
             raise ConfigError("the GPT given to engine.initialize was built from a different model config than "
                               "the config's model section: make them equal")
-        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype)
+        # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
+        sharded_build = cfg.zero.stage == 3 and model is None
+        with zero_init(data_parallel_group=groups.dp_group, enabled=sharded_build):
+            chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype)
         if isinstance(model, GPT):
             load_full_weights(chunks, model, tp_group)
         tied = []

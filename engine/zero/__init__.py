@@ -4,6 +4,9 @@
 - :mod:`engine.zero.buckets`: flat buckets and groups (the storage the stages share).
 - :mod:`engine.zero.base`: hooks, reduction, the mixed-precision step, norm, state, memory.
 - :mod:`engine.zero.stage0` ... :mod:`engine.zero.stage3`: one small class per stage.
+- :mod:`engine.zero.init`: :class:`Init` (build a model already partitioned) and
+  :class:`GatheredParameters` (gather for reading or modification), DeepSpeed's names.
+- :mod:`engine.zero.memory` / :mod:`engine.zero.peak`: the formulas and the measured peak.
 
 :func:`build_zero_optimizer` picks the stage.
 """
@@ -18,13 +21,14 @@ import torch.distributed as dist
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
+from engine.zero.init import GatheredParameters, Init
 from engine.zero.stage0 import DataParallelOptimizer
 from engine.zero.stage1 import Zero1Optimizer
 from engine.zero.stage2 import Zero2Optimizer
 from engine.zero.stage3 import Zero3Optimizer
 
 __all__ = ["build_zero_optimizer", "ZeroOptimizer", "DataParallelOptimizer", "Zero1Optimizer",
-           "Zero2Optimizer", "Zero3Optimizer", "STAGES"]
+           "Zero2Optimizer", "Zero3Optimizer", "STAGES", "Init", "GatheredParameters"]
 
 STAGES = {0: DataParallelOptimizer, 1: Zero1Optimizer, 2: Zero2Optimizer, 3: Zero3Optimizer}
 

@@ -17,7 +17,21 @@ Usage per optimizer step (``ga`` micro-batches, loss already divided by ``ga``):
     stepped = opt.step()                # reduces what is left, then updates; zeroes grads
 
 A pipeline executor may instead keep the boundary off for every micro-batch and call
-:meth:`reduce_gradients` once after the last backward (gradients reduced exactly once).
+:meth:`reduce_gradients` once after the last backward.
+
+Where gradients live between micro-batches (what decides the peak):
+
+- stages 0/1 keep a full fp32 accumulator per bucket for the whole step (ZeRO-1 must hold
+  full gradients); the boundary decides when they are reduced, exactly once per step;
+- stages 2/3 never hold a full gradient beyond two buckets: a bucket's accumulator is
+  borrowed from a :class:`~engine.zero.buckets.BufferPool` when its first gradient
+  arrives and is reduce-scattered into the fp32 master-gradient shard as soon as every
+  parameter of the bucket has delivered its gradient in this backward pass, at EVERY
+  micro-batch (boundary or not, pipeline or not), as DeepSpeed's ZeRO-2 does. At most one
+  reduction is in flight while the next bucket fills; when it completes, its received
+  shard is added into the master-gradient shard and the accumulator goes back to the pool.
+  Communication: ``ga`` reduce-scatters of the gradients per step instead of one (each
+  ``(N-1)/N`` of the bucket per rank), the price of the sharded-size accumulation.
 
 Gradients live in the optimizer's flat fp32 buffers: the hooks move each ``p.grad`` there
 and set it to None, so ``p.grad`` is None after backward; read :meth:`grad_norm` instead.
@@ -39,7 +53,8 @@ import torch.distributed as dist
 from engine.dist import comm
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
-from engine.zero.buckets import FlatBucket, FlatGroup
+from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
+from engine.zero.init import is_partitioned, param_numel
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "normalize_param_groups"]
@@ -109,6 +124,8 @@ class ZeroOptimizer:
         self._reduced = False
         self._norm_cache: Optional[tuple[float, bool]] = None
         self._hooks: list[Any] = []
+        self._pool = BufferPool(torch.device("cpu"))  # stages 2/3 accumulators; device set below
+        self._inflight: list[FlatBucket] = []  # pooled buckets whose reduce-scatter is in flight
 
         user_groups = normalize_param_groups(params)
         self._check_params([p for g in user_groups for p in g["params"]])
@@ -120,14 +137,16 @@ class ZeroOptimizer:
         for key, plist in keyed.items():
             buckets = []
             for chunk in self._plan_buckets(key, plist):
-                layout = build_layout([p.numel() for p in chunk], num_shards, self.alignment)
+                layout = build_layout([param_numel(p) for p in chunk], num_shards, self.alignment)
                 buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
             options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
             group = FlatGroup(key, buckets, options, self._device)
             self.groups.append(group)
             self.buckets.extend(buckets)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._pool = BufferPool(self._device)
         for b in self.buckets:
+            b.pooled = not self.keeps_full_grads
             self._init_bucket(b)
         self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
         self._register_grad_hooks()
@@ -138,6 +157,9 @@ class ZeroOptimizer:
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
         self._device = devices.pop()
+        if self.stage != 3 and any(is_partitioned(p) for p in params):
+            raise ValueError("the model was built under engine.zero.Init(): its parameters are partitioned, which "
+                             "only ZeRO stage 3 takes; set zero_optimization.stage to 3 or build it without Init")
         for p in params:
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ValueError(f"parameter of dtype {p.dtype} cannot be trained with ZeRO: use fp32/bf16/fp16")
@@ -202,21 +224,70 @@ class ZeroOptimizer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
+        # Pre-divided by dp * loss scale as it is accumulated (free on the add), so the reduced
+        # sum is already the unscaled mean: no extra pass after the reduction. Exactly the
+        # post-division when both are powers of two (bit-identical to DeepSpeed at dp = 2).
+        alpha = 1.0 / (self.dp_size * self.loss_scaler.loss_scale)
+        self._reduced = False
+        if b.pooled:
+            self._on_grad_sharded(b, i, p, alpha)
+            return
         if b.launched:
             raise RuntimeError(
                 "a gradient arrived for a parameter whose bucket was already reduced this step: "
                 "call set_boundary(True) only before the LAST backward of the step, or run every "
                 "backward before reduce_gradients()")
-        # Pre-divided by dp * loss scale as it is accumulated (free on the add), so the reduced
-        # sum is already the unscaled mean: no extra pass after the reduction. Exactly the
-        # post-division when both are powers of two (bit-identical to DeepSpeed at dp = 2).
-        b.accumulate(i, p.grad, alpha=1.0 / (self.dp_size * self.loss_scaler.loss_scale))
+        b.accumulate(i, p.grad, alpha=alpha)
         p.grad = None  # the fp32 accumulator holds it now
-        self._reduced = False
         if self._boundary and self.overlap_comm:
             b.ready += 1
             if b.ready == len(b.params):
                 self._launch(b)
+
+    def _on_grad_sharded(self, b: FlatBucket, i: int, p: torch.Tensor, alpha: float) -> None:
+        """Stages 2/3: fill the bucket's pooled accumulator; reduce-scatter it as soon as every
+        parameter of the bucket delivered its gradient in this backward pass."""
+        if any(x is b for x in self._inflight):
+            self._drain_inflight()  # the previous pass's reduction of this bucket must land first
+        if i in b.arrived:
+            # a new backward pass reached a bucket the previous one left incomplete (a
+            # parameter unused there): reduce what the previous pass left first
+            self._launch_sharded(b)
+        if b.grad_acc is None:
+            b.grad_acc = self._pool.acquire(b.layout.padded_numel)
+        b.accumulate(i, p.grad, alpha=alpha)
+        p.grad = None
+        if len(b.arrived) == len(b.params):
+            self._launch_sharded(b)
+
+    def _launch_sharded(self, b: FlatBucket) -> None:
+        """Reduce-scatter the pooled accumulator of ``b`` (async when overlapping) after
+        completing the reduction still in flight, so that at most two full-size
+        accumulators exist: the one filling and the one being reduced."""
+        self._drain_inflight()
+        if b.grad_acc is None:
+            b.grad_acc = self._pool.acquire(b.layout.padded_numel)
+        b.zero_unfilled()
+        # the step's first reduction lands in the master-gradient shard itself; later ones
+        # land in a (shard,) receive buffer that is added into it when they complete
+        if b.reductions > 0:
+            b.recv = torch.empty_like(b.shard_grad)
+        b.launch_reduce(self.dp_group, sharded=True, async_op=self.overlap_comm, out=b.recv)
+        b.reductions += 1
+        self._inflight.append(b)
+        if not self.overlap_comm:
+            self._drain_inflight()
+
+    def _drain_inflight(self) -> None:
+        for b in self._inflight:
+            b.wait()
+            if b.recv is not None:
+                b.shard_grad.add_(b.recv)
+                b.recv = None
+            self._pool.release(b.grad_acc)
+            b.grad_acc = None
+            b.arrived.clear()
+        self._inflight.clear()
 
     def _launch(self, b: FlatBucket) -> None:
         # Always async: the hooks only launch with overlap_comm, and after backward the
@@ -237,10 +308,19 @@ class ZeroOptimizer:
         pipeline executor does); :meth:`step` calls it if needed."""
         if self._reduced:
             return
-        self._launch_remaining()
-        for b in self.buckets:
-            b.wait()
-            self._after_reduce(b)
+        if self.keeps_full_grads:
+            self._launch_remaining()
+            for b in self.buckets:
+                b.wait()
+                self._after_reduce(b)
+        else:
+            # partly filled accumulators (parameters unused in the last pass); a bucket no
+            # gradient reached this step still takes part once (same collectives on every rank)
+            self._drain_inflight()
+            for b in self.buckets:
+                if b.grad_acc is not None or b.reductions == 0:
+                    self._launch_sharded(b)
+            self._drain_inflight()
         self._reduce_tied()  # the hooks already divided by dp * loss scale
         for b in self.buckets:
             b.reset_step()
@@ -248,9 +328,7 @@ class ZeroOptimizer:
         self._norm_cache = None
 
     def _after_reduce(self, b: FlatBucket) -> None:
-        """After a bucket's reduction completed (stages 2/3 drop the full accumulator)."""
-        if not self.keeps_full_grads:
-            b.grad_acc = None
+        """After a bucket's reduction completed (stages 0/1: nothing to do)."""
 
     def _reduce_tied(self) -> None:
         """Sum tied-weight gradients between the pipeline stages that hold a copy (same DP
@@ -338,11 +416,15 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (``set_to_none`` accepted for torch compatibility)."""
+        self._drain_inflight()
         for b in self.buckets:
             b.wait()
             b.reset_step()
-            if not self.keeps_full_grads:
-                b.grad_acc = None
+            if b.pooled:
+                if b.grad_acc is not None:  # filled but never reduced (zero_grad without a step)
+                    self._pool.release(b.grad_acc)
+                    b.grad_acc = None
+                b.arrived.clear()
             elif b.grad_acc.data_ptr() != b.shard_grad.data_ptr():  # stage 0: zeroed as the master grad
                 b.grad_acc.zero_()
             for p in b.params:
@@ -385,8 +467,9 @@ class ZeroOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, counted from its own tensors (each storage once):
         ``params`` (compute-dtype parameter storage), ``grads`` (gradient buffers, fp32
-        accumulators and master gradients included), ``optimizer_state`` (fp32 master
-        shards and the inner optimizer's state)."""
+        accumulators of stages 0/1 and master gradients included), ``optimizer_state`` (fp32
+        master shards and the inner optimizer's state), ``buckets`` (stages 2/3: the
+        reusable reduction buffers, at most two buckets)."""
         seen: set[int] = set()
 
         def size(ts: Iterable[Optional[torch.Tensor]]) -> int:
@@ -401,11 +484,13 @@ class ZeroOptimizer:
                 total += st.nbytes()
             return total
 
-        grads = size([b.grad_acc for b in self.buckets] + [g.master.grad for g in self.groups]
-                     + [p.grad for b in self.buckets for p in b.params])
+        grads = size([g.master.grad for g in self.groups] + [p.grad for b in self.buckets for p in b.params]
+                     + [b.grad_acc for b in self.buckets if not b.pooled])
+        buckets = size(self._pool.buffers() + [b.recv for b in self.buckets])
         opt_state = size([g.master for g in self.groups]
                          + [v for st in self.optimizer.state.values() for v in st.values()])
-        return {"params": size(self._param_tensors()), "grads": grads, "optimizer_state": opt_state}
+        return {"params": size(self._param_tensors()), "grads": grads, "optimizer_state": opt_state,
+                "buckets": buckets}
 
     def _param_tensors(self) -> list[Optional[torch.Tensor]]:
         return [b.full for b in self.buckets]

@@ -6,7 +6,9 @@ A :class:`FlatBucket` is a run of parameters of one :class:`FlatGroup` laid out 
 - ``full``: the bucket's parameters in the compute dtype, ``(padded_numel,)``; the
   parameters' ``.data`` are views into it while it is bound;
 - ``grad_acc``: fp32 gradient accumulator ``(padded_numel,)`` into which the backward hooks
-  add each parameter's gradient (and free it); reduced over DP by one collective;
+  add each parameter's gradient (and free it); reduced over DP by one collective. Stages
+  0/1 own it for the whole step; stages 2/3 borrow it from a :class:`BufferPool` only while
+  the bucket fills and its reduce-scatter is in flight (``pooled``);
 - ``shard_master`` / ``shard_grad``: this rank's chunk of the bucket inside the group's
   fp32 master shard and its gradient, ``(shard_numel,)``.
 
@@ -22,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.zero.init import param_shape
 from engine.zero.partition import FlatLayout, GroupKey
 
-__all__ = ["FlatBucket", "FlatGroup"]
+__all__ = ["FlatBucket", "FlatGroup", "BufferPool"]
 
 
 class FlatBucket:
@@ -38,7 +41,7 @@ class FlatBucket:
         self.index = index  # position among all buckets of the optimizer (collective order)
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.dtype = self.params[0].dtype if self.params else torch.float32
-        self.shapes = [p.shape for p in self.params]
+        self.shapes = [param_shape(p) for p in self.params]
         self.full: Optional[torch.Tensor] = None  # (padded,) compute dtype
         self.grad_acc: Optional[torch.Tensor] = None  # (padded,) fp32
         self.shard_master: Optional[torch.Tensor] = None  # (shard,) fp32 view into the group master
@@ -48,11 +51,19 @@ class FlatBucket:
         # an in-flight prefetch (full buffer, work), and whether the bucket stays whole.
         self.compute_shard: Optional[torch.Tensor] = None  # (shard,) compute dtype
         self.pending: Optional[tuple[torch.Tensor, Any]] = None
+        self.gather_buf: Optional[torch.Tensor] = None  # (padded,) whose storage is freed between uses
         self.persistent = True
         # per-step reduction state
         self.ready = 0  # parameters whose gradient arrived on the boundary micro-step
         self.work: Any = None
         self.launched = False
+        # stages 2/3 (pooled accumulator): which parameters the current fill holds, the
+        # (shard,) fp32 receive buffer of a reduction after the step's first, and how many
+        # reductions this bucket had this step
+        self.pooled = False
+        self.arrived: set[int] = set()
+        self.recv: Optional[torch.Tensor] = None
+        self.reductions = 0
 
     # ----------------------------------------------------------------- parameter storage
     def flatten_params(self) -> torch.Tensor:
@@ -87,20 +98,46 @@ class FlatBucket:
         if self.grad_acc is None:
             self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         lo, hi = self.layout.param_range(i)
+        if self.pooled and i not in self.arrived:
+            # a reused buffer holds stale values: the first gradient overwrites its slice
+            # (copy then scale = 0 + alpha * g exactly, as the add into zeros would give)
+            self.arrived.add(i)
+            self.grad_acc[lo:hi].copy_(grad.reshape(-1))
+            if alpha != 1.0:
+                self.grad_acc[lo:hi].mul_(alpha)
+            return
         if alpha == 1.0:
             self.grad_acc[lo:hi].add_(grad.reshape(-1))
         else:
             self.grad_acc[lo:hi].add_(grad.reshape(-1), alpha=alpha)
 
-    def launch_reduce(self, group: Optional[dist.ProcessGroup], sharded: bool, async_op: bool) -> None:
-        """Sum the accumulator over ``group``: into ``shard_grad`` (reduce-scatter) when the
-        optimizer state is sharded, in place (all-reduce) otherwise."""
-        if self.launched:
+    def zero_unfilled(self) -> None:
+        """Zero what the current fill of a pooled accumulator did not write: alignment gaps,
+        the tail, and parameters whose gradient did not arrive (their reduced gradient must
+        be exactly the other ranks' contribution, and gaps must stay zero for the norm)."""
+        assert self.grad_acc is not None
+        cursor = 0
+        for i in range(len(self.params)):
+            lo, hi = self.layout.param_range(i)
+            if i in self.arrived:
+                if lo > cursor:
+                    self.grad_acc[cursor:lo].zero_()
+                cursor = hi
+        if cursor < self.layout.padded_numel:
+            self.grad_acc[cursor:].zero_()
+
+    def launch_reduce(self, group: Optional[dist.ProcessGroup], sharded: bool, async_op: bool,
+                      out: Optional[torch.Tensor] = None) -> None:
+        """Sum the accumulator over ``group``: into ``shard_grad`` (reduce-scatter; or into
+        ``out`` (shard,) when given) when the optimizer state is sharded, in place
+        (all-reduce) otherwise."""
+        if self.launched and not self.pooled:
             raise RuntimeError(f"bucket {self.index} reduced twice in one step")
         if self.grad_acc is None:  # no gradient arrived here: still take part in the collective
             self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         if sharded:
-            self.work = comm.reduce_scatter(self.shard_grad, self.grad_acc, group, async_op=async_op)
+            self.work = comm.reduce_scatter(self.shard_grad if out is None else out, self.grad_acc, group,
+                                            async_op=async_op)
         else:
             self.work = comm.all_reduce(self.grad_acc, group, async_op=async_op)
         self.launched = True
@@ -114,6 +151,48 @@ class FlatBucket:
         self.ready = 0
         self.launched = False
         self.work = None
+        self.reductions = 0
+
+
+class BufferPool:
+    """Reusable fp32 flat buffers for the pooled gradient accumulators of stages 2/3.
+
+    ``acquire(n)`` hands out a ``(n,)`` view of a free buffer of at least ``n`` elements
+    (allocating one only when none is free); ``release`` returns it. The pool therefore
+    grows to the largest number of accumulators alive at once (one filling + one in flight:
+    two buckets) and is reused for every micro-batch and step. Contents are not zeroed:
+    the buckets overwrite on first arrival and zero the rest before reducing.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._all: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of the view -> its base buffer
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        fits = [k for k, b in enumerate(self._free) if b.numel() >= numel]
+        if fits:
+            base = self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
+        else:
+            base = torch.empty(numel, dtype=torch.float32, device=self.device)
+            self._all.append(base)
+        view = base[:numel]
+        self._lent[view.data_ptr()] = base
+        return view
+
+    def release(self, view: torch.Tensor) -> None:
+        self._free.append(self._lent.pop(view.data_ptr()))
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the pool owns (for memory accounting)."""
+        return list(self._all)
+
+    def clear(self) -> None:
+        """Drop the free buffers (the lent ones are dropped when released)."""
+        ids = {id(b) for b in self._free}
+        self._all = [b for b in self._all if id(b) not in ids]
+        self._free.clear()
 
 
 class FlatGroup:

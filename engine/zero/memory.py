@@ -12,6 +12,20 @@ state, and divides by ``N_d``:
 Our optimizers accumulate and reduce gradients in fp32, so the gradient term uses 4 bytes
 per element by default (``grad_bytes``); stage 1 additionally holds its fp32 master-gradient
 shard (``4 Psi / N_d``) next to the full accumulator.
+
+The paper's terms are what a rank holds BETWEEN steps. :func:`zero_peak_formula` adds what
+exists only DURING a step, which decides whether a run fits:
+
+- ``buckets`` (stages 2/3): two bucket-sized fp32 accumulators (one filling, one being
+  reduce-scattered; the pooled buffers of :mod:`engine.zero.base`);
+- ``grad_in_flight``: the compute-dtype gradient autograd produces for a parameter before
+  the hook moves it into the accumulator, the largest one; a tied weight (used twice)
+  holds both contributions and their sum until its last use in backward: three copies;
+- ``gathered`` (stage 3): the unit in use, the prefetch window in flight, and a tied
+  weight, which stays gathered from its last use in forward to its first in backward
+  when both ends are on one rank;
+- ``activations``: one micro-batch's activations (given by the caller; measured or
+  estimated), since every stage keeps them alike.
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ import torch
 
 from engine.metrics import peak_memory_bytes
 
-__all__ = ["zero_memory_formula", "memory_report"]
+__all__ = ["zero_memory_formula", "zero_peak_formula", "optimizer_peak_inputs", "memory_report"]
 
 
 def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
@@ -38,6 +52,57 @@ def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: in
         "params": param_bytes * n / (dp if stage >= 3 else 1),
         "grads": grad_bytes * n / (dp if stage >= 2 else 1),
         "optimizer_state": optimizer_bytes * n / (dp if stage >= 1 else 1),
+    }
+
+
+def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
+                      bucket_numel: int = 0, largest_param_numel: int = 0, unit_numel: int = 0,
+                      prefetch_numel: int = 0, tied_numel: int = 0, activation_bytes: float = 0.0,
+                      grad_bytes: int = 4, optimizer_bytes: int = 12) -> dict[str, float]:
+    """Per-rank peak bytes during a step, by term (see the module docstring) and ``peak``.
+
+    ``bucket_numel``: the largest bucket (padded elements); ``largest_param_numel``: the
+    largest parameter; ``unit_numel`` / ``prefetch_numel``: stage 3's largest gathered unit
+    and its prefetch window (``stage3_prefetch_bucket_size``); ``tied_numel``: a tied
+    weight held whole on this rank (0 if none). ``states`` is the paper's formula with our
+    fp32 gradients (and stage 1's master-gradient shard)."""
+    f = zero_memory_formula(num_params, stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                            optimizer_bytes=optimizer_bytes)
+    states = sum(f.values()) + (4.0 * num_params / dp if stage == 1 else 0.0)
+    out = {
+        "states": states,
+        "buckets": 2.0 * 4 * bucket_numel if stage >= 2 else 0.0,
+        "grad_in_flight": float(param_bytes * max(largest_param_numel, 3 * tied_numel)),
+        "gathered": float(param_bytes * (unit_numel + prefetch_numel + tied_numel)) if stage == 3 else 0.0,
+        "activations": float(activation_bytes),
+    }
+    out["peak"] = sum(out.values())
+    return out
+
+
+def optimizer_peak_inputs(optimizer: Any, module: torch.nn.Module) -> dict[str, int]:
+    """The sizes :func:`zero_peak_formula` needs, read from a built ZeRO optimizer and the
+    module it trains: ``num_params`` (this rank's model elements), ``bucket_numel``,
+    ``largest_param_numel``, ``unit_numel``, ``prefetch_numel`` and ``tied_numel`` (the
+    largest parameter registered in several modules here, e.g. a tied embedding and head)."""
+    buckets = optimizer.buckets
+    pooled = [b for b in buckets if getattr(b, "pooled", False)]
+    units = getattr(optimizer, "_units", {})
+    unit_sizes = [sum(b.layout.padded_numel for b in bs) for bs in units.values()]
+    owners: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+            sizes[id(p)] = max(sizes.get(id(p), 0), sum(b.layout.numels[i] for b in buckets
+                                                         for i, q in enumerate(b.params) if q is p))
+    return {
+        "num_params": sum(b.layout.numel for b in buckets),
+        "bucket_numel": max([b.layout.padded_numel for b in pooled] + [0]),
+        "largest_param_numel": max([n for b in buckets for n in b.layout.numels] + [0]),
+        "unit_numel": max(unit_sizes + [0]),
+        "prefetch_numel": int(getattr(optimizer, "prefetch_bucket_size", 0)) if units else 0,
+        "tied_numel": max([sizes[k] for k, n in owners.items() if n > 1] + [0]),
     }
 
 

@@ -29,13 +29,35 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from engine.dist import comm
 from engine.zero.buckets import FlatBucket
+from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
 from engine.zero.partition import GroupKey, bucketize
 from engine.zero.stage2 import Zero2Optimizer
 
 __all__ = ["Zero3Optimizer"]
+
+
+def _forget_partition(p: torch.Tensor) -> None:
+    """The optimizer's buckets hold the values now: drop :class:`engine.zero.Init`'s shard."""
+    for name in ("ds_tensor", "ds_numel", "ds_shape", "ds_process_group"):
+        if hasattr(p, name):
+            delattr(p, name)
+
+
+def _resize_storage(t: torch.Tensor, nbytes: int) -> None:
+    """Resize ``t``'s storage in place to ``nbytes`` (0 frees it; views keep their metadata).
+    Through the dispatcher (the op FSDP2 uses) so memory trackers see it."""
+    torch.ops.inductor.resize_storage_bytes_(t, nbytes)
+
+
+def _empty_storage_buffer(b: FlatBucket) -> torch.Tensor:
+    """A (padded,) tensor of ``b``'s dtype whose storage holds no memory yet."""
+    buf = torch.empty(b.layout.padded_numel, dtype=b.dtype, device=b.device)
+    _resize_storage(buf, 0)
+    return buf
 
 
 class _PreBackward(torch.autograd.Function):
@@ -81,6 +103,7 @@ class Zero3Optimizer(Zero2Optimizer):
                     if b not in self._units.setdefault(m, []):
                         self._units[m].append(b)
                     self._units_of.setdefault(id(p), []).append(m)
+        register_managed([p for b in self.buckets if not b.persistent for p in b.params], self)
         self._unit_size = {m: len({id(p) for b in bs for p in b.params}) for m, bs in self._units.items()}
         self._fired: dict[torch.nn.Module, set[int]] = {m: set() for m in self._units}
         self._live_numel = 0
@@ -99,11 +122,11 @@ class Zero3Optimizer(Zero2Optimizer):
             if id(p) not in self._owners:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is not in the module given to "
                                  f"ZeRO stage 3; pass the module that owns every optimized parameter")
-        small = [p for p in params if p.numel() <= self.persistence_threshold]
-        large = [p for p in params if p.numel() > self.persistence_threshold]
+        small = [p for p in params if param_numel(p) <= self.persistence_threshold]
+        large = [p for p in params if param_numel(p) > self.persistence_threshold]
         if key.tied_index >= 0:  # same layout on every stage holding the tied weight
             return [[p] for p in params]
-        plans = [[small[i] for i in idx] for idx in bucketize([p.numel() for p in small], self.reduce_bucket_size)]
+        plans = [[small[i] for i in idx] for idx in bucketize([param_numel(p) for p in small], self.reduce_bucket_size)]
         by_unit: dict[Any, list[torch.nn.Parameter]] = {}
         for p in large:
             owners = self._owners[id(p)]
@@ -112,18 +135,39 @@ class Zero3Optimizer(Zero2Optimizer):
         return plans + list(by_unit.values())
 
     def _init_bucket(self, b: FlatBucket) -> None:
-        b.persistent = b.params[0].numel() <= self.persistence_threshold
+        b.persistent = b.layout.numels[0] <= self.persistence_threshold
         if b.persistent:
+            for p in b.params:  # small: whole on every rank, as in stage 2
+                if is_partitioned(p):
+                    p.data = gather_partitioned(p).clone()
+                    _forget_partition(p)
             super()._init_bucket(b)
             return
-        full = b.flatten_params()  # transient (padded,) copy, freed on return
-        b.compute_shard = b.shard_of(full).clone()
+        b.compute_shard = self._compute_shard(b)
         b.shard_master.copy_(b.compute_shard)
         b.unbind()
+        b.gather_buf = _empty_storage_buffer(b)
 
-    # ------------------------------------------------------------------ gather / release
+    def _compute_shard(self, b: FlatBucket) -> torch.Tensor:
+        """This rank's (shard,) chunk of the bucket. Parameters built under
+        :class:`engine.zero.Init` are gathered one at a time (every rank, same order: a
+        collective per parameter), so no rank ever holds more than one whole parameter."""
+        lo, hi = b.layout.shard_range(b.shard_index)
+        shard = torch.zeros(hi - lo, dtype=b.dtype, device=b.device)
+        for i, p in enumerate(b.params):
+            full = gather_partitioned(p) if is_partitioned(p) else p.detach()
+            flat = full.reshape(-1)
+            plo, phi = b.layout.param_range(i)
+            a, z = max(plo, lo), min(phi, hi)
+            if a < z:
+                shard[a - lo:z - lo].copy_(flat[a - plo:z - plo])
+            _forget_partition(p)
+            del full, flat
+        return shard
+
     def _start_gather(self, b: FlatBucket) -> None:
-        full = torch.empty(b.layout.padded_numel, dtype=b.dtype, device=b.device)
+        full = b.gather_buf
+        _resize_storage(full, b.layout.padded_numel * full.element_size())
         work = comm.all_gather(full, b.compute_shard, self.dp_group, async_op=True)
         b.pending = (full, work)
         self._live_numel += b.layout.padded_numel
@@ -149,6 +193,7 @@ class Zero3Optimizer(Zero2Optimizer):
         elif b.full is None:
             return
         b.unbind()
+        _resize_storage(b.gather_buf, 0)
         self._live_numel -= b.layout.padded_numel
 
     def _fetch_unit(self, unit: torch.nn.Module) -> None:
@@ -275,6 +320,30 @@ class Zero3Optimizer(Zero2Optimizer):
             self._tracing = False  # the first step's fetch order is recorded
         self._trace_pos = 0
 
+    # ------------------------------------------------------------------ GatheredParameters
+    def _buckets_of(self, params: list[torch.Tensor]) -> list[FlatBucket]:
+        found = {self._where[id(p)][0].index for p in params if id(p) in self._where}
+        return [b for b in self.buckets if b.index in found and not b.persistent]
+
+    def gather_for_modification(self, params: list[torch.Tensor]) -> None:
+        """Make ``params`` whole (every rank; :class:`engine.zero.GatheredParameters`)."""
+        for b in self._buckets_of(params):
+            self._materialize(b)
+
+    def release_after_modification(self, params: list[torch.Tensor], modifier_rank: Optional[int]) -> None:
+        """Partition ``params`` again; with ``modifier_rank`` (a DP-group rank) its values
+        are broadcast and written to every rank's compute shard and fp32 master shard."""
+        if modifier_rank is not None and not 0 <= modifier_rank < self.dp_size:
+            raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the data-parallel group of {self.dp_size}")
+        for b in self._buckets_of(params):
+            if modifier_rank is not None:
+                src = dist.get_global_rank(self.dp_group, modifier_rank) if self.dp_group is not None else modifier_rank
+                comm.broadcast(b.full, src, self.dp_group)
+                shard = b.shard_of(b.full)
+                b.compute_shard.copy_(shard)
+                b.shard_master.copy_(shard)
+            self._release_bucket(b)
+
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
         """All parameters whole inside the block (read-only: changes are not written back)."""
@@ -287,5 +356,5 @@ class Zero3Optimizer(Zero2Optimizer):
             self._release_all()
 
     def _param_tensors(self) -> list[Optional[torch.Tensor]]:
-        return ([b.full for b in self.buckets] + [b.pending[0] for b in self.buckets if b.pending is not None]
+        return ([b.full for b in self.buckets] + [b.gather_buf for b in self.buckets]
                 + [b.compute_shard for b in self.buckets])

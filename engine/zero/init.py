@@ -1,0 +1,251 @@
+"""``engine.zero.Init`` and ``engine.zero.GatheredParameters``: DeepSpeed's names and semantics.
+
+``with engine.zero.Init(data_parallel_group=dp_group): model = MyModel()`` builds a model
+whose parameters are partitioned over the data-parallel group as they are created: when a
+module's constructor returns, each parameter it registered directly is cut into ``N`` equal
+flat pieces (padded at the end), this rank keeps its piece as ``p.ds_tensor`` ``(ceil(n/N),)``
+and ``p.data`` becomes an empty placeholder. At any moment a rank holds its shards plus
+the parameters of the one module under construction (its children are already
+partitioned), never the whole model. Because a shard is the slice of the value the module
+initialised, a model whose initialisation depends only on the seed (the reference GPT:
+per-parameter generators) has shards equal to the slices of the unsharded model.
+
+Attributes set on a partitioned parameter (DeepSpeed's): ``ds_tensor``, ``ds_numel``,
+``ds_shape``, ``ds_process_group``. :class:`engine.zero.Zero3Optimizer` takes such
+parameters and lays out its buckets from the shards (one parameter gathered at a time).
+
+``with engine.zero.GatheredParameters(params, modifier_rank=None):`` makes the given
+parameters whole on every rank inside the block (partitioned ones from their shards,
+stage-3 optimizer-managed ones from their buckets); on exit they are partitioned again.
+With ``modifier_rank=r`` the values rank ``r`` (a rank of the parameters' data-parallel
+group) holds at exit are broadcast and written back to every shard (and to the fp32 master
+of an optimizer that manages them); with ``None`` changes are discarded. A collective:
+every rank of the group must enter with the same parameters.
+
+Modules whose constructors are being wrapped: every subclass of ``nn.Module`` known when
+the context is entered, and any defined inside it (as DeepSpeed does).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from engine.dist import comm
+
+__all__ = ["Init", "GatheredParameters", "is_partitioned", "param_numel", "param_shape", "register_managed",
+           "gather_partitioned", "shard_range"]
+
+
+def is_partitioned(p: torch.Tensor) -> bool:
+    """Whether ``p`` was partitioned by :class:`Init` (its values live in ``p.ds_tensor``)."""
+    return getattr(p, "ds_tensor", None) is not None
+
+
+def param_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter (also when partitioned)."""
+    return int(p.ds_numel) if is_partitioned(p) else p.numel()
+
+
+def param_shape(p: torch.Tensor) -> torch.Size:
+    return p.ds_shape if is_partitioned(p) else p.shape
+
+
+def shard_range(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of shard ``rank`` of a flat ``numel``-element parameter cut in ``world``
+    equal pieces of ``ceil(numel / world)`` (the last ones padded past ``numel``)."""
+    per = -(-numel // world)
+    return rank * per, (rank + 1) * per
+
+
+def _partition(p: nn.Parameter, group: Optional[dist.ProcessGroup], dtype: Optional[torch.dtype]) -> None:
+    world, rank = comm.group_size(group), comm.group_rank(group)
+    flat = p.detach().reshape(-1)
+    if dtype is not None and flat.is_floating_point():
+        flat = flat.to(dtype)
+    n = flat.numel()
+    lo, hi = shard_range(n, rank, world)
+    shard = torch.zeros(hi - lo, dtype=flat.dtype, device=flat.device)  # (ceil(n/world),)
+    if lo < n:
+        shard[:min(hi, n) - lo].copy_(flat[lo:min(hi, n)])
+    p.ds_shape, p.ds_numel, p.ds_process_group = p.shape, n, group
+    p.ds_tensor = shard
+    p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)
+
+
+def gather_partitioned(p: nn.Parameter) -> torch.Tensor:
+    """The whole value of a partitioned parameter, ``ds_shape`` (one all-gather)."""
+    group = p.ds_process_group
+    world = comm.group_size(group)
+    full = torch.empty(p.ds_tensor.numel() * world, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+    comm.all_gather(full, p.ds_tensor, group)
+    return full[:p.ds_numel].view(p.ds_shape)
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for s in c.__subclasses__():
+            out.append(s)
+            todo.append(s)
+    return out
+
+
+class Init:
+    """Partition parameters over the data-parallel group as modules are built (see the
+    module docstring). DeepSpeed's keyword names; ``data_parallel_group`` None: the
+    default (world) group, as in DeepSpeed; ``dtype``: the shards' dtype (default: as
+    built); ``enabled=False``: a no-op context. Options DeepSpeed offers for offload
+    (``remote_device`` other than None/"cpu"/the parameters' device, ``pin_memory``) are
+    refused rather than ignored."""
+
+    def __init__(self, module: Optional[nn.Module] = None, data_parallel_group: Optional[dist.ProcessGroup] = None,
+                 mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: Optional[torch.dtype] = None, mpu: Any = None) -> None:
+        if remote_device not in (None, "cpu", "cuda") or pin_memory:
+            raise ValueError("engine.zero.Init: parameter offload (remote_device='nvme', pin_memory=True) is not "
+                             "supported; leave remote_device=None and pin_memory=False")
+        if mpu is not None:
+            raise ValueError("engine.zero.Init: mpu is not supported; pass data_parallel_group=")
+        if enabled and not dist.is_initialized():
+            raise RuntimeError("engine.zero.Init needs an initialised process group (engine.dist.env."
+                               "init_distributed(), or gloo with world_size=1)")
+        self.group = data_parallel_group
+        self.enabled = bool(enabled)
+        self.dtype = dtype
+        self._saved: dict[type, Any] = {}
+        self._depth: dict[int, int] = {}
+        self._prev_subclass_hook: Any = None
+        if module is not None and self.enabled:  # DeepSpeed: partition an already built module
+            for m in module.modules():
+                self._partition_module(m)
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        for cls in [nn.Module] + _all_subclasses(nn.Module):
+            self._wrap(cls)
+        init_obj = self
+        prev = nn.Module.__dict__.get("__init_subclass__")
+        self._prev_subclass_hook = prev
+
+        def hook(cls: type, **kw: Any) -> None:
+            super(nn.Module, cls).__init_subclass__(**kw)
+            init_obj._wrap(cls)
+
+        nn.Module.__init_subclass__ = classmethod(hook)  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        for cls, orig in self._saved.items():
+            cls.__init__ = orig  # type: ignore[misc]
+        self._saved.clear()
+        if self._prev_subclass_hook is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._prev_subclass_hook  # type: ignore[assignment]
+
+    def _wrap(self, cls: type) -> None:
+        if "__init__" not in cls.__dict__ or cls in self._saved:
+            return
+        orig = cls.__dict__["__init__"]
+        self._saved[cls] = orig
+        init_obj = self
+
+        @functools.wraps(orig)
+        def wrapped(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            key = id(module)
+            init_obj._depth[key] = init_obj._depth.get(key, 0) + 1
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                init_obj._depth[key] -= 1
+            if init_obj._depth[key] == 0:  # the outermost constructor of this module returned
+                del init_obj._depth[key]
+                init_obj._partition_module(module)
+
+        cls.__init__ = wrapped  # type: ignore[misc]
+
+    def _partition_module(self, module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            if not is_partitioned(p):
+                _partition(p, self.group, self.dtype)
+
+
+# ---------------------------------------------------------------------- optimizer-managed parameters
+# id(param) -> (weakref to param, weakref to the Zero3Optimizer that holds its shard)
+_MANAGED: dict[int, tuple[Any, Any]] = {}
+
+
+def register_managed(params: Iterable[torch.Tensor], optimizer: Any) -> None:
+    """Called by :class:`engine.zero.Zero3Optimizer` for the parameters it shards, so that
+    :class:`GatheredParameters` can gather them from its buckets."""
+    ref = weakref.ref(optimizer)
+    for p in params:
+        _MANAGED[id(p)] = (weakref.ref(p), ref)
+
+
+def _manager(p: torch.Tensor) -> Any:
+    entry = _MANAGED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
+
+
+class GatheredParameters:
+    """Whole parameters inside the block, partitioned again on exit (see the module
+    docstring). ``params``: one parameter or an iterable; parameters that are neither
+    partitioned nor managed by a stage-3 optimizer are left alone. ``modifier_rank``: the
+    rank (in the parameters' data-parallel group) whose changes are kept, or None."""
+
+    def __init__(self, params: Union[torch.Tensor, Iterable[torch.Tensor]], modifier_rank: Optional[int] = None,
+                 fwd_module: Optional[nn.Module] = None, enabled: bool = True) -> None:
+        plist = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.enabled = bool(enabled)
+        self.modifier_rank = modifier_rank
+        self.partitioned = [p for p in plist if is_partitioned(p)]
+        self.managed: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for p in plist:
+            opt = None if is_partitioned(p) else _manager(p)
+            if opt is not None:
+                self.managed.setdefault(id(opt), (opt, []))[1].append(p)
+        if modifier_rank is not None:
+            for p in self.partitioned:
+                if not 0 <= modifier_rank < comm.group_size(p.ds_process_group):
+                    raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the parameters' data-parallel "
+                                     f"group of {comm.group_size(p.ds_process_group)}")
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        for p in self.partitioned:
+            p.data = gather_partitioned(p)
+        for opt, ps in self.managed.values():
+            opt.gather_for_modification(ps)
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        for p in self.partitioned:
+            group = p.ds_process_group
+            if self.modifier_rank is not None:
+                src = dist.get_global_rank(group, self.modifier_rank) if group is not None else self.modifier_rank
+                comm.broadcast(p.data, src, group)
+                world, rank = comm.group_size(group), comm.group_rank(group)
+                lo, hi = shard_range(p.ds_numel, rank, world)
+                flat = p.data.reshape(-1)
+                if lo < p.ds_numel:
+                    p.ds_tensor[:min(hi, p.ds_numel) - lo].copy_(flat[lo:min(hi, p.ds_numel)])
+            p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+        for opt, ps in self.managed.values():
+            opt.release_after_modification(ps, self.modifier_rank)
