@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from engine.config import Config, OptimizerConfig
+from engine.config import Config, MuonParams, OptimizerConfig
 from engine.errors import ConfigError
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler
@@ -54,7 +54,22 @@ def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
         return lambda groups: FusedAdamW(groups, **kw)
     if opt.type == "Lion":
         return lambda groups: Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
-    raise ConfigError(f"optimizer.type {opt.type!r} is not one of Adam, AdamW, Lion")
+    if opt.type == "Muon":
+        return _muon_factory(p)
+    raise ConfigError(f"optimizer.type {opt.type!r} is not one of Adam, AdamW, Lion, Muon")
+
+
+def _muon_factory(p: MuonParams) -> OptimizerFactory:
+    """:class:`engine.optim.Muon` with the config's two parts (DeepSpeed's ``muon_lr`` /
+    ``adam_lr`` override the shared ``lr``; ``adam_weight_decay`` the shared ``weight_decay``)."""
+    from engine.optim.muon import Muon
+
+    adam_wd = p.weight_decay if p.adam_weight_decay is None else p.adam_weight_decay
+    kw = dict(lr=p.lr if p.muon_lr is None else p.muon_lr, weight_decay=p.weight_decay, momentum=p.momentum,
+              nesterov=p.nesterov, ns_coefficients=tuple(p.ns_coefficients), eps=p.ns_eps, ns_steps=p.ns_steps,
+              adjust_lr_fn=p.adjust_lr_fn, ns_dtype=p.ns_dtype, adamw_lr=p.lr if p.adam_lr is None else p.adam_lr,
+              adamw_betas=tuple(p.betas), adamw_eps=p.eps, adamw_weight_decay=adam_wd)
+    return lambda groups: Muon(groups, **kw)
 
 
 def client_optimizer_factory(client: Any) -> OptimizerFactory:
@@ -95,8 +110,15 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
                            embedding_group: Optional[dist.ProcessGroup] = None,
                            tied_params: Sequence[torch.nn.Parameter] = (),
                            module: Optional[torch.nn.Module] = None) -> ZeroOptimizer:
-    """The ZeRO optimizer of ``cfg.zero.stage`` over ``params`` with its loss scaler and clipping."""
+    """The ZeRO optimizer of ``cfg.zero.stage`` over ``params`` with its loss scaler and clipping.
+    With ``optimizer.type`` Muon, ``params`` are split into Muon and AdamW groups first
+    (:func:`engine.optim.muon_assign.split_muon_groups`, names taken from ``module``)."""
     policy = precision_policy(cfg)
+    if cfg.optimizer.type == "Muon":
+        from engine.optim.muon_assign import split_muon_groups
+
+        mp = cfg.optimizer.params
+        params = split_muon_groups(params, module, mp.muon_params or (), mp.adam_params or ())
     f = cfg.fp16
     scaler = build_loss_scaler(policy.compute_dtype, loss_scale=f.loss_scale,
                                initial_scale_power=f.initial_scale_power, loss_scale_window=f.loss_scale_window,

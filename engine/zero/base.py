@@ -41,6 +41,7 @@ from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero.buckets import FlatBucket, FlatGroup
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
+from engine.zero.shard_view import ShardView, build_shard_view
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "normalize_param_groups"]
 
@@ -130,6 +131,9 @@ class ZeroOptimizer:
         for b in self.buckets:
             self._init_bucket(b)
         self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
+        attach = getattr(self.optimizer, "attach_shard_view", None)
+        if callable(attach):  # an inner optimizer that works on whole matrices (Muon) asks for the layout
+            attach(self.shard_view())
         self._register_grad_hooks()
 
     # ------------------------------------------------------------------ construction
@@ -170,6 +174,11 @@ class ZeroOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def shard_view(self) -> ShardView:
+        """Where each parameter's elements lie in this rank's master shards (engine.zero.shard_view)."""
+        return build_shard_view(self.groups, self.shards_optimizer_state, self.dp_group, self.dp_size,
+                                self.dp_rank, self.tp_group)
 
     # ------------------------------------------------------------------ micro-steps
     def set_boundary(self, is_boundary: bool) -> None:
