@@ -30,7 +30,7 @@ from engine.optim.muon import Muon
 from engine.optim.muon_assign import split_muon_groups
 from engine.zero import build_zero_optimizer
 
-STEPS, BATCH, LR, ALR = 3, 16, 2e-2, 1e-2
+STEPS, BATCH, LR, ALR = 2, 16, 2e-2, 1e-2
 ATOL = 2e-6
 
 

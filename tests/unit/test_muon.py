@@ -77,6 +77,15 @@ def test_newton_schulz_fp32_close_to_bf16_and_orthogonal():
     assert torch.equal(newton_schulz(g.T, dtype=torch.float32), o32.T)  # tall = transpose of wide
 
 
+def test_newton_schulz_of_a_slice_is_not_the_slice_of_newton_schulz():
+    """Why the layouts must gather: orthogonalising a TP slice or a ZeRO shard of a matrix
+    gives an O(1) different update (the failure the layout tests guard against)."""
+    g = torch.randn(16, 24, generator=torch.Generator().manual_seed(3))
+    whole = newton_schulz(g, dtype=torch.float32)
+    for part, sl in ((g[:, :12], whole[:, :12]), (g[:8], whole[:8])):
+        assert (newton_schulz(part, dtype=torch.float32) - sl).abs().max() > 0.1
+
+
 def test_fused_parts_are_orthogonalised_separately():
     """A fused q/k/v weight (rows [q; k; v]) updates like three separate torch Muon matrices."""
     torch.manual_seed(1)
