@@ -115,10 +115,7 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
     (:func:`engine.optim.muon_assign.split_muon_groups`, names taken from ``module``)."""
     policy = precision_policy(cfg)
     if cfg.optimizer.type == "Muon":
-        from engine.optim.muon_assign import split_muon_groups
-
-        mp = cfg.optimizer.params
-        params = split_muon_groups(params, module, mp.muon_params or (), mp.adam_params or ())
+        params = _muon_groups_everywhere(cfg.optimizer.params, params, module)
     f = cfg.fp16
     scaler = build_loss_scaler(policy.compute_dtype, loss_scale=f.loss_scale,
                                initial_scale_power=f.initial_scale_power, loss_scale_window=f.loss_scale_window,
@@ -132,6 +129,27 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=z.stage3_max_live_parameters,
         stage3_param_persistence_threshold=z.stage3_param_persistence_threshold)
+
+
+def _muon_groups_everywhere(p: MuonParams, params: Any, module: Optional[torch.nn.Module]) -> list[dict[str, Any]]:
+    """The Muon / AdamW split, with a bad pattern (which may match parameters of one
+    pipeline stage only) raised on every rank before any rank enters a collective."""
+    from engine.optim.muon_assign import split_muon_groups
+
+    groups, err = None, None
+    try:
+        groups = split_muon_groups(params, module, p.muon_params or (), p.adam_params or ())
+    except ValueError as exc:
+        err = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+        if bad:
+            raise ConfigError(f"optimizer.params (Muon) on rank {bad[0][0]}: {bad[0][1]}")
+    if err is not None:
+        raise ConfigError(f"optimizer.params (Muon): {err}")
+    return groups
 
 
 def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, Any] = None) -> Any:

@@ -78,14 +78,15 @@ def _run(dp_group, dp_rank, dp, stage, ga):
             loss = nn.functional.mse_loss(model(xs[i * mb:(i + 1) * mb]), ys[i * mb:(i + 1) * mb])
             opt.backward(loss / ga)
         opt.step()
-    calls = torch.tensor([inner.ns_calls])
+    mine = inner.ns_calls
+    calls = torch.tensor([mine])
     dist.all_reduce(calls, group=dp_group)
     if stage == 3:
         with opt.gathered_params():
             params = [p.detach().clone() for p in model.parameters()]
     else:
         params = [p.detach().clone() for p in model.parameters()]
-    return params, int(calls.item()), straddles, len(inner.matrices)
+    return params, int(calls.item()), straddles, len(inner.matrices), mine
 
 
 def _worker(rank, world):
@@ -104,10 +105,14 @@ def test_muon_zero_stages_dp2_dp4_ga():
     results = run_ranks(_worker, 4, timeout=240)
     n_mats = ref_calls // STEPS
     assert n_mats == 4
-    for key, (params, calls, straddles, nm) in results[0].items():
-        _dp, stage, _ga = key
+    for key, (params, calls, _straddles, nm, _mine) in results[0].items():
+        dp, stage, _ga = key
         assert nm == n_mats, key
         assert calls == n_mats * STEPS, f"{key}: {calls} Newton-Schulz calls, expected {n_mats * STEPS}"
+        # the work is divided (owners balanced by FLOPs): at DP 4 one matrix per rank, at DP 2
+        # every rank owns some
+        per_rank = [r[key][4] for r in results]
+        assert (per_rank == [STEPS] * 4) if dp == 4 else min(per_rank) > 0, (key, per_rank)
         if stage > 0:
             assert any(r[key][2] for r in results), f"{key}: no Muon matrix straddles a shard boundary"
         for p, q in zip(params, ref):
