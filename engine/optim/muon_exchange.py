@@ -85,7 +85,7 @@ def _tp_exchange(view: ShardView, full: torch.Tensor, bv: BucketView, mats: Sequ
         comm.all_gather(gathered, send, view.tp_group)                      # (tp * n,)
         result = torch.zeros_like(gathered)
         for m, o in zip(sharded, offs):
-            if m.tp_owner != rank:
+            if m.tp_owner != rank or m.tp_dim is None:
                 continue
             k = bv.params[m.slot].numel
             slices = [gathered[t * n + o:t * n + o + k].view(m.local_shape) for t in range(world)]

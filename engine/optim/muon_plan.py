@@ -17,7 +17,7 @@ detail of the TP layers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from engine.optim.newton_schulz import newton_schulz_flops
 from engine.tensor_parallel.attrs import is_tp_sharded, tp_partition_dim
@@ -55,7 +55,7 @@ class MuonMatrix:
         return sum(newton_schulz_flops(r, c, ns_steps) for r, c in self.part_shapes())
 
 
-def matrix_of(param: object, local_shape: Sequence[int], tp_size: int, group: int, bucket: int, slot: int,
+def matrix_of(param: Any, local_shape: Sequence[int], tp_size: int, group: int, bucket: int, slot: int,
               name: str = "") -> MuonMatrix:
     """The :class:`MuonMatrix` of a Muon parameter from its TP layout tags."""
     what = f"Muon parameter {name or f'(group {group}, bucket {bucket}, slot {slot})'} of shape {tuple(local_shape)}"

@@ -54,7 +54,7 @@ def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
         return lambda groups: FusedAdamW(groups, **kw)
     if opt.type == "Lion":
         return lambda groups: Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
-    if opt.type == "Muon":
+    if isinstance(p, MuonParams):
         return _muon_factory(p)
     raise ConfigError(f"optimizer.type {opt.type!r} is not one of Adam, AdamW, Lion, Muon")
 
@@ -65,11 +65,13 @@ def _muon_factory(p: MuonParams) -> OptimizerFactory:
     from engine.optim.muon import Muon
 
     adam_wd = p.weight_decay if p.adam_weight_decay is None else p.adam_weight_decay
-    kw = dict(lr=p.lr if p.muon_lr is None else p.muon_lr, weight_decay=p.weight_decay, momentum=p.momentum,
-              nesterov=p.nesterov, ns_coefficients=tuple(p.ns_coefficients), eps=p.ns_eps, ns_steps=p.ns_steps,
-              adjust_lr_fn=p.adjust_lr_fn, ns_dtype=p.ns_dtype, adamw_lr=p.lr if p.adam_lr is None else p.adam_lr,
-              adamw_betas=tuple(p.betas), adamw_eps=p.eps, adamw_weight_decay=adam_wd)
-    return lambda groups: Muon(groups, **kw)
+    muon_lr = p.lr if p.muon_lr is None else p.muon_lr
+    adam_lr = p.lr if p.adam_lr is None else p.adam_lr
+    return lambda groups: Muon(groups, lr=muon_lr, weight_decay=p.weight_decay, momentum=p.momentum,
+                               nesterov=p.nesterov, ns_coefficients=tuple(p.ns_coefficients), eps=p.ns_eps,
+                               ns_steps=p.ns_steps, adjust_lr_fn=p.adjust_lr_fn, ns_dtype=p.ns_dtype,
+                               adamw_lr=adam_lr, adamw_betas=tuple(p.betas), adamw_eps=p.eps,
+                               adamw_weight_decay=adam_wd)
 
 
 def client_optimizer_factory(client: Any) -> OptimizerFactory:
@@ -114,7 +116,7 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
     With ``optimizer.type`` Muon, ``params`` are split into Muon and AdamW groups first
     (:func:`engine.optim.muon_assign.split_muon_groups`, names taken from ``module``)."""
     policy = precision_policy(cfg)
-    if cfg.optimizer.type == "Muon":
+    if isinstance(cfg.optimizer.params, MuonParams):
         params = _muon_groups_everywhere(cfg.optimizer.params, params, module)
     f = cfg.fp16
     scaler = build_loss_scaler(policy.compute_dtype, loss_scale=f.loss_scale,
@@ -147,7 +149,7 @@ def _muon_groups_everywhere(p: MuonParams, params: Any, module: Optional[torch.n
         bad = [(r, e) for r, e in enumerate(errs) if e is not None]
         if bad:
             raise ConfigError(f"optimizer.params (Muon) on rank {bad[0][0]}: {bad[0][1]}")
-    if err is not None:
+    if err is not None or groups is None:
         raise ConfigError(f"optimizer.params (Muon): {err}")
     return groups
 
