@@ -9,8 +9,10 @@ optimizer-state memory per rank, and a short loss-curve comparison on the defaul
    inner optimizer's ``step()`` alone (gradients already reduced; the time of the ZeRO
    reduce and publish is the same for both optimizers) is timed ``--reps`` times, Muon and
    AdamW interleaved in the same processes, medians of the slowest rank. Reported with
-   this rank's Newton-Schulz seconds and calls (the owner split should make them fall
-   ~1/DP) and the elements Muon's gather/scatter sends per step.
+   each rank's Newton-Schulz calls, wall and CPU milliseconds per step (the owner split
+   should make them fall ~1/DP; with more ranks than cores the wall time of a rank grows
+   with the sharing, the CPU time does not) and the elements Muon's gather/scatter sends.
+   ``--ns-dtype float32``: Newton-Schulz in fp32 (on CPU much faster than bf16 matmuls).
 2. Memory: ``ZeroOptimizer.memory_bytes()["optimizer_state"]`` per rank (fp32 master +
    moments), Muon vs AdamW; expected difference 4 B per Muon-matrix element / DP.
 3. Loss curve: the default model (configs/default.json's model section) on the embedded
@@ -45,8 +47,9 @@ from harness import run_ranks  # noqa: E402
 MiB = 1 << 20
 
 
-def _config(opt: str, dp: int, hidden: int, layers: int, vocab: int, seq: int) -> dict:
-    optim = ({"type": "Muon", "params": {"lr": 1e-3, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}}
+def _config(opt: str, dp: int, hidden: int, layers: int, vocab: int, seq: int, ns_dtype: str) -> dict:
+    optim = ({"type": "Muon", "params": {"lr": 1e-3, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw",
+                                         "ns_dtype": ns_dtype}}
              if opt == "Muon" else {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}})
     return {"train_batch_size": 2 * dp, "train_micro_batch_size_per_gpu": 2, "seed": 1,
             "optimizer": optim, "zero_optimization": {"stage": 1},
@@ -54,19 +57,20 @@ def _config(opt: str, dp: int, hidden: int, layers: int, vocab: int, seq: int) -
                       "num_heads": max(1, hidden // 64), "seq_len": seq}}
 
 
-def _step_rank(rank: int, world: int, hidden: int, layers: int, vocab: int, seq: int, reps: int) -> dict:
+def _step_rank(rank: int, world: int, hidden: int, layers: int, vocab: int, seq: int, reps: int,
+               ns_dtype: str) -> dict:
     import engine
 
     engines = {}
     for opt in ("AdamW", "Muon"):
-        eng, *_ = engine.initialize(config=_config(opt, world, hidden, layers, vocab, seq))
+        eng, *_ = engine.initialize(config=_config(opt, world, hidden, layers, vocab, seq, ns_dtype))
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, vocab, (2, seq + 1), generator=g)
         eng.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))  # warm-up, and state allocated
         engines[opt] = eng
     times: dict[str, list[float]] = {"AdamW": [], "Muon": []}
     inner = engines["Muon"].optimizer.optimizer
-    ns0, calls0, comm0 = inner.ns_seconds, inner.ns_calls, inner.comm_elements
+    ns0, cpu0, calls0, comm0 = inner.ns_seconds, inner.ns_cpu_seconds, inner.ns_calls, inner.comm_elements
     for _ in range(reps):
         for opt, eng in engines.items():
             dist.barrier()
@@ -78,7 +82,8 @@ def _step_rank(rank: int, world: int, hidden: int, layers: int, vocab: int, seq:
     mem = {opt: eng.optimizer.memory_bytes()["optimizer_state"] for opt, eng in engines.items()}
     muon_numel = sum(m.local_shape[0] * m.local_shape[1] for m in inner.matrices)
     return {"median_s": {k: statistics.median(v) for k, v in times.items()},
-            "ns_s_per_step": (inner.ns_seconds - ns0) / reps, "ns_calls_per_step": (inner.ns_calls - calls0) / reps,
+            "ns_s_per_step": (inner.ns_seconds - ns0) / reps, "ns_cpu_s_per_step": (inner.ns_cpu_seconds - cpu0) / reps,
+            "ns_calls_per_step": (inner.ns_calls - calls0) / reps,
             "comm_elements_per_step": (inner.comm_elements - comm0) / reps, "state_bytes": mem,
             "muon_numel": muon_numel, "matrices": len(inner.matrices)}
 
@@ -86,11 +91,13 @@ def _step_rank(rank: int, world: int, hidden: int, layers: int, vocab: int, seq:
 def step_table(dps: list[int], args: argparse.Namespace) -> list[dict]:
     rows = []
     for dp in dps:
-        ranks = run_ranks(_step_rank, dp, args.hidden, args.layers, args.vocab, args.seq, args.reps, timeout=3600)
+        ranks = run_ranks(_step_rank, dp, args.hidden, args.layers, args.vocab, args.seq, args.reps, args.ns_dtype,
+                          timeout=3600)
         r0 = ranks[0]
         rows.append({"dp": dp, "adamw_step_ms": 1e3 * r0["median_s"]["AdamW"],
                      "muon_step_ms": 1e3 * r0["median_s"]["Muon"],
                      "ns_ms_per_rank": [round(1e3 * r["ns_s_per_step"], 2) for r in ranks],
+                     "ns_cpu_ms_per_rank": [round(1e3 * r["ns_cpu_s_per_step"], 2) for r in ranks],
                      "ns_calls_per_rank": [r["ns_calls_per_step"] for r in ranks],
                      "comm_MiB_per_rank": round(r0["comm_elements_per_step"] * 4 / MiB, 2),
                      "adamw_state_MiB": round(r0["state_bytes"]["AdamW"] / MiB, 2),
@@ -173,6 +180,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--curve-steps", type=int, default=100)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tag", default=time.strftime("%Y-%m-%d"))

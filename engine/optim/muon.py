@@ -23,7 +23,7 @@ Two ways to run it:
   as their parts (:mod:`engine.optim.muon_plan`).
 
 ``ns_calls`` counts this rank's Newton–Schulz calls (one per Muon matrix or fused part,
-summed over the job, per step); ``ns_seconds`` their time; ``comm_elements`` the elements
+summed over the job, per step); ``ns_seconds`` / ``ns_cpu_seconds`` their wall / CPU time; ``comm_elements`` the elements
 its collectives sent.
 """
 
@@ -115,6 +115,10 @@ class Muon(torch.optim.Optimizer):
     @property
     def ns_seconds(self) -> float:
         return self._stats.ns_seconds
+
+    @property
+    def ns_cpu_seconds(self) -> float:
+        return self._stats.ns_cpu_seconds
 
     @property
     def comm_elements(self) -> int:

@@ -40,22 +40,25 @@ NsFn = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class ExchangeStats:
-    """Counters of this rank: Newton–Schulz calls and seconds, elements sent by collectives."""
+    """Counters of this rank: Newton–Schulz calls, wall and CPU seconds (the CPU time is what
+    the rank computed, also when ranks share cores), elements sent by collectives."""
 
     ns_calls: int = 0
     ns_seconds: float = 0.0
+    ns_cpu_seconds: float = 0.0
     comm_elements: int = 0
     per_step: list[int] = field(default_factory=list)
 
 
 def orthogonalize_full(full: torch.Tensor, m: MuonMatrix, ns: NsFn, stats: ExchangeStats) -> torch.Tensor:
     """The orthogonalised full matrix (fp32), one Newton–Schulz per part of ``m``."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = []
     for part in full.split(list(m.parts), dim=m.part_dim):
         outs.append(ns(part).to(torch.float32))
         stats.ns_calls += 1
     stats.ns_seconds += time.perf_counter() - t0
+    stats.ns_cpu_seconds += time.process_time() - c0
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=m.part_dim)
 
 
