@@ -63,8 +63,18 @@ def _model_diff(meta: dict[str, Any], engine: Any) -> str:
     return "; ".join(diff)
 
 
-def _read_masters(engine: Any, path: str, meta: dict[str, Any], states: list[str], reader: ShardReader
-                  ) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
+def _group_states(meta: dict[str, Any], pg: int, states: list[str], with_state: bool) -> list[str]:
+    """The states to read for user param group ``pg``: all of ``states``, or, when the
+    checkpoint records them per group (Muon: momentum for matrices, AdamW moments for the
+    rest), that group's."""
+    by_group = meta["optimizer"].get("elementwise_by_group")
+    if not with_state or not by_group:
+        return states
+    return ["master"] + [s for s in by_group.get(str(pg), []) if s in states]
+
+
+def _read_masters(engine: Any, path: str, meta: dict[str, Any], states: list[str], reader: ShardReader,
+                  with_state: bool = True) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
     """This rank's flat tensors of every optimizer group, for ``states``, and the names read."""
     opt = engine.optimizer
     names, _ = parameter_names(engine.module)
@@ -88,15 +98,16 @@ def _read_masters(engine: Any, path: str, meta: dict[str, Any], states: list[str
                                   f"{' (' + diff + ')' if diff else ''}")
         index = local_to_full_index(pc.local_shape, pc.tp)[pc.start:pc.start + pc.numel]
         frags = [Fragment.from_json(f) for f in entry["fragments"]]
-        full = assemble_full(cname, shape, frags, states, reader.read, needed_mask(numel_of(shape), index), where)
         g = opt.groups[pc.group]
-        for s in states:
+        mine = _group_states(meta, g.key.param_group, states, with_state)
+        full = assemble_full(cname, shape, frags, mine, reader.read, needed_mask(numel_of(shape), index), where)
+        for s in mine:
             flat = out[pc.group].get(s)
             if flat is None:
                 flat = out[pc.group][s] = torch.zeros(g.master.numel(), dtype=full[s].dtype)
             flat[pc.offset:pc.offset + pc.numel] = take_local(full[s], index)
     for gi, g in enumerate(opt.groups):  # groups with no element here (all padding) still get tensors
-        for s in states:
+        for s in _group_states(meta, g.key.param_group, states, with_state):
             out[gi].setdefault(s, torch.zeros(g.master.numel(), dtype=torch.float32))
     return out, used
 
@@ -128,7 +139,8 @@ def _optimizer_state_dict(engine: Any, path: str, meta: dict[str, Any], flats: l
                 opts[k] = tuple(v) if isinstance(opts.get(k), tuple) and isinstance(v, list) else v
             opts["params"] = cur["params"]
             if saved["elementwise_state"]:
-                entry: dict[str, Any] = {k: flats[gi][k] for k in saved["elementwise_state"]}
+                keys = _group_states(meta, g.key.param_group, list(saved["elementwise_state"]), True)[1:]
+                entry: dict[str, Any] = {k: flats[gi][k] for k in keys}
                 for k, sc in saved["scalar_state"].get(pg, {}).items():
                     entry[k] = (sc["value"] if sc["dtype"] is None
                                 else torch.tensor(sc["value"], dtype=getattr(torch, sc["dtype"])))
@@ -169,7 +181,7 @@ def _read_local(engine: Any, path: str, meta: dict[str, Any], load_optimizer_sta
     reader = ShardReader(path, meta, verify)
     try:
         states = ["master"] + (list(meta["optimizer"]["elementwise_state"]) if load_optimizer_states else [])
-        flats, used = _read_masters(engine, path, meta, states, reader)
+        flats, used = _read_masters(engine, path, meta, states, reader, load_optimizer_states)
         sd = _optimizer_state_dict(engine, path, meta, flats, load_optimizer_states)
         client = None
         if meta.get("client_state"):

@@ -53,6 +53,10 @@ class ShardReader:
                 raise CheckpointError(f"{full} is not a readable safetensors file ({exc})") from None
         return self._open[name]
 
+    def has(self, frag: Fragment, state: str) -> bool:
+        """Whether the fragment's file stores ``state`` for the fragment's group."""
+        return tensor_key(frag.group, state) in self._handle(frag.file).keys()
+
     def read(self, frag: Fragment, state: str) -> torch.Tensor:
         """The fragment's ``(numel,)`` values of ``state`` (``master`` or an optimizer state)."""
         h = self._handle(frag.file)
@@ -71,7 +75,10 @@ class ShardReader:
 def iter_full_params(path: str, states: Sequence[str] = ("master",), verify: bool = True
                      ) -> Iterator[tuple[str, tuple[int, ...], dict[str, torch.Tensor]]]:
     """``(name, full shape, {state: full tensor})`` for every parameter of the checkpoint in
-    ``path`` (model order), one at a time: memory is bounded by the largest parameter."""
+    ``path`` (model order), one at a time: memory is bounded by the largest parameter.
+    An optimizer state that a parameter's group does not have (Muon: matrices have a
+    ``momentum_buffer``, the AdamW parameters ``exp_avg`` / ``exp_avg_sq``) is left out of
+    that parameter's dict."""
     meta = read_metadata(path)
     missing = [s for s in states if s != "master" and s not in meta["optimizer"]["elementwise_state"]]
     if missing:
@@ -82,7 +89,10 @@ def iter_full_params(path: str, states: Sequence[str] = ("master",), verify: boo
         for name, entry in meta["params"].items():
             shape = tuple(int(s) for s in entry["shape"])
             frags = [Fragment.from_json(f) for f in entry["fragments"]]
-            full = assemble_full(name, shape, frags, list(states), reader.read, None, f"{path}: ")
+            mine = list(states)
+            if meta["optimizer"].get("elementwise_by_group"):
+                mine = [s for s in states if s == "master" or all(reader.has(f, s) for f in frags)]
+            full = assemble_full(name, shape, frags, mine, reader.read, None, f"{path}: ")
             yield name, shape, {s: t.view(shape) for s, t in full.items()}
     finally:
         reader.close()

@@ -151,6 +151,7 @@ def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
     scalar_state: dict[str, dict[str, Any]] = {}
     param_groups: dict[str, dict[str, Any]] = {}
     elementwise_keys: list[str] = []
+    by_group: dict[str, list[str]] = {}  # user param group -> its element-wise states (Muon: they differ)
     owned = set()
     for gi, g in enumerate(opt.groups):
         pg = str(g.key.param_group)
@@ -158,6 +159,8 @@ def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
         elementwise, scalars = _split_state(opt.optimizer.state.get(g.master, {}), g.master)
         if scalars:
             scalar_state.setdefault(pg, scalars)
+        if elementwise:
+            by_group.setdefault(pg, list(elementwise))
         if not owns_group(opt, g, groups.dp_rank, groups.tp_rank):
             continue
         owned.add(gi)
@@ -190,7 +193,7 @@ def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
                      "coord": {"pp": coord.pp, "tp": coord.tp, "dp": coord.dp}}
     return {"rank": groups.rank, "file": file_info, "fragments": fragments, "shapes": shapes, "aliases": aliases,
             "tied_originals": originals, "tied_copies": copies, "scalar_state": scalar_state,
-            "param_groups": param_groups, "elementwise_keys": elementwise_keys,
+            "param_groups": param_groups, "elementwise_keys": elementwise_keys, "elementwise_by_group": by_group,
             "order": {name: order[name] for name in fragments},
             "optimizer_class": type(opt.optimizer).__name__, "rng": capture_rng(engine.device)}
 
@@ -218,6 +221,7 @@ def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]
     originals: dict[int, str] = {}
     files: dict[str, Any] = {}
     elementwise: list[str] = []
+    by_group: dict[str, list[str]] = {}
     scalar_state: dict[str, Any] = {}
     param_groups: dict[str, Any] = {}
     for part in parts:  # rank order: pipeline stage 0 first, so names come in model order
@@ -231,6 +235,8 @@ def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]
         elementwise += [k for k in part["elementwise_keys"] if k not in elementwise]
         for pg, sc in part["scalar_state"].items():
             scalar_state.setdefault(pg, sc)
+        for pg, keys in part["elementwise_by_group"].items():
+            by_group.setdefault(pg, keys)
         for pg, opts in part["param_groups"].items():
             param_groups.setdefault(pg, opts)
     # model order: by layer, then as the module lists them (any rank holding a layer agrees on that)
@@ -260,7 +266,8 @@ def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]
         "lr_scheduler_groups": [g.key.param_group for g in engine.optimizer.groups],
         "loss_scaler": _json_state(engine.optimizer.loss_scaler.state_dict(), "loss scaler"),
         "optimizer": {"class": parts[0]["optimizer_class"], "param_groups": param_groups,
-                      "elementwise_state": elementwise, "scalar_state": scalar_state},
+                      "elementwise_state": elementwise, "scalar_state": scalar_state,
+                      "elementwise_by_group": by_group},
         "params": params, "aliases": aliases, "files": files,
         "rng": {str(p["rank"]): p["rng"] for p in parts},
         "client_state": None,

@@ -6,14 +6,14 @@ from typing import Optional
 
 from engine.config.reader import Section, did_you_mean
 from engine.config.schema import (
-    AdamParams, CosineParams, LionParams, OptimizerConfig, SchedulerConfig, SchedulerParams,
+    AdamParams, CosineParams, LionParams, MuonParams, OptimizerConfig, SchedulerConfig, SchedulerParams,
     WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, WSDParams,
 )
 from engine.errors import ConfigError
 
 __all__ = ["parse_optimizer", "parse_scheduler", "OPTIMIZER_TYPES", "SCHEDULER_TYPES"]
 
-OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Lion", "Muon")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "cosine", "WSD")
 
 # Other optimizer types DeepSpeed knows (lower-cased, as DeepSpeed compares them).
@@ -47,6 +47,8 @@ def parse_optimizer(top: Section) -> OptimizerConfig:
                           f"use one of {', '.join(OPTIMIZER_TYPES)}")
     if opt_type == "Lion":
         return OptimizerConfig(type=opt_type, params=_lion_params(s))
+    if opt_type == "Muon":
+        return OptimizerConfig(type=opt_type, params=_muon_params(s))
     return OptimizerConfig(type=opt_type, params=_adam_params(s, opt_type))
 
 
@@ -80,6 +82,48 @@ def _lion_params(opt: Section) -> LionParams:
         lr=p.number("lr", d.lr, min=0.0, min_exclusive=True, auto_hint=_LR_AUTO),
         betas=p.number_pair("betas", d.betas, lo=0.0, hi=1.0),
         weight_decay=p.number("weight_decay", d.weight_decay, min=0.0, auto_hint=_LR_AUTO),
+    )
+
+
+_MUON_KEYS = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "adam_weight_decay", "betas", "eps",
+              "nesterov", "ns_coefficients", "ns_steps", "ns_eps", "adjust_lr_fn", "ns_dtype", "muon_params",
+              "adam_params")
+
+
+def _muon_params(opt: Section) -> MuonParams:
+    p = opt.sub("params", _MUON_KEYS,
+                rejected={"max_grad_norm": _MAX_GRAD_NORM,
+                          "torch_adam": "the AdamW part of Muon is always torch.optim.AdamW's update: remove the key",
+                          "fp32_optimizer_states": "optimizer state is always fp32 here: remove the key"},
+                fixed={"adam_w_mode": (True, "the auxiliary Adam of Muon is AdamW (decoupled weight decay)"),
+                       "ns_method": ("standard", "Newton-Schulz is torch.optim.Muon's quintic iteration "
+                                                 "(DeepSpeed's \"standard\"); its \"gram\" variant is not implemented"),
+                       "per_head_muon": (False, "Muon orthogonalises whole matrices (fused q/k/v and gate/up as "
+                                                "their separate parts), not per attention head")})
+    d = MuonParams()
+    lr = p.number("lr", d.lr, min=0.0, min_exclusive=True, auto_hint=_LR_AUTO)
+    wd = p.number("weight_decay", d.weight_decay, min=0.0, auto_hint=_LR_AUTO)
+    coeffs = p.raw("ns_coefficients", list(d.ns_coefficients))
+    if (not isinstance(coeffs, (list, tuple)) or len(coeffs) != 3
+            or any(isinstance(c, bool) or not isinstance(c, (int, float)) for c in coeffs)):
+        raise p.error("ns_coefficients", f"must be a list of three numbers [a, b, c], got {coeffs!r}")
+    return MuonParams(
+        lr=lr,
+        muon_lr=p.number("muon_lr", lr, min=0.0, min_exclusive=True) if p.has("muon_lr") else None,
+        adam_lr=p.number("adam_lr", lr, min=0.0, min_exclusive=True) if p.has("adam_lr") else None,
+        momentum=p.number("momentum", d.momentum, min=0.0, max=1.0),
+        weight_decay=wd,
+        adam_weight_decay=p.number("adam_weight_decay", wd, min=0.0) if p.has("adam_weight_decay") else None,
+        betas=p.number_pair("betas", d.betas, lo=0.0, hi=1.0),
+        eps=p.number("eps", d.eps, min=0.0, min_exclusive=True, auto_hint=_LR_AUTO),
+        nesterov=p.bool("nesterov", d.nesterov),
+        ns_coefficients=tuple(float(c) for c in coeffs),  # type: ignore[arg-type]
+        ns_steps=p.int("ns_steps", d.ns_steps, min=1, max=99),
+        ns_eps=p.number("ns_eps", d.ns_eps, min=0.0, min_exclusive=True),
+        adjust_lr_fn=p.choice("adjust_lr_fn", ("original", "match_rms_adamw"), d.adjust_lr_fn),
+        ns_dtype=p.choice("ns_dtype", ("bfloat16", "float32"), d.ns_dtype),
+        muon_params=p.str_list("muon_params"),
+        adam_params=p.str_list("adam_params"),
     )
 
 

@@ -15,7 +15,7 @@ from engine.models.config import ModelConfig
 from engine.topology import Topology
 
 __all__ = [
-    "AdamParams", "LionParams", "OptimizerConfig",
+    "AdamParams", "LionParams", "MuonParams", "OptimizerConfig",
     "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "CosineParams", "WSDParams",
     "SchedulerParams", "SchedulerConfig",
     "FP16Config", "BF16Config", "FP8Config", "ZeroConfig", "ActivationCheckpointingConfig",
@@ -60,9 +60,37 @@ class LionParams(_Section):
 
 
 @dataclass(frozen=True)
+class MuonParams(_Section):
+    """``Muon``: torch.optim.Muon for the 2-D hidden matrices, AdamW for the rest
+    (:mod:`engine.optim.muon`). DeepSpeed's keys (``lr``, ``muon_lr``, ``adam_lr``,
+    ``momentum``, ``weight_decay``, ``betas``, ``eps`` for the AdamW part) with its defaults;
+    torch's Newton-Schulz keys (``nesterov``, ``ns_coefficients``, ``ns_steps``, ``ns_eps``
+    = torch's ``eps``, ``adjust_lr_fn``) with torch's; ours: ``ns_dtype``,
+    ``adam_weight_decay`` (default: ``weight_decay``), and name patterns that override the
+    assignment rule (``muon_params`` / ``adam_params``)."""
+
+    lr: float = 1e-3           # both parts, unless muon_lr / adam_lr
+    muon_lr: Optional[float] = None
+    adam_lr: Optional[float] = None
+    momentum: float = 0.95
+    weight_decay: float = 0.0
+    adam_weight_decay: Optional[float] = None
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    nesterov: bool = True
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    ns_steps: int = 5
+    ns_eps: float = 1e-7
+    adjust_lr_fn: str = "original"
+    ns_dtype: str = "bfloat16"
+    muon_params: Optional[tuple[str, ...]] = None
+    adam_params: Optional[tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
 class OptimizerConfig(_Section):
-    type: str  # "Adam" | "AdamW" | "Lion"
-    params: Union[AdamParams, LionParams]
+    type: str  # "Adam" | "AdamW" | "Lion" | "Muon"
+    params: Union[AdamParams, LionParams, MuonParams]
 
 
 # ---------------------------------------------------------------- scheduler

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from engine.config import Config, OptimizerConfig
+from engine.config import Config, MuonParams, OptimizerConfig
 from engine.errors import ConfigError
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler
@@ -54,7 +54,24 @@ def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
         return lambda groups: FusedAdamW(groups, **kw)
     if opt.type == "Lion":
         return lambda groups: Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
-    raise ConfigError(f"optimizer.type {opt.type!r} is not one of Adam, AdamW, Lion")
+    if isinstance(p, MuonParams):
+        return _muon_factory(p)
+    raise ConfigError(f"optimizer.type {opt.type!r} is not one of Adam, AdamW, Lion, Muon")
+
+
+def _muon_factory(p: MuonParams) -> OptimizerFactory:
+    """:class:`engine.optim.Muon` with the config's two parts (DeepSpeed's ``muon_lr`` /
+    ``adam_lr`` override the shared ``lr``; ``adam_weight_decay`` the shared ``weight_decay``)."""
+    from engine.optim.muon import Muon
+
+    adam_wd = p.weight_decay if p.adam_weight_decay is None else p.adam_weight_decay
+    muon_lr = p.lr if p.muon_lr is None else p.muon_lr
+    adam_lr = p.lr if p.adam_lr is None else p.adam_lr
+    return lambda groups: Muon(groups, lr=muon_lr, weight_decay=p.weight_decay, momentum=p.momentum,
+                               nesterov=p.nesterov, ns_coefficients=tuple(p.ns_coefficients), eps=p.ns_eps,
+                               ns_steps=p.ns_steps, adjust_lr_fn=p.adjust_lr_fn, ns_dtype=p.ns_dtype,
+                               adamw_lr=adam_lr, adamw_betas=tuple(p.betas), adamw_eps=p.eps,
+                               adamw_weight_decay=adam_wd)
 
 
 def client_optimizer_factory(client: Any) -> OptimizerFactory:
@@ -95,8 +112,12 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
                            embedding_group: Optional[dist.ProcessGroup] = None,
                            tied_params: Sequence[torch.nn.Parameter] = (),
                            module: Optional[torch.nn.Module] = None) -> ZeroOptimizer:
-    """The ZeRO optimizer of ``cfg.zero.stage`` over ``params`` with its loss scaler and clipping."""
+    """The ZeRO optimizer of ``cfg.zero.stage`` over ``params`` with its loss scaler and clipping.
+    With ``optimizer.type`` Muon, ``params`` are split into Muon and AdamW groups first
+    (:func:`engine.optim.muon_assign.split_muon_groups`, names taken from ``module``)."""
     policy = precision_policy(cfg)
+    if isinstance(cfg.optimizer.params, MuonParams):
+        params = _muon_groups_everywhere(cfg.optimizer.params, params, module)
     f = cfg.fp16
     scaler = build_loss_scaler(policy.compute_dtype, loss_scale=f.loss_scale,
                                initial_scale_power=f.initial_scale_power, loss_scale_window=f.loss_scale_window,
@@ -110,6 +131,27 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=z.stage3_max_live_parameters,
         stage3_param_persistence_threshold=z.stage3_param_persistence_threshold)
+
+
+def _muon_groups_everywhere(p: MuonParams, params: Any, module: Optional[torch.nn.Module]) -> list[dict[str, Any]]:
+    """The Muon / AdamW split, with a bad pattern (which may match parameters of one
+    pipeline stage only) raised on every rank before any rank enters a collective."""
+    from engine.optim.muon_assign import split_muon_groups
+
+    groups, err = None, None
+    try:
+        groups = split_muon_groups(params, module, p.muon_params or (), p.adam_params or ())
+    except ValueError as exc:
+        err = str(exc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+        bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+        if bad:
+            raise ConfigError(f"optimizer.params (Muon) on rank {bad[0][0]}: {bad[0][1]}")
+    if err is not None or groups is None:
+        raise ConfigError(f"optimizer.params (Muon): {err}")
+    return groups
 
 
 def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, Any] = None) -> Any:

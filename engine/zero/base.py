@@ -56,6 +56,7 @@ from engine.precision.mixed import PrecisionPolicy
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
 from engine.zero.init import is_partitioned, param_numel
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
+from engine.zero.shard_view import ShardView, build_shard_view
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "normalize_param_groups"]
 
@@ -149,6 +150,9 @@ class ZeroOptimizer:
             b.pooled = not self.keeps_full_grads
             self._init_bucket(b)
         self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
+        attach = getattr(self.optimizer, "attach_shard_view", None)
+        if callable(attach):  # an inner optimizer that works on whole matrices (Muon) asks for the layout
+            attach(self.shard_view())
         self._register_grad_hooks()
 
     # ------------------------------------------------------------------ construction
@@ -192,6 +196,11 @@ class ZeroOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def shard_view(self) -> ShardView:
+        """Where each parameter's elements lie in this rank's master shards (engine.zero.shard_view)."""
+        return build_shard_view(self.groups, self.shards_optimizer_state, self.dp_group, self.dp_size,
+                                self.dp_rank, self.tp_group)
 
     # ------------------------------------------------------------------ micro-steps
     def set_boundary(self, is_boundary: bool) -> None:
