@@ -105,12 +105,23 @@ class AutoTPLinear(nn.Module):
                 raise ValueError(f"AutoTPLinear mode {mode!r}: must be column, row or kv_replicated")
         self.weight = nn.Parameter(w, requires_grad=weight.requires_grad)
         self.bias = None if b is None else nn.Parameter(b, requires_grad=bias.requires_grad)
-        sharded_w = mode != "kv_replicated"
-        set_tp_attrs(self.weight, sharded=sharded_w, partition_dim=(out_dim if mode == "column" else in_dim))
-        set_layout_attrs(self.weight, self.parts if mode == "column" else None)
+        self._tag()
+
+    def _tag(self) -> None:
+        """The layout tags on the parameters (again after ``to_empty``, which swaps tensors
+        and with them their Python attributes)."""
+        col = self.mode == "column"
+        set_tp_attrs(self.weight, sharded=self.mode != "kv_replicated",
+                     partition_dim=self.out_dim if col else 1 - self.out_dim)
+        set_layout_attrs(self.weight, self.parts if col else None)
         if self.bias is not None:
-            set_tp_attrs(self.bias, sharded=mode == "column", partition_dim=0)
-            set_layout_attrs(self.bias, self.parts if mode == "column" else None)
+            set_tp_attrs(self.bias, sharded=col, partition_dim=0)
+            set_layout_attrs(self.bias, self.parts if col else None)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        self._tag()
+        return out
 
     def _gemm(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
         if not self.transposed:
