@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.format import SafetensorsWriter
 from engine.checkpoint.layout import local_pieces, parameter_names
+from engine.dist.groups import ParallelGroups
 from engine.engine import Engine
 from engine.tensor_parallel.hf_load import LoadReport, SourceArg, full_shape_of, load_sharded_weights
 from engine.tensor_parallel.layers import gather_full_tensor
@@ -39,11 +40,17 @@ def _refuse_zero3(engine: Engine, what: str) -> None:
                          f"ZeRO 0-2, or engine.save_checkpoint + engine.checkpoint.consolidate")
 
 
+def _groups(engine: Engine) -> ParallelGroups:
+    if engine.groups is None:
+        raise RuntimeError("the engine has no process groups (destroyed?): build it with engine.initialize")
+    return engine.groups
+
+
 @torch.no_grad()
 def load_hf_weights(engine: Engine, source: SourceArg, *, strict: bool = True) -> LoadReport:
     """See the module docstring. Returns what this rank read."""
     _refuse_zero3(engine, "load_hf_weights")
-    groups = engine.groups
+    groups = _groups(engine)
     opt = engine.optimizer
     names, _ = parameter_names(engine.module)
     pieces: dict[int, list[Any]] = {}
@@ -68,7 +75,7 @@ def export_hf(engine: Engine, out_dir: str, *, dtype: Optional[torch.dtype] = No
     """See the module docstring. ``dtype``: of the saved tensors (default: the
     parameters'). Returns the safetensors path on rank 0, None elsewhere."""
     _refuse_zero3(engine, "export_hf")
-    groups = engine.groups
+    groups = _groups(engine)
     model = engine.module
     if groups.dp_rank != 0:   # a TP group shares its DP rank: replicas have nothing to add
         dist.barrier()

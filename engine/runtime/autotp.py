@@ -149,12 +149,12 @@ class TPBatchBroadcast:
         n = int(desc[0])
         ok[0] *= int(n == len(slots) and all(int(desc[1 + j * _SLOT]) == int(mine[1 + j * _SLOT])
                                              for j in range(min(n, _MAX_TENSORS))))
-        comm.all_reduce(ok, self.group, op=dist.ReduceOp.MIN)
+        comm.all_reduce(ok, self.group, op=dist.ReduceOp.MIN)  # type: ignore[arg-type]
         if not int(ok[0]):
             raise ValueError(f"AutoTP: the ranks of a tensor-parallel group called the model with different tensor "
                              f"arguments (or more than {_MAX_TENSORS} tensors / {_MAX_DIMS} dims, or an unsupported "
                              f"dtype): every TP rank must call it with the same argument names")
-        args, kwargs = list(args), dict(kwargs)
+        new_args, kwargs = list(args), dict(kwargs)
         for j, (key, t) in enumerate(slots):
             base = 1 + j * _SLOT
             dtype, ndim = _DTYPES[int(desc[base + 1])], int(desc[base + 2])
@@ -163,10 +163,10 @@ class TPBatchBroadcast:
                                                                                  device=self.device)
             comm.broadcast(buf, self.src, self.group)
             if isinstance(key, int):
-                args[key] = buf
+                new_args[key] = buf
             else:
                 kwargs[key] = buf
-        return tuple(args), kwargs
+        return tuple(new_args), kwargs
 
 
 @torch.no_grad()

@@ -104,7 +104,7 @@ class AutoTPLinear(nn.Module):
             else:
                 raise ValueError(f"AutoTPLinear mode {mode!r}: must be column, row or kv_replicated")
         self.weight = nn.Parameter(w, requires_grad=weight.requires_grad)
-        self.bias = None if b is None else nn.Parameter(b, requires_grad=bias.requires_grad)
+        self.bias = None if b is None else nn.Parameter(b, requires_grad=bias is not None and bias.requires_grad)
         self._tag()
 
     def _tag(self) -> None:
@@ -137,6 +137,7 @@ class AutoTPLinear(nn.Module):
         x = copy_to_tp_region(x, g)                               # (B, S, in); backward all-reduces dX
         if self.mode == "column":
             return self._gemm(x, self.weight, self.bias)          # (B, S, out/tp)
+        assert self.rows is not None
         lo, n = self.rows  # kv_replicated: partial weight gradients summed over the TP group
         w = copy_to_tp_region(self.weight, g).narrow(self.out_dim, lo, n)
         b = None if self.bias is None else copy_to_tp_region(self.bias, g).narrow(0, lo, n)
@@ -217,8 +218,10 @@ def _parts(spec: LayerSpec, hc: Optional[HeadCounts], out_features: int, name: s
         parts = [hc.n_heads * hc.head_dim, hc.n_kv * hc.head_dim, hc.n_kv * hc.head_dim]
     elif isinstance(spec.fused, int):
         parts = [out_features // spec.fused] * spec.fused
-    else:
+    elif isinstance(spec.fused, tuple):
         parts = list(spec.fused)
+    else:
+        raise ValueError(f"AutoTP: {name}: unknown fused layout {spec.fused!r}")
     if sum(parts) != out_features:
         raise ValueError(f"AutoTP: {name} has {out_features} output features but its fused parts {parts} add up "
                          f"to {sum(parts)}: fix the layer spec's shape")
@@ -266,20 +269,22 @@ def autotp(model: nn.Module, tp_group: ProcessGroup, specs: Sequence[LayerSpec],
         if getattr(parent, "is_cross_attention", False):
             raise ValueError(f"AutoTP: {parent_name} is a cross-attention module, which is not supported")
         conv = _is_conv1d(m)
-        out_features = m.weight.shape[1 if conv else 0]
+        weight, bias = m.weight, m.bias
+        assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+        out_features = weight.shape[1 if conv else 0]
         mode, rows = ("column" if spec.partition_type == "column" else "row"), None
-        if spec.kv and kv_rep:
+        if spec.kv and kv_rep and hc is not None:
             per_rank_q = hc.n_heads // tp
             kv_head = (tp_rank(tp_group) * per_rank_q) // (hc.n_heads // hc.n_kv)
             mode, rows = "kv_replicated", (kv_head * hc.head_dim, hc.head_dim)
         try:
-            new = AutoTPLinear(mode, m.weight, m.bias, tp_group, transposed=conv,
+            new = AutoTPLinear(mode, weight, bias, tp_group, transposed=conv,
                                parts=_parts(spec, hc, out_features, name), rows=rows)
         except ValueError as exc:
             raise ValueError(f"AutoTP cannot split {name} ({mode}) over {tp} ranks: {exc}") from None
-        result.param_map[id(m.weight)] = new.weight
-        if m.bias is not None:
-            result.param_map[id(m.bias)] = new.bias
+        result.param_map[id(weight)] = new.weight
+        if bias is not None and new.bias is not None:
+            result.param_map[id(bias)] = new.bias
         setattr(parent, child, new)
         result.replaced[name] = mode
         if spec.partition_type == "column" and (spec.kv or spec.fused == "qkv" or re.search(r"q_proj|query", child)):
@@ -287,19 +292,20 @@ def autotp(model: nn.Module, tp_group: ProcessGroup, specs: Sequence[LayerSpec],
     if hc is not None:
         local = _local_counts(hc, tp, kv_rep)
         for pname, mod in parents.items():
-            _rewrite_heads(mod, hc, local, tp)
+            _rewrite_heads(mod, local)
             result.attention.append(pname)
     logger.info("AutoTP over %d ranks: %d layers split (%s), KV %s", tp, len(result.replaced),
                 ", ".join(sorted(set(result.replaced.values()))), "replicated" if kv_rep else "split")
     return result
 
 
-def _rewrite_heads(mod: nn.Module, hc: HeadCounts, local: dict[str, int], tp: int) -> None:
+def _rewrite_heads(mod: nn.Module, local: dict[str, int]) -> None:
     """Set the attention module's head-count attributes (and config view) to local counts."""
     for attr, what in ATTENTION_ATTRS.items():
         if isinstance(getattr(mod, attr, None), int) and not isinstance(getattr(mod, attr), bool):
             setattr(mod, attr, local[what])
     cfg = getattr(mod, "config", None)
     if cfg is not None and isinstance(getattr(cfg, "num_attention_heads", None), int):
-        mod.config = _ConfigView(cfg, num_attention_heads=local["q_heads"], num_key_value_heads=local["kv_heads"])
+        view = _ConfigView(cfg, num_attention_heads=local["q_heads"], num_key_value_heads=local["kv_heads"])
+        setattr(mod, "config", view)  # noqa: B010 - a plain attribute of the module, not a submodule
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -123,7 +123,7 @@ def read_local(src: WeightSource, key: str, param: torch.Tensor, tp_rank: int, t
     """This rank's TP-local value of parameter ``param`` from source tensor ``key``."""
     if not is_tp_sharded(param):
         return src.read(key, None, [])
-    dim = int(tp_partition_dim(param))
+    dim = int(tp_partition_dim(param) or 0)
     parts = getattr(param, "tp_fused_parts", None)
     return src.read(key, dim, local_ranges(full_shape[dim], tp_rank, tp_world, parts))
 
@@ -141,7 +141,7 @@ class LoadReport:
 def full_shape_of(param: torch.Tensor, tp_world: int) -> tuple[int, ...]:
     shape = list(param.shape)
     if is_tp_sharded(param):
-        shape[int(tp_partition_dim(param))] *= tp_world
+        shape[int(tp_partition_dim(param) or 0)] *= tp_world
     return tuple(shape)
 
 
