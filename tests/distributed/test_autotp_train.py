@@ -122,10 +122,10 @@ def _check(results, bf16_cases=()):
         assert [c[1][0] for c in r] == [c[1][0] for c in results[0]]
 
 
-def test_autotp_tp2_dp2_zero12():
+def test_autotp_tp2_dp2_zero123():
     # (family, tp, zero stage, grad accumulation, optimizer, activation checkpointing, bf16)
     cases = [("llama", 2, 1, 1, "config"), ("qwen2", 2, 2, 2, "instance", True), ("gpt2", 2, 2, 1, "config"),
-             ("gpt2", 2, 1, 2, "instance"), ("llama", 2, 2, 1, "config", False, True)]
+             ("gpt2", 2, 1, 2, "instance"), ("llama", 2, 3, 1, "config"), ("llama", 2, 2, 1, "config", False, True)]
     results = run_ranks(_cases_worker, 4, [tuple(c) for c in cases], timeout=300)
     _check(results, bf16_cases=[cases[-1]])
 
