@@ -132,6 +132,6 @@ def test_autotp_tp2_dp2_zero123():
 
 def test_autotp_tp4_dp2_zero12():
     # TP 4 with 2 KV heads: Llama's k/v projections are replicated (one KV head per rank)
-    cases = [("llama", 4, 1, 2, "instance"), ("gpt2", 4, 2, 1, "config", True)]
+    cases = [("llama", 4, 1, 2, "instance"), ("qwen2", 4, 2, 1, "config"), ("gpt2", 4, 2, 1, "config", True)]
     results = run_ranks(_cases_worker, 8, cases, timeout=300)
     _check(results)
