@@ -19,7 +19,8 @@ __all__ = [
     "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "CosineParams", "WSDParams",
     "SchedulerParams", "SchedulerConfig",
     "FP16Config", "BF16Config", "FP8Config", "ZeroConfig", "ActivationCheckpointingConfig",
-    "PipelineConfig", "TensorParallelConfig", "CheckpointConfig", "DataConfig", "Config",
+    "PipelineConfig", "AutoTPLayerSpecConfig", "AutoTPPartitionConfig",
+    "TensorParallelConfig", "CheckpointConfig", "DataConfig", "Config",
 ]
 
 
@@ -250,9 +251,35 @@ class PipelineConfig(_Section):
 
 
 @dataclass(frozen=True)
+class AutoTPLayerSpecConfig(_Section):
+    """One entry of ``tensor_parallel.partition_config.layer_specs`` (DeepSpeed's names)."""
+
+    patterns: tuple[str, ...]
+    partition_type: str = "column"  # "column" | "row" | "skip" (alias "replicate")
+    shape: Optional[tuple[Any, ...]] = None  # fused parts along the output dim: [k, -1] or [[a, b, c], -1]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"patterns": list(self.patterns), "partition_type": self.partition_type}
+        if self.shape is not None:
+            d["shape"] = _jsonable(self.shape)
+        return d
+
+
+@dataclass(frozen=True)
+class AutoTPPartitionConfig(_Section):
+    """``tensor_parallel.partition_config``: AutoTP layer rules for Hugging Face models
+    (docs/autotp.md). User specs are matched before the family's built-in ones."""
+
+    use_default_specs: bool = True
+    layer_specs: tuple[AutoTPLayerSpecConfig, ...] = ()
+
+
+@dataclass(frozen=True)
 class TensorParallelConfig(_Section):
     autotp_size: int = 1  # the TP degree
     sequence_parallel: bool = False
+    partition_config: AutoTPPartitionConfig = AutoTPPartitionConfig()
+    preset_model: Optional[str] = None  # AutoTP rule family; None: from the model's config.model_type
 
 
 @dataclass(frozen=True)

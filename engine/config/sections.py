@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from engine.config.reader import Section
 from engine.config.schema import (
-    ActivationCheckpointingConfig, BF16Config, CheckpointConfig, DataConfig, FP8Config, FP16Config,
+    ActivationCheckpointingConfig, AutoTPLayerSpecConfig, AutoTPPartitionConfig,
+    BF16Config, CheckpointConfig, DataConfig, FP8Config, FP16Config,
     PipelineConfig, TensorParallelConfig, ZeroConfig,
 )
 from engine.errors import ConfigError
@@ -211,20 +212,44 @@ def parse_pipeline(top: Section) -> PipelineConfig:
 _AUTOTP_REJECTED = {
     k: "it configures DeepSpeed's AutoTP injection into Hugging Face models; this engine's model is "
        "built tensor-parallel, so only autotp_size and sequence_parallel apply"
-    for k in ("tp", "tensor_parallel", "dtype", "injection_policy_tuple", "partition_config", "preset_model",
-              "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject", "vocab_parallel_lm_head",
-              "vocab_parallel_ce_backend")
+    for k in ("tp", "tensor_parallel", "dtype", "injection_policy_tuple",
+              "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject", "vocab_parallel_ce_backend")
 }
 
 
 def parse_tensor_parallel(top: Section) -> TensorParallelConfig:
     s = top.sub("tensor_parallel", _names(TensorParallelConfig), rejected=_AUTOTP_REJECTED, fixed={
         "tp_overlap_comm": (False, "overlapping TP all-reduces with compute is not implemented"),
+        "vocab_parallel_lm_head": (False, "AutoTP keeps the embedding and LM head replicated (docs/autotp.md)"),
     })
     size = s.int("autotp_size", 1, min=0, auto_hint=" (the TP degree is a choice, not derivable)")
     # DeepSpeed: autotp_size 0 means "AutoTP disabled", i.e. TP degree 1.
     return TensorParallelConfig(autotp_size=max(size, 1),
-                                sequence_parallel=s.bool("sequence_parallel", False))
+                                sequence_parallel=s.bool("sequence_parallel", False),
+                                partition_config=_parse_partition_config(s),
+                                preset_model=s.optional_str("preset_model"))
+
+
+def _parse_partition_config(tp: Section) -> AutoTPPartitionConfig:
+    """``tensor_parallel.partition_config`` (DeepSpeed's AutoTP rules), validated here so a
+    bad regex or partition type is a ConfigError at load time."""
+    from engine.tensor_parallel.auto_rules import parse_layer_specs
+
+    s = tp.sub("partition_config", _names(AutoTPPartitionConfig))
+    raw = s.raw("layer_specs", [])
+    if not isinstance(raw, list):
+        raise s.error("layer_specs", "must be a list of {patterns, partition_type[, shape]} objects")
+    try:
+        parsed = parse_layer_specs(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+    def _tup(x: Any) -> Any:
+        return tuple(_tup(v) for v in x) if isinstance(x, list) else x
+
+    specs = tuple(AutoTPLayerSpecConfig(p.patterns, p.partition_type, _tup(r.get("shape")))
+                  for p, r in zip(parsed, raw))
+    return AutoTPPartitionConfig(use_default_specs=s.bool("use_default_specs", True), layer_specs=specs)
 
 
 # ----------------------------------------------------------- checkpoint/data

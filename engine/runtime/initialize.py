@@ -153,6 +153,11 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
         engine = _module_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
                                 dist_env, loss_fn)
+    elif isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
+        from engine.runtime.autotp import build_autotp_engine  # AutoTP: a model we did not write
+
+        engine = build_autotp_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
+                                     dist_env, loss_fn)
     else:
         if optimizer is not None or model_parameters is not None:
             raise ValueError("with tensor or pipeline parallelism (or model=None) the engine builds the "

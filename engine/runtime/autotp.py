@@ -1,0 +1,217 @@
+"""The engine around a model we did not write, with AutoTP (``tensor_parallel.autotp_size``
+> 1 and an ``nn.Module`` that is not the reference GPT), as DeepSpeed users call it::
+
+    engine, opt, _, _ = engine.initialize(model=hf_model, model_parameters=hf_model.parameters(),
+                                          config=cfg)   # or optimizer=AdamW(hf_model.parameters())
+
+Steps (:func:`build_autotp_engine`):
+
+1. TP ranks start from TP rank 0's weights (the whole model is broadcast over the TP group,
+   parameter by parameter; skipped for a meta-device model, whose weights are loaded later
+   with :func:`engine.checkpoint.hf.load_hf_weights`);
+2. :func:`engine.tensor_parallel.auto.autotp` swaps the projections for their shards;
+3. the model goes to the engine's device and dtype; DP replicas start from DP rank 0's;
+4. the optimizer: the config's, or the client's (an instance built over the *unsharded*
+   parameters, or a callable), over the sharded parameters. An instance's param groups
+   and per-group hyperparameters are kept: each original parameter is replaced by its
+   shard (:func:`map_param_groups`);
+5. the TP data path: a forward pre-hook on the model broadcasts every tensor argument of
+   the forward (``input_ids``, ``labels``, masks) from TP rank 0 over the TP group, on the
+   engine's device, so every rank of a TP group computes on the same micro-batch whatever
+   its data loader gave it (:class:`TPBatchBroadcast`). ``training_data`` given to
+   ``initialize`` is already read per DP rank, so the broadcast then changes nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import zlib
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from engine.config import Config
+from engine.dist import comm
+from engine.dist.groups import ParallelGroups
+from engine.engine import Engine, LossFn
+from engine.errors import ConfigError
+from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
+                                  optimizer_factory, precision_policy)
+from engine.tensor_parallel.auto import autotp
+from engine.tensor_parallel.auto_rules import LayerSpec, parse_layer_specs, specs_for
+
+__all__ = ["build_autotp_engine", "map_param_groups", "layer_specs_of", "TPBatchBroadcast"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = [torch.int64, torch.int32, torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.uint8,
+           torch.int8, torch.float64, torch.int16]
+_MAX_TENSORS, _MAX_DIMS = 16, 6
+_SLOT = 3 + _MAX_DIMS  # key hash, dtype code, ndim, dims
+
+
+def layer_specs_of(cfg: Config, model: nn.Module) -> tuple[LayerSpec, ...]:
+    """The AutoTP specs of the config's ``tensor_parallel`` section for ``model``."""
+    t = cfg.tensor_parallel
+    user = parse_layer_specs([s.to_dict() for s in t.partition_config.layer_specs])
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        return specs_for(model_type, t.preset_model, user, t.partition_config.use_default_specs)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def map_param_groups(params: Any, param_map: dict[int, nn.Parameter], model: nn.Module) -> Any:
+    """Parameters (or torch-style group dicts) of the unsharded model -> the same over the
+    sharded one: each replaced parameter becomes its shard, group options are kept."""
+    live = {id(p) for p in model.parameters()}
+
+    def one(p: Any) -> nn.Parameter:
+        q = param_map.get(id(p), p)
+        if id(q) not in live:
+            raise ValueError("a parameter given to engine.initialize (model_parameters or the optimizer's param "
+                             "groups) is not a parameter of the model: build them from model.parameters()")
+        return q
+
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": [one(p) for p in (g["params"] if isinstance(g["params"], (list, tuple))
+                                                   else [g["params"]])]} for g in items]
+    return [one(p) for p in items]
+
+
+def _optimizer_inputs(cfg: Config, model: nn.Module, client: Any, model_parameters: Optional[list[Any]],
+                      param_map: dict[int, nn.Parameter]) -> tuple[Any, Any]:
+    """``(params or groups, factory)`` for build_engine_optimizer, as _module_engine does it
+    for TP = 1, with every original parameter mapped onto its shard."""
+    factory = optimizer_factory(cfg.optimizer) if client is None else _client_factory(client)
+    if model_parameters is not None:
+        return map_param_groups(model_parameters, param_map, model), factory
+    if isinstance(client, torch.optim.Optimizer):
+        return map_param_groups([dict(g) for g in client.param_groups], param_map, model), factory
+    return model, factory
+
+
+def _client_factory(client: Any) -> Any:
+    """A client optimizer instance re-created over the master shards with the constructor
+    arguments its class accepts (torch's ``defaults`` carry keys such as AdamW's
+    ``decoupled_weight_decay`` that its ``__init__`` refuses; per-group values travel in the
+    param groups). Callables go to :func:`client_optimizer_factory` unchanged."""
+    if not isinstance(client, torch.optim.Optimizer):
+        return client_optimizer_factory(client)
+    if any(len(s) for s in client.state.values()):
+        raise ValueError("the optimizer passed to engine.initialize already has state (it has stepped): pass a "
+                         "fresh optimizer, a callable params -> optimizer, or none (the config's)")
+    cls = type(client)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in client.defaults.items() if k in accepted}
+    return lambda groups: cls(groups, **kwargs)
+
+
+class TPBatchBroadcast:
+    """Forward pre-hook: every tensor argument of the forward comes from TP rank 0.
+
+    One fixed-size descriptor broadcast (key, dtype, shape of each tensor argument), one
+    all-reduce that checks the ranks passed the same argument structure (so a mismatch is
+    an error on every rank, not a hang), then one broadcast per tensor. Tensors are moved
+    to ``device`` first (NCCL needs them there)."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device) -> None:
+        self.group, self.src, self.device = group, src, device
+        self.is_src = dist.get_rank() == src
+
+    @staticmethod
+    def _slots(args: tuple, kwargs: dict) -> list[tuple[Any, torch.Tensor]]:
+        out: list[tuple[Any, torch.Tensor]] = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        out += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        return out
+
+    def _describe(self, slots: list[tuple[Any, torch.Tensor]]) -> torch.Tensor:
+        d = torch.zeros(1 + _MAX_TENSORS * _SLOT, dtype=torch.int64)
+        d[0] = len(slots)
+        for j, (key, t) in enumerate(slots[:_MAX_TENSORS]):
+            row = [zlib.crc32(str(key).encode()), _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1, t.dim()]
+            d[1 + j * _SLOT:1 + j * _SLOT + 3] = torch.tensor(row)
+            d[1 + j * _SLOT + 3:1 + j * _SLOT + 3 + t.dim()] = torch.tensor(t.shape[:_MAX_DIMS], dtype=torch.int64)
+        return d
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        slots = self._slots(args, kwargs)
+        mine = self._describe(slots).to(self.device)
+        desc = mine.clone()
+        comm.broadcast(desc, self.src, self.group)
+        # same keys in the same order on every rank (shapes may differ: rank 0's win)
+        ok = torch.tensor([int(len(slots) <= _MAX_TENSORS and all(t.dtype in _DTYPES and t.dim() <= _MAX_DIMS
+                                                                  for _, t in slots))], device=self.device)
+        n = int(desc[0])
+        ok[0] *= int(n == len(slots) and all(int(desc[1 + j * _SLOT]) == int(mine[1 + j * _SLOT])
+                                             for j in range(min(n, _MAX_TENSORS))))
+        comm.all_reduce(ok, self.group, op=dist.ReduceOp.MIN)  # type: ignore[arg-type]
+        if not int(ok[0]):
+            raise ValueError(f"AutoTP: the ranks of a tensor-parallel group called the model with different tensor "
+                             f"arguments (or more than {_MAX_TENSORS} tensors / {_MAX_DIMS} dims, or an unsupported "
+                             f"dtype): every TP rank must call it with the same argument names")
+        new_args, kwargs = list(args), dict(kwargs)
+        for j, (key, t) in enumerate(slots):
+            base = 1 + j * _SLOT
+            dtype, ndim = _DTYPES[int(desc[base + 1])], int(desc[base + 2])
+            shape = [int(x) for x in desc[base + 3:base + 3 + ndim]]
+            buf = t.to(self.device).contiguous() if self.is_src else torch.empty(shape, dtype=dtype,
+                                                                                 device=self.device)
+            comm.broadcast(buf, self.src, self.group)
+            if isinstance(key, int):
+                new_args[key] = buf
+            else:
+                kwargs[key] = buf
+        return tuple(new_args), kwargs
+
+
+@torch.no_grad()
+def _broadcast_module(module: nn.Module, src: int, group: dist.ProcessGroup) -> None:
+    for t in list(module.parameters()) + list(module.buffers()):
+        comm.broadcast(t.data, src, group)
+
+
+def build_autotp_engine(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Optional[Iterable[Any]],
+                        client_sched: Any, groups: ParallelGroups, device: torch.device, dist_env: Any,
+                        loss_fn: Optional[LossFn]) -> Engine:
+    """See the module docstring."""
+    if cfg.pp > 1:
+        raise ConfigError("AutoTP (a Hugging Face or other user model with tensor_parallel.autotp_size > 1) does "
+                          "not compose with pipeline.stages > 1: use pipeline.stages 1, or the reference GPT")
+    if cfg.tensor_parallel.sequence_parallel:
+        raise ConfigError("tensor_parallel.sequence_parallel is implemented for the reference GPT only, not for "
+                          "AutoTP models: set it to false")
+    if cfg.fp8.enabled:
+        raise ConfigError("fp8.enabled is implemented for the reference GPT only, not for AutoTP models")
+    specs = layer_specs_of(cfg, model)
+    params_in = None if model_parameters is None else list(model_parameters)
+    meta = any(p.is_meta for p in model.parameters())
+    tp_src = groups.tp_ranks[0]
+    if not meta:
+        model.to(device=device)
+        _broadcast_module(model, tp_src, groups.tp_group)   # TP ranks slice the same weights
+    result = autotp(model, groups.tp_group, specs)
+    if meta:
+        # weights come later (engine.checkpoint.hf.load_hf_weights); buffers computed in
+        # __init__ (rotary inv_freq) are recomputed by the model's own initialiser
+        model.to_empty(device=device)
+        init = getattr(model, "initialize_weights", None)
+        if callable(init):
+            init()
+    dtype = precision_policy(cfg).compute_dtype
+    if dtype != torch.float32:
+        model.to(dtype=dtype)
+    if groups.dp_size > 1:
+        _broadcast_module(model, groups.dp_ranks[0], groups.dp_group)
+    params, factory = _optimizer_inputs(cfg, model, client_opt, params_in, result.param_map)
+    opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, tp_group=groups.tp_group,
+                                 module=model)
+    sched = build_scheduler(cfg, opt, client_sched)
+    model.register_forward_pre_hook(TPBatchBroadcast(groups.tp_group, tp_src, device), with_kwargs=True)
+    logger.info("AutoTP: %d layers split over %d ranks", len(result.replaced), cfg.tp)
+    return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
+                  dist_env=dist_env)
