@@ -252,7 +252,7 @@ class Config:
     gradient_accumulation_steps: int
     topology: Topology
     model: Optional[ModelConfig]  # None: no "model" section (the caller passes its own module)
-    optimizer: OptimizerConfig
+    optimizer: Optional[OptimizerConfig]  # None: no "optimizer" section (a client optimizer)
     scheduler: Optional[SchedulerConfig]
     data: DataConfig = DataConfig()
     fp16: FP16Config = FP16Config()
@@ -299,8 +299,9 @@ class Config:
             "wall_clock_breakdown": self.wall_clock_breakdown,
             "seed": self.seed,
             "gradient_clipping": self.gradient_clipping,
-            "optimizer": self.optimizer.to_dict(),
         }
+        if self.optimizer is not None:
+            d["optimizer"] = self.optimizer.to_dict()
         if self.scheduler is not None:
             d["scheduler"] = self.scheduler.to_dict()
         d.update({

@@ -26,6 +26,8 @@ from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
+from engine.runtime.client import (agree_on_error, check_client_objects, mpu_mismatch, param_groups_from_client,
+                                   resolve_client_optimizer)
 from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
                                   optimizer_factory, precision_policy)
@@ -95,17 +97,19 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
                loss_fn: Optional[LossFn] = None, timeout_s: float = 1800.0) -> tuple[Engine, Any, Any, Any]:
     """Build the engine. Returns ``(engine, optimizer, dataloader, lr_scheduler)`` as DeepSpeed.
 
-    DeepSpeed's arguments keep their meaning; ``mpu`` is refused (the engine builds its own
-    groups from the config) and ``distributed_port`` is ignored (the launcher gives the port).
+    DeepSpeed's arguments keep their meaning. ``optimizer``: a ``torch.optim.Optimizer`` or a
+    callable ``params -> Optimizer`` when the config has no optimizer section (its param
+    groups and hyperparameters are kept at every ZeRO stage); ``lr_scheduler``: a scheduler
+    (built on that optimizer) or a callable ``optimizer -> scheduler`` when the config has
+    no scheduler section. ``mpu`` (Megatron's ``get_{data,model,pipe}_parallel_*``) is
+    checked against the layout the config gives and refused naming the first mismatch;
+    ``distributed_port`` is ignored (the launcher gives the port).
     ``config``: a JSON path, a dict or a loaded :class:`~engine.config.Config`.
     ``dist_env``: the :class:`~engine.dist.env.DistEnv` of an initialised run; without it and
     without an initialised default group, :func:`engine.dist.env.init_distributed` is called.
     ``loss_fn(output, targets)``: the loss of a layer-list model (default: cross-entropy of
     the last layer's logits); ``timeout_s``: collective timeout when initialising here.
     """
-    if mpu is not None:
-        raise ValueError("mpu is not supported: the engine builds its tensor/pipeline/data groups from the "
-                         "config (tensor_parallel.autotp_size, pipeline.stages)")
     source = _config_source(args, config, config_params)
     if not dist.is_initialized():
         if dist_init_required is False:
@@ -117,7 +121,10 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
     if cfg.world_size != world:
         raise ConfigError(f"the config was resolved for {cfg.world_size} ranks but the job has {world}")
+    check_client_objects(cfg, optimizer, lr_scheduler)
     device = dist_env.device if dist_env is not None else _device_of_default_group()
+    if mpu is not None:
+        agree_on_error(mpu_mismatch(mpu, cfg.topology, dist.get_rank()), device)
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
     if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
@@ -146,12 +153,16 @@ def _module_engine(cfg: Config, model: nn.Module, client_opt: Any, model_paramet
     if dtype != torch.float32:
         model.to(dtype=dtype)  # as DeepSpeed's module.half() / .bfloat16(); masters stay fp32
     _broadcast_from_first_replica(model, groups)
-    factory = optimizer_factory(cfg.optimizer) if client_opt is None else client_optimizer_factory(client_opt)
-    params: Any = model if model_parameters is None else list(model_parameters)
-    if model_parameters is None and isinstance(client_opt, torch.optim.Optimizer):
-        params = [dict(g) for g in client_opt.param_groups]  # the client's groups and their options
+    # model_parameters: parameters or torch-style group dicts (DeepSpeed takes both)
+    given = list(model.parameters() if model_parameters is None else model_parameters)
+    client = None if client_opt is None else resolve_client_optimizer(client_opt, given)
+    if client is None:
+        factory, params = optimizer_factory(cfg.optimizer), given
+    else:  # the client's class and groups, re-created over the master shards
+        flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
+        factory, params = client_optimizer_factory(client), param_groups_from_client(client, flat)
     opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, module=model)
-    sched = build_scheduler(cfg, opt, client_sched)
+    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
     return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
                   dist_env=dist_env)
 

@@ -31,7 +31,7 @@ __all__ = ["optimizer_factory", "client_optimizer_factory", "build_engine_optimi
 logger = logging.getLogger(__name__)
 
 
-def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
+def optimizer_factory(opt: Optional[OptimizerConfig]) -> OptimizerFactory:
     """The inner optimizer the config names, as a factory over param groups.
 
     ``Adam``/``AdamW`` with ``adam_w_mode`` (the default): :class:`engine.optim.FusedAdamW`
@@ -39,6 +39,9 @@ def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
     ``torch.optim.AdamW`` (multi-tensor) with ``torch_adam``; ``adam_w_mode: false``: ``torch.optim.Adam``
     (L2 weight decay added to the gradient). ``Lion``: :class:`Lion`.
     """
+    if opt is None:
+        raise ConfigError("no optimizer: add an optimizer section to the config ({\"type\": \"AdamW\", \"params\": "
+                          "{\"lr\": ...}}) or pass optimizer= to initialize")
     p = opt.params
     if opt.type in ("Adam", "AdamW"):
         kw = dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
@@ -112,16 +115,28 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
         stage3_param_persistence_threshold=z.stage3_param_persistence_threshold)
 
 
-def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, Any] = None) -> Any:
+def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, Any] = None,
+                    client_optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
     """The LR schedule: the client's (an object with ``step()``, or a callable
     ``optimizer -> scheduler`` called with the inner torch optimizer, as DeepSpeed allows),
-    else the config's ``scheduler`` section, else None (constant lr)."""
+    else the config's ``scheduler`` section, else None (constant lr).
+
+    A scheduler instance built on ``client_optimizer`` (the object the script passed, which
+    the engine re-created over its master shards) keeps driving that object; its group
+    options are copied onto the inner optimizer's groups after every step."""
     if client is not None:
         if hasattr(client, "step"):
-            if getattr(client, "optimizer", optimizer.optimizer) is not optimizer.optimizer:
+            bound = getattr(client, "optimizer", optimizer.optimizer)
+            if client_optimizer is not None and bound is client_optimizer:
+                from engine.runtime.client import ClientLRScheduler
+
+                return ClientLRScheduler(client, client_optimizer, optimizer.optimizer,
+                                         [g.key.param_group for g in optimizer.groups])
+            if bound is not optimizer.optimizer:
                 raise ValueError("the lr_scheduler was built on an optimizer the engine does not step (the engine "
-                                 "re-creates the optimizer over its fp32 master shards): pass a callable "
-                                 "optimizer -> scheduler, or use the config's scheduler section")
+                                 "re-creates the optimizer over its fp32 master shards): build it on the optimizer "
+                                 "you pass to initialize, pass a callable optimizer -> scheduler, or use the "
+                                 "config's scheduler section")
             return client
         if callable(client):
             return client(optimizer.optimizer)
