@@ -64,7 +64,7 @@ class Engine(nn.Module):
     def __init__(self, config: Config, module: nn.Module, optimizer: ZeroOptimizer, *,
                  device: torch.device, groups: Optional[ParallelGroups] = None, lr_scheduler: Any = None,
                  pipeline: Any = None, loss_fn: Optional[LossFn] = None, dist_env: Any = None,
-                 training_dataloader: Optional[Iterable[Any]] = None) -> None:
+                 training_dataloader: Optional[Iterable[Any]] = None, monitor: Any = None) -> None:
         super().__init__()
         self.config = config
         self.module = module
@@ -76,6 +76,8 @@ class Engine(nn.Module):
         self.dist_env = dist_env
         self.device = device
         self.training_dataloader = training_dataloader
+        self.monitor = monitor  # engine.monitor.Monitor (rank 0 writes) or None
+        self._step_losses: list[torch.Tensor] = []
         self._data_iter: Optional[Iterator[Any]] = None
         self.global_steps = 0
         self.global_samples = 0
@@ -181,6 +183,8 @@ class Engine(nn.Module):
         self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
         with self.timers.phase("backward"):
             self.optimizer.backward(loss / ga if ga > 1 else loss, retain_graph=retain_graph)
+        if self.monitor is not None:
+            self._step_losses.append(loss.detach())
         return loss
 
     def step(self) -> None:
@@ -189,6 +193,9 @@ class Engine(nn.Module):
         self._require_no_pipeline("step")
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
+            if self.monitor is not None:
+                losses, self._step_losses = self._step_losses, []
+                self._write_monitor(torch.stack(losses).float().mean() if losses else None)
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -209,6 +216,18 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._report_timers()
+
+    def _write_monitor(self, loss: Optional[torch.Tensor]) -> None:
+        """DeepSpeed's per-step scalars (engine.monitor), at ``global_samples``."""
+        from engine.monitor import LOSS_SCALE, LR, TRAIN_LOSS
+
+        if not self.monitor.enabled:  # not the writing rank: no device sync for .item()
+            return
+        events = [] if loss is None else [(TRAIN_LOSS, float(loss), self.global_samples)]
+        events.append((LR, self.get_lr()[0], self.global_samples))
+        if self.config.fp16.enabled:
+            events.append((LOSS_SCALE, self.get_loss_scale(), self.global_samples))
+        self.monitor.write_events(events)
 
     def _report_timers(self) -> None:
         if not self.timers.enabled:
@@ -274,7 +293,10 @@ class Engine(nn.Module):
                 losses.append(loss.detach())
                 self.micro_steps += 1
         self._optimizer_step()
-        return self._aggregate_loss(losses)
+        loss = self._aggregate_loss(losses)
+        if self.monitor is not None:
+            self._write_monitor(loss)
+        return loss
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: Optional[int] = None) -> torch.Tensor:
@@ -291,7 +313,12 @@ class Engine(nn.Module):
                 losses = [self._micro_loss(mb).detach() for mb in mbs]
         finally:
             self.module.train(was_training)
-        return self._aggregate_loss(losses)
+        loss = self._aggregate_loss(losses)
+        if self.monitor is not None:
+            from engine.monitor import EVAL_LOSS
+
+            self.monitor.write_events([(EVAL_LOSS, float(loss), self.global_samples)])
+        return loss
 
     def _aggregate_loss(self, losses: Optional[list[torch.Tensor]]) -> torch.Tensor:
         """Mean over micro-batches (on the last stage), averaged over DP, then sent to every

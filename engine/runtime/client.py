@@ -13,6 +13,7 @@ a scheduler built on the client's optimizer keeps stepping that object and
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
@@ -117,7 +118,11 @@ class ClientLRScheduler:
                     g[k] = v
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        self.scheduler.step(*args, **kwargs)
+        with warnings.catch_warnings():
+            # the client's optimizer object never steps (the engine's clone does): torch's
+            # "lr_scheduler.step() before optimizer.step()" warning does not apply
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step(*args, **kwargs)
         self.sync()
 
     def state_dict(self) -> dict[str, Any]:
@@ -166,7 +171,10 @@ def mpu_mismatch(mpu: Any, topology: Topology, rank: int) -> Optional[str]:
         fn = getattr(mpu, f"get_{name}_parallel_group", None)
         if fn is not None:
             group = fn()
-            got = sorted(dist.get_process_group_ranks(group)) if group is not None else None
+            try:
+                got: Optional[list[int]] = sorted(dist.get_process_group_ranks(group))
+            except (RuntimeError, ValueError, AttributeError, KeyError):
+                got = None  # not a group this rank belongs to
             want_ranks = sorted(topology.ranks_along(axis, rank))
             if got != want_ranks:
                 return (f"mpu.get_{name}_parallel_group() holds ranks {got} but the engine's {axis.value} group "

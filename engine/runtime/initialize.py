@@ -26,6 +26,7 @@ from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
+from engine.monitor import Monitor, build_monitor
 from engine.runtime.client import (agree_on_error, check_client_objects, mpu_mismatch, param_groups_from_client,
                                    resolve_client_optimizer)
 from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
@@ -44,7 +45,8 @@ def _config_source(args: Any, config: ConfigArg, config_params: ConfigArg) -> Un
     given = [c for c in (config, config_params) if c is not None]
     from_args = None
     if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
+        from_args = (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+                     or getattr(args, "config", None))
     if from_args is not None:
         given.append(from_args)
     if not given:
@@ -125,17 +127,18 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     device = dist_env.device if dist_env is not None else _device_of_default_group()
     if mpu is not None:
         agree_on_error(mpu_mismatch(mpu, cfg.topology, dist.get_rank()), device)
+    monitor = build_monitor(cfg.monitor, is_writer=dist.get_rank() == 0)  # checks the packages on every rank
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
     if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
         engine = _module_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
-                                dist_env, loss_fn)
+                                dist_env, loss_fn, monitor)
     else:
         if optimizer is not None or model_parameters is not None:
             raise ValueError("with tensor or pipeline parallelism (or model=None) the engine builds the "
                              "optimizer from the config over its own parameter shards: pass optimizer=None "
                              "and model_parameters=None")
-        engine = _parallel_engine(cfg, model, lr_scheduler, groups, device, dist_env, loss_fn)
+        engine = _parallel_engine(cfg, model, lr_scheduler, groups, device, dist_env, loss_fn, monitor)
     if training_data is not None:
         engine.training_dataloader = _dataloader(training_data, cfg, groups, collate_fn)
     logger.info("engine: %s, ZeRO-%d, %s, %s", cfg.topology, cfg.zero.stage, cfg.precision,
@@ -144,7 +147,8 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
 
 
 def _module_engine(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Any, client_sched: Any,
-                   groups: ParallelGroups, device: torch.device, dist_env: Any, loss_fn: Optional[LossFn]) -> Engine:
+                   groups: ParallelGroups, device: torch.device, dist_env: Any, loss_fn: Optional[LossFn],
+                   monitor: Optional[Monitor] = None) -> Engine:
     """DP (ZeRO 0-3) around any module."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module (or a list of layers), got {type(model).__name__}")
@@ -164,11 +168,11 @@ def _module_engine(cfg: Config, model: nn.Module, client_opt: Any, model_paramet
     opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, module=model)
     sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
     return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
-                  dist_env=dist_env)
+                  dist_env=dist_env, monitor=monitor)
 
 
 def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: ParallelGroups, device: torch.device,
-                     dist_env: Any, loss_fn: Optional[LossFn]) -> Engine:
+                     dist_env: Any, loss_fn: Optional[LossFn], monitor: Optional[Monitor] = None) -> Engine:
     """The reference model (or a layer list) over DP x TP x PP."""
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group if cfg.tp > 1 else None
@@ -230,7 +234,7 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
     sched = build_scheduler(cfg, opt, client_sched)
     engine_loss = None if (cfg.pp > 1 or isinstance(module, ReferenceModel)) else loss
     engine = Engine(cfg, module, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
-                    loss_fn=engine_loss, dist_env=dist_env)
+                    loss_fn=engine_loss, dist_env=dist_env, monitor=monitor)
     if reference:
         engine.reference_chunks = list(chunks)  # for gather_reference_model (sampling, export)
     return engine

@@ -10,7 +10,9 @@ an instance or a callable) is turned into such a factory.
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections import defaultdict
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -63,23 +65,26 @@ def optimizer_factory(opt: Optional[OptimizerConfig]) -> OptimizerFactory:
 def client_optimizer_factory(client: Any) -> OptimizerFactory:
     """DeepSpeed's ``optimizer=`` argument as a factory.
 
-    A callable (``params -> Optimizer``, DeepSpeed's ``Callable[[Parameters], Optimizer]``)
-    is used as it is. A ``torch.optim.Optimizer`` instance is re-created with its class and
-    constructor defaults over the fp32 master shards (the engine owns the step); it must
-    not have taken a step yet, since its state would not match the shards.
+    A ``torch.optim.Optimizer`` instance is cloned (a shallow copy of the object, so its
+    class, defaults and any attribute its constructor set are kept) with fresh state and
+    the given groups (the master shards; each group dict carries the client group's
+    options, :func:`engine.runtime.client.param_groups_from_client`). The client's object
+    itself is left as it was (a scheduler built on it keeps working through
+    :class:`engine.runtime.client.ClientLRScheduler`). It must not have stepped yet: its
+    state would not match the shards. A callable (``params -> Optimizer``) is used as it is.
     """
     if isinstance(client, torch.optim.Optimizer):
         if any(len(s) for s in client.state.values()):
             raise ValueError("the optimizer passed to engine.initialize already has state (it has stepped): "
                              "pass a fresh optimizer, a callable params -> optimizer, or none (the config's)")
-        cls, defaults = type(client), dict(client.defaults)
 
         def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            try:
-                return cls(groups, **defaults)
-            except TypeError as exc:
-                raise ValueError(f"cannot re-create {cls.__name__} over the ZeRO master shards from its "
-                                 f"defaults ({exc}); pass a callable params -> optimizer instead") from exc
+            opt = copy.copy(client)
+            opt.state = defaultdict(dict)
+            opt.param_groups = []
+            for g in groups:
+                opt.add_param_group(g)  # options the group lacks come from the client's defaults
+            return opt
         return make
     if callable(client):
         return client
