@@ -13,19 +13,17 @@ and the rest of the script stays as it is:
   that package provides them);
 - ``pipe``: :mod:`engine.pipe` (``PipelineModule``, ``LayerSpec``, ``TiedLayerSpec``);
 - ``comm``: :mod:`engine.compat.comm` (the collectives DeepSpeed scripts call as ``deepspeed.comm``);
-- ``checkpoint``: ``zero_to_fp32``'s functions under DeepSpeed's module path
-  (``deepspeed.checkpoint.utils`` is not provided; see :mod:`engine.compat.zero_to_fp32`).
 
 Names DeepSpeed has and this module lacks are features the engine does not have.
 """
 
 from __future__ import annotations
 
-from engine import zero
+from engine import pipe, zero
 from engine.compat import comm
 from engine.compat.api import add_config_arguments, init_distributed
 from engine.runtime.initialize import initialize
 
 __version__ = "0.19.8+engine"  # the DeepSpeed release whose API this mirrors
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "comm", "__version__"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "pipe", "comm", "__version__"]

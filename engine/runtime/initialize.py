@@ -27,6 +27,8 @@ from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
 from engine.monitor import Monitor, build_monitor
+from engine.pipe.build import build_pipeline_engine, pipeline_config
+from engine.pipe.module import PipelineModule
 from engine.runtime.client import (agree_on_error, check_client_objects, mpu_mismatch, param_groups_from_client,
                                    resolve_client_optimizer)
 from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
@@ -120,7 +122,10 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
 
         dist_env = init_distributed(timeout_s=timeout_s)
     world = dist.get_world_size()
-    cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
+    if isinstance(model, PipelineModule):  # DeepSpeed's pipeline API: the module gives the depth
+        cfg = pipeline_config(source, model, world)
+    else:
+        cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
     if cfg.world_size != world:
         raise ConfigError(f"the config was resolved for {cfg.world_size} ranks but the job has {world}")
     check_client_objects(cfg, optimizer, lr_scheduler)
@@ -130,7 +135,10 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     monitor = build_monitor(cfg.monitor, is_writer=dist.get_rank() == 0)  # checks the packages on every rank
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
-    if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
+    if isinstance(model, PipelineModule):
+        engine = build_pipeline_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
+                                       dist_env, monitor)
+    elif model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
         engine = _module_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
                                 dist_env, loss_fn, monitor)
     else:

@@ -83,7 +83,7 @@ def run_stage(args, stage, rank):
     _, client_state = model_engine.load_checkpoint(ckpt, tag="mid")
     again, again_lrs = train_steps(model_engine, range(SAVE_AT, STEPS), rank)
     return {"losses": losses + after, "lrs": lrs + after_lrs, "resumed_losses": again, "resumed_lrs": again_lrs,
-            "client_state": client_state, "scheduler_lr": lr_scheduler.get_last_lr()[0]}
+            "client_stage": client_state["stage"], "scheduler_lr": lr_scheduler.get_last_lr()[0]}
 
 
 def main():
