@@ -369,6 +369,15 @@ class Engine(nn.Module):
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: the model's weights in the training dtype, one file (see
+        :mod:`engine.compat.model16`). Every rank must call it."""
+        from engine.compat.model16 import save_16bit_model
+
+        return save_16bit_model(self.config, self.module, self.optimizer, save_dir, save_filename,
+                                exclude_frozen_parameters)
+
     # ------------------------------------------------------------------ memory
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer state (ZeRO's own

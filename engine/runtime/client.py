@@ -89,8 +89,9 @@ def param_groups_from_client(optimizer: torch.optim.Optimizer, params: Iterable[
     missing = [p for pid, p in mine.items() if pid not in seen]
     if missing:
         shapes = ", ".join(str(tuple(p.shape)) for p in missing[:4])
-        raise ValueError(f"{len(missing)} trainable parameter(s) of the model (shapes {shapes}{', ...' if len(missing) > 4 else ''}) "
-                         "are in none of the client optimizer's param groups: add them to a group, or set "
+        more = ", ..." if len(missing) > 4 else ""
+        raise ValueError(f"{len(missing)} trainable parameter(s) of the model (shapes {shapes}{more}) are in "
+                         "none of the client optimizer's param groups: add them to a group, or set "
                          "requires_grad=False on them")
     return groups
 

@@ -219,7 +219,8 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
     if bounds is None:
         bounds = stage_bounds([sum(p.numel() for p in m.parameters()) for m in layers], cfg)
     elif len(bounds) != cfg.pp * cfg.pipeline.virtual_stages + 1:
-        raise ValueError(f"bounds cut {len(bounds) - 1} pieces, the pipeline has {cfg.pp * cfg.pipeline.virtual_stages}")
+        raise ValueError(f"bounds cut {len(bounds) - 1} pieces, the pipeline has "
+                         f"{cfg.pp * cfg.pipeline.virtual_stages}")
     interval = cfg.pipeline.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
     pieces = len(bounds) - 1
     owner: dict[int, set[int]] = {}

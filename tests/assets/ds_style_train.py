@@ -41,7 +41,8 @@ def batch(step, micro, rank):
 
 def write_config(path, stage):
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA, "gradient_clipping": 1.0,
-           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
+           "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+           "zero_allow_untested_optimizer": True, "steps_per_print": 1000}
     with open(path, "w") as f:
         json.dump(cfg, f)
 
@@ -82,6 +83,7 @@ def run_stage(args, stage, rank):
     after, after_lrs = train_steps(model_engine, range(SAVE_AT, STEPS), rank)
     _, client_state = model_engine.load_checkpoint(ckpt, tag="mid")
     again, again_lrs = train_steps(model_engine, range(SAVE_AT, STEPS), rank)
+    model_engine.save_16bit_model(args.workdir, f"model16_zero{stage}.bin")
     return {"losses": losses + after, "lrs": lrs + after_lrs, "resumed_losses": again, "resumed_lrs": again_lrs,
             "client_stage": client_state["stage"], "scheduler_lr": lr_scheduler.get_last_lr()[0]}
 

@@ -110,7 +110,6 @@ def _train(rank, world, pp, runs, ckpt, load_ckpt):
     import engine.compat.deepspeed as deepspeed
     from engine.pipe import PipelineModule
 
-    dp = world // pp
     out = {}
     for name, (stage, method, interval) in runs.items():
         net = PipelineModule(specs(), num_stages=pp, loss_fn=loss_fn, partition_method=method,
