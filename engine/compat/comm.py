@@ -47,7 +47,7 @@ def get_local_rank() -> int:
     return current_launch().local_rank
 
 
-def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+def get_global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
@@ -67,12 +67,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None, async_
     return dist.broadcast(tensor, src, group=group, async_op=async_op)
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup = None,
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup = None,
                async_op: bool = False) -> Any:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup = None,
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: ProcessGroup = None,
            async_op: bool = False) -> Any:
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
@@ -87,7 +87,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, gr
     return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: ProcessGroup = None, async_op: bool = False) -> Any:
     return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 

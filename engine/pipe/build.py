@@ -88,6 +88,7 @@ def build_pipeline_engine(cfg: Config, module: PipelineModule, client_opt: Any, 
                 comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
     trainable = [p for p in stage.parameters() if p.requires_grad]
     client: Optional[torch.optim.Optimizer] = None
+    params: Any  # parameters, or the client's group dicts
     if client_opt is None:
         factory, params = optimizer_factory(cfg.optimizer), trainable
     else:  # this stage's share of the client's groups (the tied copy on the last stage included)
