@@ -9,7 +9,7 @@ PP = 2 is loaded at PP = 4 and training goes on equal to the reference. Real Dee
 runs the same script (tests/assets/ds_pipe_train.py) at ZeRO 0 and 1 (it refuses 2 and 3
 with pipelines); its ZeRO-1 losses (tests/assets/ds_pipe_train_deepspeed.json) equal ours.
 Its ZeRO-0 losses differ from one process by 1.3e-4 at the third step (recorded there,
-not asserted: DeepSpeed's behaviour, see docs/deepspeed_compat.md).
+not asserted: DeepSpeed's gradient clipping at ZeRO-0 with pipelines, docs/deepspeed_compat.md).
 
 Tolerance (fp32): 1e-5 on losses of O(1): the pipeline only moves where each layer runs;
 the DP reduction sums in another order (~1e-7). A tied gradient not summed across the
