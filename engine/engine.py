@@ -343,6 +343,9 @@ class Engine(nn.Module):
         remove = getattr(self.optimizer, "remove_hooks", None)
         if remove is not None:
             remove()
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
         self.pipeline = None
         self.groups = None
         self._dp_group = None

@@ -13,6 +13,7 @@ a scheduler built on the client's optimizer keeps stepping that object and
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -122,7 +123,7 @@ class ClientLRScheduler:
         with warnings.catch_warnings():
             # the client's optimizer object never steps (the engine's clone does): torch's
             # "lr_scheduler.step() before optimizer.step()" warning does not apply
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step(*args, **kwargs)
         self.sync()
 
