@@ -1,7 +1,7 @@
 """engine: a 3D-parallel (DP x TP x PP) training engine for transformers on PyTorch.
 
-``engine.initialize(...)`` (DeepSpeed's ``deepspeed.initialize``) and ``engine.Engine`` are
-loaded on first use, so that ``import engine`` (and the torch-free modules such as the
+``engine.initialize(...)`` (DeepSpeed's ``deepspeed.initialize``), ``engine.init_distributed``,
+``engine.add_config_arguments`` and ``engine.Engine`` are loaded on first use, so that ``import engine`` (and the torch-free modules such as the
 topology and launch detection) does not import torch.
 """
 
@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 from engine.topology import Axis, Coord, Topology, TopologyError  # noqa: E402
 
-__all__ = ["Axis", "Coord", "Topology", "TopologyError", "__version__", "initialize", "Engine"]
+__all__ = ["Axis", "Coord", "Topology", "TopologyError", "__version__", "initialize", "Engine", "init_distributed",
+           "add_config_arguments"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from engine.runtime.initialize import initialize
 
         return initialize
+    if name in ("init_distributed", "add_config_arguments"):
+        from engine.compat import api
+
+        return getattr(api, name)
     if name == "Engine":
         from engine.engine import Engine
 

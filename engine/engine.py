@@ -65,7 +65,7 @@ class Engine(nn.Module):
     def __init__(self, config: Config, module: nn.Module, optimizer: ZeroOptimizer, *,
                  device: torch.device, groups: Optional[ParallelGroups] = None, lr_scheduler: Any = None,
                  pipeline: Any = None, loss_fn: Optional[LossFn] = None, dist_env: Any = None,
-                 training_dataloader: Optional[Iterable[Any]] = None) -> None:
+                 training_dataloader: Optional[Iterable[Any]] = None, monitor: Any = None) -> None:
         super().__init__()
         self.config = config
         self.module = module
@@ -77,6 +77,8 @@ class Engine(nn.Module):
         self.dist_env = dist_env
         self.device = device
         self.training_dataloader = training_dataloader
+        self.monitor = monitor  # engine.monitor.Monitor (rank 0 writes) or None
+        self._step_losses: list[torch.Tensor] = []
         self._data_iter: Optional[Iterator[Any]] = None
         self.global_steps = 0
         self.global_samples = 0
@@ -186,6 +188,8 @@ class Engine(nn.Module):
         self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
         with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
             self.optimizer.backward(loss / ga if ga > 1 else loss, retain_graph=retain_graph)
+        if self.monitor is not None:
+            self._step_losses.append(loss.detach())
         return loss
 
     def step(self) -> None:
@@ -194,6 +198,9 @@ class Engine(nn.Module):
         self._require_no_pipeline("step")
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step()
+            if self.monitor is not None:
+                losses, self._step_losses = self._step_losses, []
+                self._write_monitor(torch.stack(losses).float().mean() if losses else None)
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -215,6 +222,18 @@ class Engine(nn.Module):
         self.global_samples += self.train_batch_size()
         comm.check_sequence(self._checked_groups, f"end of step {self.global_steps}", self.device)
         self._report_timers()
+
+    def _write_monitor(self, loss: Optional[torch.Tensor]) -> None:
+        """DeepSpeed's per-step scalars (engine.monitor), at ``global_samples``."""
+        from engine.monitor import LOSS_SCALE, LR, TRAIN_LOSS
+
+        if not self.monitor.enabled:  # not the writing rank: no device sync for .item()
+            return
+        events = [] if loss is None else [(TRAIN_LOSS, float(loss), self.global_samples)]
+        events.append((LR, self.get_lr()[0], self.global_samples))
+        if self.config.fp16.enabled:
+            events.append((LOSS_SCALE, self.get_loss_scale(), self.global_samples))
+        self.monitor.write_events(events)
 
     def _report_timers(self) -> None:
         if not self.timers.enabled:
@@ -283,7 +302,10 @@ class Engine(nn.Module):
                 losses.append(loss.detach())
                 self.micro_steps += 1
         self._optimizer_step()
-        return self._aggregate_loss(losses)
+        loss = self._aggregate_loss(losses)
+        if self.monitor is not None:
+            self._write_monitor(loss)
+        return loss
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: Optional[int] = None) -> torch.Tensor:
@@ -300,7 +322,12 @@ class Engine(nn.Module):
                 losses = [self._micro_loss(mb).detach() for mb in mbs]
         finally:
             self.module.train(was_training)
-        return self._aggregate_loss(losses)
+        loss = self._aggregate_loss(losses)
+        if self.monitor is not None:
+            from engine.monitor import EVAL_LOSS
+
+            self.monitor.write_events([(EVAL_LOSS, float(loss), self.global_samples)])
+        return loss
 
     def _aggregate_loss(self, losses: Optional[list[torch.Tensor]]) -> torch.Tensor:
         """Mean over micro-batches (on the last stage), averaged over DP, then sent to every
@@ -325,6 +352,9 @@ class Engine(nn.Module):
         remove = getattr(self.optimizer, "remove_hooks", None)
         if remove is not None:
             remove()
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
         self.pipeline = None
         self.groups = None
         self._dp_group = None
@@ -350,6 +380,15 @@ class Engine(nn.Module):
 
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: the model's weights in the training dtype, one file (see
+        :mod:`engine.compat.model16`). Every rank must call it."""
+        from engine.compat.model16 import save_16bit_model
+
+        return save_16bit_model(self.config, self.module, self.optimizer, save_dir, save_filename,
+                                exclude_frozen_parameters)
 
     # ------------------------------------------------------------------ memory
     def memory_breakdown(self) -> dict[str, int]:

@@ -197,8 +197,10 @@ def _read_local(engine: Any, path: str, meta: dict[str, Any], load_optimizer_sta
 
 
 def _check_compatible(engine: Any, path: str, meta: dict[str, Any], load_optimizer_states: bool) -> None:
-    saved_type = meta.get("config", {}).get("optimizer", {}).get("type")
-    mine = engine.config.optimizer.type
+    saved_type = meta.get("config", {}).get("optimizer", {}).get("type") or meta["optimizer"].get("class")
+    # a client optimizer (no optimizer section): its class name (AdamW, Adam, ...)
+    mine = engine.config.optimizer.type if engine.config.optimizer is not None \
+        else type(engine.optimizer.optimizer).__name__
     adam = {"Adam", "AdamW"}
     if load_optimizer_states and meta["optimizer"]["elementwise_state"] and saved_type != mine \
             and not (saved_type in adam and mine in adam):

@@ -10,7 +10,8 @@ Every accepted key, default, rejected DeepSpeed key and no-op is listed in docs/
 from engine.config.loader import load_config, resolve_batch_sizes
 from engine.config.schema import (
     ActivationCheckpointingConfig, AdamParams, BF16Config, CheckpointConfig, Config, CosineParams, DataConfig,
-    FP8Config, FP16Config, LionParams, MuonParams, OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig,
+    CSVMonitorConfig, FP8Config, FP16Config, LionParams, MonitorConfig, MuonParams, TensorBoardConfig,
+    WandbConfig, OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig,
     WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, WSDParams, ZeroConfig,
 )
 from engine.errors import ConfigError
@@ -20,5 +21,5 @@ __all__ = [
     "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "CheckpointConfig", "CosineParams", "DataConfig",
     "FP8Config", "FP16Config", "LionParams", "MuonParams", "OptimizerConfig", "PipelineConfig", "SchedulerConfig",
     "TensorParallelConfig", "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "WSDParams",
-    "ZeroConfig",
+    "ZeroConfig", "MonitorConfig", "TensorBoardConfig", "CSVMonitorConfig", "WandbConfig",
 ]

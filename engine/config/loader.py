@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Union
 
+from engine.config.monitor import parse_monitor
 from engine.config.optim import parse_optimizer, parse_scheduler
 from engine.config.reader import Section, read_json_file, show
 from engine.config.schema import Config, PipelineConfig
@@ -28,7 +29,7 @@ _TOP_LEVEL = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "fp16", "bf16", "fp8", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
-    "seed", "checkpoint", "model", "data",
+    "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
@@ -42,9 +43,6 @@ _TOP_LEVEL_REJECTED = {
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
     "autotuning": "the autotuner is " + _NOT_IMPLEMENTED,
     "flops_profiler": "the flops profiler is " + _NOT_IMPLEMENTED + " (the engine logs tokens/s and MFU)",
-    "tensorboard": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
-    "wandb": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
-    "csv_monitor": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
     "comet": "monitoring backends are " + _NOT_IMPLEMENTED + " (metrics go to the log)",
     "comms_logger": "the communication logger is " + _NOT_IMPLEMENTED,
     "compression_training": "compression is " + _NOT_IMPLEMENTED,
@@ -104,7 +102,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         topology=topology,
         model=model,
         optimizer=optimizer,
-        scheduler=parse_scheduler(top, optimizer.params.lr),
+        scheduler=parse_scheduler(top, None if optimizer is None else optimizer.params.lr),
         data=parse_data(top),
         fp16=parse_fp16(top),
         bf16=parse_bf16(top),
@@ -114,6 +112,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         pipeline=pipeline,
         tensor_parallel=tensor_parallel,
         checkpoint=parse_checkpoint(top),
+        monitor=parse_monitor(top),
         gradient_clipping=top.number("gradient_clipping", 1.0, min=0.0,
                                      auto_hint=" (the Hugging Face Trainer fills it from max_grad_norm)"),
         steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),

@@ -26,10 +26,11 @@ _MAX_GRAD_NORM = ("gradient clipping is configured by the top-level key gradient
                   "there and remove optimizer.params.max_grad_norm")
 
 
-def parse_optimizer(top: Section) -> OptimizerConfig:
+def parse_optimizer(top: Section) -> Optional[OptimizerConfig]:
+    """``None`` when there is no optimizer section: the script passes its own optimizer to
+    ``engine.initialize(optimizer=...)`` (checked there, where the client object is known)."""
     if not top.has("optimizer") or top.raw("optimizer") is None:
-        raise ConfigError("optimizer is required: add {\"type\": \"AdamW\", \"params\": {\"lr\": ...}} "
-                          f"(types: {', '.join(OPTIMIZER_TYPES)})")
+        return None
     s = top.sub("optimizer", ("type", "params"), fixed={
         "legacy_fusion": (False, "there is one fused implementation per optimizer"),
     })
@@ -132,8 +133,9 @@ _LAST_BATCH = {"last_batch_iteration": (-1, "a resumed run takes its step from t
 _WARMUP_TYPES = ("log", "linear")
 
 
-def parse_scheduler(top: Section, optimizer_lr: float) -> Optional[SchedulerConfig]:
-    """``None`` when there is no scheduler (the optimizer's lr is used throughout)."""
+def parse_scheduler(top: Section, optimizer_lr: Optional[float]) -> Optional[SchedulerConfig]:
+    """``None`` when there is no scheduler (the optimizer's lr is used throughout).
+    ``optimizer_lr``: the optimizer section's lr, None without one (a client optimizer)."""
     if not top.has("scheduler") or top.raw("scheduler") is None:
         return None
     s = top.sub("scheduler", ("type", "params"))
@@ -147,8 +149,11 @@ def parse_scheduler(top: Section, optimizer_lr: float) -> Optional[SchedulerConf
     return SchedulerConfig(type=t, params=parse(s, optimizer_lr))
 
 
-def _warmup_lr_fields(p: Section, optimizer_lr: float, max_lr_default: float) -> dict:
+def _warmup_lr_fields(p: Section, optimizer_lr: Optional[float], max_lr_default: float) -> dict:
     # warmup_max_lr "auto" (Hugging Face) and, for WarmupLR, "absent" (DeepSpeed) mean the optimizer's lr.
+    if optimizer_lr is None and p.is_auto("warmup_max_lr"):
+        raise ConfigError(f"{p.full('warmup_max_lr')} is \"auto\" but the config has no optimizer section to take "
+                          "the lr from (a client optimizer's lr is not known to the config): give a number")
     max_lr = optimizer_lr if p.is_auto("warmup_max_lr") else p.number(
         "warmup_max_lr", max_lr_default, min=0.0, min_exclusive=True)
     min_lr = p.number("warmup_min_lr", 0.0, min=0.0)
@@ -172,19 +177,20 @@ def _total_after_warmup(p: Section, warmup: int) -> int:
     return total
 
 
-def _warmup_lr(s: Section, lr: float) -> SchedulerParams:
+def _warmup_lr(s: Section, lr: Optional[float]) -> SchedulerParams:
     p = s.sub("params", ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"), fixed=_LAST_BATCH)
-    return WarmupLRParams(**_warmup_lr_fields(p, lr, max_lr_default=lr))
+    # without an optimizer section, DeepSpeed's own default (0.001)
+    return WarmupLRParams(**_warmup_lr_fields(p, lr, max_lr_default=0.001 if lr is None else lr))
 
 
-def _warmup_decay_lr(s: Section, lr: float) -> SchedulerParams:
+def _warmup_decay_lr(s: Section, lr: Optional[float]) -> SchedulerParams:
     p = s.sub("params", ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
               fixed=_LAST_BATCH)
     f = _warmup_lr_fields(p, lr, max_lr_default=0.001)  # DeepSpeed's default for this scheduler
     return WarmupDecayLRParams(total_num_steps=_total_after_warmup(p, f["warmup_num_steps"]), **f)
 
 
-def _warmup_cosine_lr(s: Section, lr: float) -> SchedulerParams:
+def _warmup_cosine_lr(s: Section, lr: Optional[float]) -> SchedulerParams:
     p = s.sub("params", ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"),
               fixed=_LAST_BATCH)
     warmup = p.int("warmup_num_steps", 1000, min=1, auto_hint=_STEPS_AUTO)
@@ -197,7 +203,7 @@ def _warmup_cosine_lr(s: Section, lr: float) -> SchedulerParams:
     )
 
 
-def _cosine(s: Section, lr: float) -> SchedulerParams:
+def _cosine(s: Section, lr: Optional[float]) -> SchedulerParams:
     p = s.sub("params", ("warmup_num_steps", "total_num_steps", "min_lr_ratio", "warmup_type"))
     warmup = p.int("warmup_num_steps", 0, min=0, auto_hint=_STEPS_AUTO)
     return CosineParams(
@@ -208,7 +214,7 @@ def _cosine(s: Section, lr: float) -> SchedulerParams:
     )
 
 
-def _wsd(s: Section, lr: float) -> SchedulerParams:
+def _wsd(s: Section, lr: Optional[float]) -> SchedulerParams:
     p = s.sub("params", ("warmup_num_steps", "total_num_steps", "decay_num_steps", "min_lr_ratio", "decay_type"))
     warmup = p.int("warmup_num_steps", 0, min=0, auto_hint=_STEPS_AUTO)
     total = p.int("total_num_steps", required=True, min=1, auto_hint=_STEPS_AUTO)

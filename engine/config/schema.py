@@ -297,6 +297,52 @@ class DataConfig(_Section):
     document_masking: bool = False  # attention does not cross document boundaries
 
 
+# ---------------------------------------------------------------- monitors
+@dataclass(frozen=True)
+class TensorBoardConfig(_Section):
+    """DeepSpeed's ``tensorboard``: events in ``output_path/job_name`` (relative to the
+    working directory when ``output_path`` is empty, as DeepSpeed)."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True)
+class CSVMonitorConfig(_Section):
+    """DeepSpeed's ``csv_monitor``: one ``<tag with / as _>.csv`` per scalar in ``output_path/job_name``."""
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True)
+class WandbConfig(_Section):
+    """DeepSpeed's ``wandb``: ``wandb.init(project=, group=, entity=team)`` on rank 0."""
+
+    enabled: bool = False
+    group: Optional[str] = None
+    team: Optional[str] = None
+    project: str = "deepspeed"
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    csv_monitor: CSVMonitorConfig = CSVMonitorConfig()
+    wandb: WandbConfig = WandbConfig()
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensorboard.enabled or self.csv_monitor.enabled or self.wandb.enabled
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the enabled sections (a disabled one is the same as none)."""
+        return {k: getattr(self, k).to_dict() for k in ("tensorboard", "csv_monitor", "wandb")
+                if getattr(self, k).enabled}
+
+
 # ---------------------------------------------------------------------- all
 @dataclass(frozen=True)
 class Config:
@@ -307,7 +353,7 @@ class Config:
     gradient_accumulation_steps: int
     topology: Topology
     model: Optional[ModelConfig]  # None: no "model" section (the caller passes its own module)
-    optimizer: OptimizerConfig
+    optimizer: Optional[OptimizerConfig]  # None: no "optimizer" section (a client optimizer)
     scheduler: Optional[SchedulerConfig]
     data: DataConfig = DataConfig()
     fp16: FP16Config = FP16Config()
@@ -318,6 +364,7 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    monitor: MonitorConfig = MonitorConfig()
     gradient_clipping: float = 1.0  # max global grad norm; 0 = no clipping
     steps_per_print: Optional[int] = 10  # None: never
     wall_clock_breakdown: bool = False
@@ -354,8 +401,9 @@ class Config:
             "wall_clock_breakdown": self.wall_clock_breakdown,
             "seed": self.seed,
             "gradient_clipping": self.gradient_clipping,
-            "optimizer": self.optimizer.to_dict(),
         }
+        if self.optimizer is not None:
+            d["optimizer"] = self.optimizer.to_dict()
         if self.scheduler is not None:
             d["scheduler"] = self.scheduler.to_dict()
         d.update({
@@ -369,6 +417,7 @@ class Config:
             "checkpoint": self.checkpoint.to_dict(),
             "data": self.data.to_dict(),
         })
+        d.update(self.monitor.to_dict())
         if self.model is not None:
             d["model"] = self.model.to_dict()
         return d

@@ -24,7 +24,7 @@ from engine.dist.failures import PeerFailureError, failure_guard, record_failure
 from engine.dist.teardown import bind_world_defaults_early, gloo_worker_threads, shutdown
 
 __all__ = [
-    "LaunchError", "LaunchInfo", "detect_launch", "expand_hostlist",
+    "LaunchError", "LaunchInfo", "detect_launch", "current_launch", "expand_hostlist",
     "DistEnv", "init_distributed", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
@@ -542,3 +542,8 @@ def op_build_settings(environ: Optional[Mapping[str, str]] = None) -> OpBuildSet
         extensions_dir=environ.get("ENGINE_EXTENSIONS_DIR") or None,
         cuda_arch_list=environ.get("TORCH_CUDA_ARCH_LIST") or None,
     )
+
+
+def current_launch() -> LaunchInfo:
+    """This process's :class:`LaunchInfo` from the real environment and argv."""
+    return detect_launch(os.environ, sys.argv)

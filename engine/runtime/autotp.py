@@ -38,6 +38,7 @@ from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
+from engine.monitor import Monitor
 from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
                                   optimizer_factory, precision_policy)
 from engine.tensor_parallel.auto import autotp
@@ -177,7 +178,7 @@ def _broadcast_module(module: nn.Module, src: int, group: dist.ProcessGroup) -> 
 
 def build_autotp_engine(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Optional[Iterable[Any]],
                         client_sched: Any, groups: ParallelGroups, device: torch.device, dist_env: Any,
-                        loss_fn: Optional[LossFn]) -> Engine:
+                        loss_fn: Optional[LossFn], monitor: Optional[Monitor] = None) -> Engine:
     """See the module docstring."""
     if cfg.pp > 1:
         raise ConfigError("AutoTP (a Hugging Face or other user model with tensor_parallel.autotp_size > 1) does "
@@ -214,4 +215,4 @@ def build_autotp_engine(cfg: Config, model: nn.Module, client_opt: Any, model_pa
     model.register_forward_pre_hook(TPBatchBroadcast(groups.tp_group, tp_src, device), with_kwargs=True)
     logger.info("AutoTP: %d layers split over %d ranks", len(result.replaced), cfg.tp)
     return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
-                  dist_env=dist_env)
+                  dist_env=dist_env, monitor=monitor)

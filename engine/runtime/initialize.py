@@ -26,6 +26,11 @@ from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
+from engine.monitor import Monitor, build_monitor
+from engine.pipe.build import build_pipeline_engine, pipeline_config
+from engine.pipe.module import PipelineModule
+from engine.runtime.client import (agree_on_error, check_client_objects, mpu_mismatch, param_groups_from_client,
+                                   resolve_client_optimizer)
 from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
                                   optimizer_factory, precision_policy)
@@ -44,7 +49,8 @@ def _config_source(args: Any, config: ConfigArg, config_params: ConfigArg) -> Un
     given = [c for c in (config, config_params) if c is not None]
     from_args = None
     if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "config", None)
+        from_args = (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+                     or getattr(args, "config", None))
     if from_args is not None:
         given.append(from_args)
     if not given:
@@ -124,17 +130,19 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
                loss_fn: Optional[LossFn] = None, timeout_s: float = 1800.0) -> tuple[Engine, Any, Any, Any]:
     """Build the engine. Returns ``(engine, optimizer, dataloader, lr_scheduler)`` as DeepSpeed.
 
-    DeepSpeed's arguments keep their meaning; ``mpu`` is refused (the engine builds its own
-    groups from the config) and ``distributed_port`` is ignored (the launcher gives the port).
+    DeepSpeed's arguments keep their meaning. ``optimizer``: a ``torch.optim.Optimizer`` or a
+    callable ``params -> Optimizer`` when the config has no optimizer section (its param
+    groups and hyperparameters are kept at every ZeRO stage); ``lr_scheduler``: a scheduler
+    (built on that optimizer) or a callable ``optimizer -> scheduler`` when the config has
+    no scheduler section. ``mpu`` (Megatron's ``get_{data,model,pipe}_parallel_*``) is
+    checked against the layout the config gives and refused naming the first mismatch;
+    ``distributed_port`` is ignored (the launcher gives the port).
     ``config``: a JSON path, a dict or a loaded :class:`~engine.config.Config`.
     ``dist_env``: the :class:`~engine.dist.env.DistEnv` of an initialised run; without it and
     without an initialised default group, :func:`engine.dist.env.init_distributed` is called.
     ``loss_fn(output, targets)``: the loss of a layer-list model (default: cross-entropy of
     the last layer's logits); ``timeout_s``: collective timeout when initialising here.
     """
-    if mpu is not None:
-        raise ValueError("mpu is not supported: the engine builds its tensor/pipeline/data groups from the "
-                         "config (tensor_parallel.autotp_size, pipeline.stages)")
     source = _config_source(args, config, config_params)
     if not dist.is_initialized():
         if dist_init_required is False:
@@ -143,27 +151,37 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
 
         dist_env = init_distributed(timeout_s=timeout_s)
     world = dist.get_world_size()
-    cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
+    if isinstance(model, PipelineModule):  # DeepSpeed's pipeline API: the module gives the depth
+        cfg = pipeline_config(source, model, world)
+    else:
+        cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
     if cfg.world_size != world:
         raise ConfigError(f"the config was resolved for {cfg.world_size} ranks but the job has {world}")
     _check_fp8_model(cfg, model)  # on every rank, before any collective
+    check_client_objects(cfg, optimizer, lr_scheduler)
     device = dist_env.device if dist_env is not None else _device_of_default_group()
+    if mpu is not None:
+        agree_on_error(mpu_mismatch(mpu, cfg.topology, dist.get_rank()), device)
+    monitor = build_monitor(cfg.monitor, is_writer=dist.get_rank() == 0)  # checks the packages on every rank
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
-    if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
+    if isinstance(model, PipelineModule):
+        engine = build_pipeline_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
+                                       dist_env, monitor)
+    elif model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
         engine = _module_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
-                                dist_env, loss_fn)
+                                dist_env, loss_fn, monitor)
     elif isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
         from engine.runtime.autotp import build_autotp_engine  # AutoTP: a model we did not write
 
         engine = build_autotp_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
-                                     dist_env, loss_fn)
+                                     dist_env, loss_fn, monitor)
     else:
         if optimizer is not None or model_parameters is not None:
             raise ValueError("with tensor or pipeline parallelism (or model=None) the engine builds the "
                              "optimizer from the config over its own parameter shards: pass optimizer=None "
                              "and model_parameters=None")
-        engine = _parallel_engine(cfg, model, lr_scheduler, groups, device, dist_env, loss_fn)
+        engine = _parallel_engine(cfg, model, lr_scheduler, groups, device, dist_env, loss_fn, monitor)
     if training_data is not None:
         engine.training_dataloader = _dataloader(training_data, cfg, groups, collate_fn, device)
     logger.info("engine: %s, ZeRO-%d, %s, %s", cfg.topology, cfg.zero.stage, cfg.precision,
@@ -172,7 +190,8 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
 
 
 def _module_engine(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Any, client_sched: Any,
-                   groups: ParallelGroups, device: torch.device, dist_env: Any, loss_fn: Optional[LossFn]) -> Engine:
+                   groups: ParallelGroups, device: torch.device, dist_env: Any, loss_fn: Optional[LossFn],
+                   monitor: Optional[Monitor] = None) -> Engine:
     """DP (ZeRO 0-3) around any module."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module (or a list of layers), got {type(model).__name__}")
@@ -181,18 +200,22 @@ def _module_engine(cfg: Config, model: nn.Module, client_opt: Any, model_paramet
     if dtype != torch.float32:
         model.to(dtype=dtype)  # as DeepSpeed's module.half() / .bfloat16(); masters stay fp32
     _broadcast_from_first_replica(model, groups)
-    factory = optimizer_factory(cfg.optimizer) if client_opt is None else client_optimizer_factory(client_opt)
-    params: Any = model if model_parameters is None else list(model_parameters)
-    if model_parameters is None and isinstance(client_opt, torch.optim.Optimizer):
-        params = [dict(g) for g in client_opt.param_groups]  # the client's groups and their options
+    # model_parameters: parameters or torch-style group dicts (DeepSpeed takes both)
+    given = list(model.parameters() if model_parameters is None else model_parameters)
+    client = None if client_opt is None else resolve_client_optimizer(client_opt, given)
+    if client is None:
+        factory, params = optimizer_factory(cfg.optimizer), given
+    else:  # the client's class and groups, re-created over the master shards
+        flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
+        factory, params = client_optimizer_factory(client), param_groups_from_client(client, flat)
     opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, module=model)
-    sched = build_scheduler(cfg, opt, client_sched)
+    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
     return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
-                  dist_env=dist_env)
+                  dist_env=dist_env, monitor=monitor)
 
 
 def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: ParallelGroups, device: torch.device,
-                     dist_env: Any, loss_fn: Optional[LossFn]) -> Engine:
+                     dist_env: Any, loss_fn: Optional[LossFn], monitor: Optional[Monitor] = None) -> Engine:
     """The reference model (or a layer list) over DP x TP x PP."""
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group if cfg.tp > 1 else None
@@ -257,7 +280,7 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
     sched = build_scheduler(cfg, opt, client_sched)
     engine_loss = None if (cfg.pp > 1 or isinstance(module, ReferenceModel)) else loss
     engine = Engine(cfg, module, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
-                    loss_fn=engine_loss, dist_env=dist_env)
+                    loss_fn=engine_loss, dist_env=dist_env, monitor=monitor)
     if reference:
         engine.reference_chunks = list(chunks)  # for gather_reference_model (sampling, export)
     return engine

@@ -192,8 +192,13 @@ def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: Process
                 p.copy_(src)
 
 
-def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int) -> tuple[list[StageChunk], list[nn.Parameter]]:
+def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *,
+                       bounds: Optional[Sequence[int]] = None,
+                       checkpoint_interval: Optional[int] = None) -> tuple[list[StageChunk], list[nn.Parameter]]:
     """A user's layer list (``tp == 1``) cut into this rank's chunk(s).
+
+    ``bounds``: the cut (``pp * virtual_stages`` pieces; default: ``pipeline.partition`` over
+    the parameter counts); ``checkpoint_interval``: default ``pipeline.activation_checkpoint_interval``.
 
     Returns ``(chunks, tied)``: a parameter used by layers on both the first and the last
     pipeline stage (a tied embedding/head) stays the original on the first stage and
@@ -211,8 +216,12 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int) -
         raise ConfigError("fp8.enabled: the given layers hold no FP8 layer (only the reference model's blocks "
                           "are made FP8 from the config; use engine.precision.fp8.Fp8Linear in your layers), "
                           "or set fp8.enabled to false")
-    counts = [sum(p.numel() for p in m.parameters()) for m in layers]
-    bounds = stage_bounds(counts, cfg)
+    if bounds is None:
+        bounds = stage_bounds([sum(p.numel() for p in m.parameters()) for m in layers], cfg)
+    elif len(bounds) != cfg.pp * cfg.pipeline.virtual_stages + 1:
+        raise ValueError(f"bounds cut {len(bounds) - 1} pieces, the pipeline has "
+                         f"{cfg.pp * cfg.pipeline.virtual_stages}")
+    interval = cfg.pipeline.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
     pieces = len(bounds) - 1
     owner: dict[int, set[int]] = {}
     for k in range(pieces):
@@ -225,6 +234,10 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int) -
         if owner[pid] != {0, cfg.pp - 1}:
             raise ConfigError(f"a parameter is shared by layers on pipeline stages {sorted(owner[pid])}: only "
                               "the first and the last stage may share one (a tied embedding and head)")
+    # first layer using each shared parameter, taken before the last stage swaps in its copies
+    # (a module shared by two layers, e.g. a TiedLayerSpec, gets the copy in both places)
+    first_use = {pid: min(i for i, m in enumerate(layers) if any(id(q) == pid for q in m.parameters()))
+                 for pid in shared}
     chunks, tied = [], []
     copies: dict[int, nn.Parameter] = {}
     for c in range(cfg.pipeline.virtual_stages):
@@ -239,12 +252,10 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int) -
                                 copies[id(p)] = nn.Parameter(p.detach().clone())
                                 mark_tied_copy(copies[id(p)])
                             mod._parameters[name] = copies[id(p)]
-        chunks.append(StageChunk(mine, rng.start, len(layers), cfg.pipeline.activation_checkpoint_interval,
-                                 document_masking=cfg.data.document_masking))
+        chunks.append(StageChunk(mine, rng.start, len(layers), interval, document_masking=cfg.data.document_masking))
     if cfg.pp > 1:
         local = {id(p): p for ch in chunks for p in ch.parameters()}
-        order = sorted(shared, key=lambda pid: next(i for i, m in enumerate(layers)
-                                                    if any(id(q) == pid for q in m.parameters())))
+        order = sorted(shared, key=lambda pid: first_use[pid])
         for pid in order:
             p = copies[pid] if pid in copies else local.get(pid)
             if p is not None:

@@ -10,7 +10,9 @@ an instance or a callable) is turned into such a factory.
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections import defaultdict
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -31,7 +33,7 @@ __all__ = ["optimizer_factory", "client_optimizer_factory", "build_engine_optimi
 logger = logging.getLogger(__name__)
 
 
-def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
+def optimizer_factory(opt: Optional[OptimizerConfig]) -> OptimizerFactory:
     """The inner optimizer the config names, as a factory over param groups.
 
     ``Adam``/``AdamW`` with ``adam_w_mode`` (the default): :class:`engine.optim.FusedAdamW`
@@ -39,6 +41,9 @@ def optimizer_factory(opt: OptimizerConfig) -> OptimizerFactory:
     ``torch.optim.AdamW`` (multi-tensor) with ``torch_adam``; ``adam_w_mode: false``: ``torch.optim.Adam``
     (L2 weight decay added to the gradient). ``Lion``: :class:`Lion`.
     """
+    if opt is None:
+        raise ConfigError("no optimizer: add an optimizer section to the config ({\"type\": \"AdamW\", \"params\": "
+                          "{\"lr\": ...}}) or pass optimizer= to initialize")
     p = opt.params
     if opt.type in ("Adam", "AdamW"):
         kw = dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
@@ -77,23 +82,26 @@ def _muon_factory(p: MuonParams) -> OptimizerFactory:
 def client_optimizer_factory(client: Any) -> OptimizerFactory:
     """DeepSpeed's ``optimizer=`` argument as a factory.
 
-    A callable (``params -> Optimizer``, DeepSpeed's ``Callable[[Parameters], Optimizer]``)
-    is used as it is. A ``torch.optim.Optimizer`` instance is re-created with its class and
-    constructor defaults over the fp32 master shards (the engine owns the step); it must
-    not have taken a step yet, since its state would not match the shards.
+    A ``torch.optim.Optimizer`` instance is cloned (a shallow copy of the object, so its
+    class, defaults and any attribute its constructor set are kept) with fresh state and
+    the given groups (the master shards; each group dict carries the client group's
+    options, :func:`engine.runtime.client.param_groups_from_client`). The client's object
+    itself is left as it was (a scheduler built on it keeps working through
+    :class:`engine.runtime.client.ClientLRScheduler`). It must not have stepped yet: its
+    state would not match the shards. A callable (``params -> Optimizer``) is used as it is.
     """
     if isinstance(client, torch.optim.Optimizer):
         if any(len(s) for s in client.state.values()):
             raise ValueError("the optimizer passed to engine.initialize already has state (it has stepped): "
                              "pass a fresh optimizer, a callable params -> optimizer, or none (the config's)")
-        cls, defaults = type(client), dict(client.defaults)
 
         def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            try:
-                return cls(groups, **defaults)
-            except TypeError as exc:
-                raise ValueError(f"cannot re-create {cls.__name__} over the ZeRO master shards from its "
-                                 f"defaults ({exc}); pass a callable params -> optimizer instead") from exc
+            opt = copy.copy(client)
+            opt.state = defaultdict(dict)
+            opt.param_groups = []
+            for g in groups:
+                opt.add_param_group(g)  # options the group lacks come from the client's defaults
+            return opt
         return make
     if callable(client):
         return client
@@ -154,16 +162,28 @@ def _muon_groups_everywhere(p: MuonParams, params: Any, module: Optional[torch.n
     return groups
 
 
-def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, Any] = None) -> Any:
+def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, Any] = None,
+                    client_optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
     """The LR schedule: the client's (an object with ``step()``, or a callable
     ``optimizer -> scheduler`` called with the inner torch optimizer, as DeepSpeed allows),
-    else the config's ``scheduler`` section, else None (constant lr)."""
+    else the config's ``scheduler`` section, else None (constant lr).
+
+    A scheduler instance built on ``client_optimizer`` (the object the script passed, which
+    the engine re-created over its master shards) keeps driving that object; its group
+    options are copied onto the inner optimizer's groups after every step."""
     if client is not None:
         if hasattr(client, "step"):
-            if getattr(client, "optimizer", optimizer.optimizer) is not optimizer.optimizer:
+            bound = getattr(client, "optimizer", optimizer.optimizer)
+            if client_optimizer is not None and bound is client_optimizer:
+                from engine.runtime.client import ClientLRScheduler
+
+                return ClientLRScheduler(client, client_optimizer, optimizer.optimizer,
+                                         [g.key.param_group for g in optimizer.groups])
+            if bound is not optimizer.optimizer:
                 raise ValueError("the lr_scheduler was built on an optimizer the engine does not step (the engine "
-                                 "re-creates the optimizer over its fp32 master shards): pass a callable "
-                                 "optimizer -> scheduler, or use the config's scheduler section")
+                                 "re-creates the optimizer over its fp32 master shards): build it on the optimizer "
+                                 "you pass to initialize, pass a callable optimizer -> scheduler, or use the "
+                                 "config's scheduler section")
             return client
         if callable(client):
             return client(optimizer.optimizer)

@@ -59,7 +59,10 @@ class PipelineRunner:
     per-step losses on the last stage and None elsewhere."""
 
     def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: LossFn,
-                 *, device: torch.device, dtype: torch.dtype, loss_scale: Callable[[], float] = lambda: 1.0) -> None:
+                 *, device: torch.device, dtype: torch.dtype, loss_scale: Callable[[], float] = lambda: 1.0,
+                 boundary_shape: Optional[Sequence[int]] = None) -> None:
+        """``boundary_shape`` / ``dtype``: what crosses the stage boundaries; the shape
+        defaults to the config's model (:func:`activation_shape`)."""
         from engine.engine import split_microbatch  # the engine module imports this one lazily
 
         self._split = split_microbatch
@@ -68,7 +71,7 @@ class PipelineRunner:
         self.device, self.dtype = device, dtype
         self.stage, self.num_stages = groups.pp_rank, cfg.pp
         self.stage_ranks = list(groups.pp_ranks)
-        self.shape = activation_shape(cfg)
+        self.shape = tuple(boundary_shape) if boundary_shape is not None else activation_shape(cfg)
         self.document_masking = cfg.data.document_masking
         # The executor runs the backward itself, so the fp16 loss scale goes into the loss it
         # differentiates (the ZeRO optimizer divides the reduced gradients by it); the scale

@@ -94,7 +94,8 @@ MALFORMED = [
     ("bias-correction", [("optimizer.type", "Adam"), ("optimizer.params.bias_correction", False)], 2,
      ["optimizer.params.bias_correction"]),
     ("lion-eps", [("optimizer.type", "Lion"), ("optimizer.params.eps", 1e-8)], 2, ["optimizer.params.eps"]),
-    ("no-optimizer", [("optimizer", DELETE)], 2, ["optimizer"]),
+    ("no-optimizer-auto-lr", [("optimizer", DELETE), ("scheduler", {"type": "WarmupLR", "params": {
+        "warmup_max_lr": "auto"}})], 2, ["scheduler.params.warmup_max_lr", "no optimizer section"]),
     ("sched-onecycle", [("scheduler", {"type": "OneCycle", "params": {}})], 2, ["scheduler.type"]),
     ("sched-typo", [("scheduler", {"type": "Cosine", "params": {"total_num_steps": 9}})], 2,
      ["scheduler.type", "did you mean 'cosine'"]),

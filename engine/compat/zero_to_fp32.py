@@ -1,0 +1,69 @@
+"""DeepSpeed's ``deepspeed.utils.zero_to_fp32`` over this engine's checkpoints (any ZeRO
+stage, DP / TP / PP layout): the full fp32 master weights, by DeepSpeed's function names.
+
+- :func:`get_fp32_state_dict_from_zero_checkpoint` ``(checkpoint_dir, tag=None)`` -> ``{name: fp32 tensor}``;
+- :func:`convert_zero_checkpoint_to_fp32_state_dict` ``(checkpoint_dir, output_dir,
+  safe_serialization=False, tag=None)``: writes ``pytorch_model.bin`` (or
+  ``model.safetensors``) into ``output_dir``, streamed one parameter at a time
+  (:func:`engine.checkpoint.consolidate`);
+- :func:`load_state_dict_from_zero_checkpoint` ``(model, checkpoint_dir, tag=None)``.
+
+``checkpoint_dir`` is the save directory (``tag`` or its ``latest`` file picks the
+checkpoint) or a checkpoint itself. Names are the trained module's (``fc1.weight``), or
+``layers.{i}.<name>`` for a layer list / PipelineModule. Frozen parameters are never in
+the checkpoint, so ``exclude_frozen_parameters`` has no effect.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from engine.checkpoint.export import TORCH_FILE, consolidate, resolve_checkpoint
+from engine.checkpoint.format import read_metadata
+from engine.checkpoint.reader import iter_full_params
+
+__all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+           "load_state_dict_from_zero_checkpoint"]
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter once, whole, in fp32; a tied alias (a pipeline copy of a tied weight)
+    shares its source's tensor, as in the model's own ``state_dict``."""
+    if lazy_mode:
+        raise ValueError("lazy_mode is not supported: the state dict is built whole (engine.checkpoint.consolidate "
+                         "streams to a file without holding it)")
+    path = resolve_checkpoint(checkpoint_dir, tag)
+    out = {name: full["master"].to(torch.float32) for name, _, full in iter_full_params(path, ("master",))}
+    for alias, source in read_metadata(path).get("aliases", {}).items():
+        if source in out:
+            out[alias] = out[source]
+    return out
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size: str = "5GB",
+                                               safe_serialization: bool = False, tag: Optional[str] = None,
+                                               exclude_frozen_parameters: bool = False) -> str:
+    """Write the fp32 model as DeepSpeed names it: ``pytorch_model.bin`` (``torch.load``-able
+    state dict) or, with ``safe_serialization``, ``model.safetensors``; one file
+    (``max_shard_size`` is not used). Returns its path."""
+    paths = consolidate(checkpoint_dir, output_dir, tag=tag, write_torch=not safe_serialization,
+                        write_safetensors=safe_serialization)
+    if safe_serialization:
+        return paths["safetensors"]
+    final = os.path.join(output_dir, "pytorch_model.bin")
+    os.replace(os.path.join(output_dir, TORCH_FILE), final)
+    return final
+
+
+def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str, tag: Optional[str] = None) -> nn.Module:
+    """Load the fp32 weights into ``model`` (moved to the CPU, as DeepSpeed) and return it."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model

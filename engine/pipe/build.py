@@ -1,0 +1,107 @@
+"""``engine.initialize(model=PipelineModule(...))``: the config gets the module's pipeline
+depth, the layers are cut with the module's ``partition_method`` into this rank's chunks
+(:func:`engine.runtime.model.chunks_from_layers`: the tied embedding/head weight becomes a
+marked copy on the last stage, its gradient summed over the embedding group), and the
+engine runs them with the configured schedule, ZeRO 0-3 and ``train_batch``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from engine.config import Config, load_config
+from engine.config.reader import read_json_file
+from engine.dist import comm
+from engine.dist.groups import ParallelGroups
+from engine.engine import Engine
+from engine.errors import ConfigError
+from engine.pipe.module import PipelineModule
+from engine.pipe.runner import LazyPipelineRunner
+from engine.runtime.client import param_groups_from_client, resolve_client_optimizer
+from engine.runtime.model import chunks_from_layers
+from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
+                                  optimizer_factory, precision_policy)
+
+__all__ = ["pipeline_config", "build_pipeline_engine"]
+
+
+def pipeline_config(source: Union[str, "os.PathLike[str]", dict, Config], module: PipelineModule,
+                    world_size: int) -> Config:
+    """The config with ``pipeline.stages = module.num_stages`` (DeepSpeed's configs do not
+    have the key: the module gives the depth); a different explicit value is an error."""
+    n = module.num_stages
+    if isinstance(source, Config):
+        if source.pp != n:
+            raise ConfigError(f"the config has pipeline.stages = {source.pp} but the PipelineModule has num_stages = "
+                              f"{n}: make them equal (or leave pipeline.stages out)")
+        return source
+    raw = dict(source) if isinstance(source, dict) else read_json_file(source)
+    pipe = dict(raw.get("pipeline") or {})
+    if "stages" in pipe and pipe["stages"] != n:
+        raise ConfigError(f"the config has pipeline.stages = {pipe['stages']!r} but the PipelineModule has "
+                          f"num_stages = {n}: make them equal (or leave pipeline.stages out)")
+    pipe["stages"] = n
+    raw["pipeline"] = pipe
+    return load_config(raw, world_size=world_size)
+
+
+def _param_slots(module: nn.Module) -> dict[tuple[int, str], nn.Parameter]:
+    return {(id(m), name): p for m in module.modules() for name, p in m._parameters.items() if p is not None}
+
+
+def _loss_fn(module: PipelineModule) -> Any:
+    if module.loss_fn is not None:
+        return module.loss_fn
+    return lambda outputs, labels: outputs  # DeepSpeed: without loss_fn the last layer's output is the loss
+
+
+def build_pipeline_engine(cfg: Config, module: PipelineModule, client_opt: Any, model_parameters: Any,
+                          client_sched: Any, groups: ParallelGroups, device: torch.device, dist_env: Any,
+                          monitor: Any) -> Engine:
+    if cfg.tp > 1:
+        raise ConfigError("a PipelineModule is trained with pipeline and data parallelism only: set "
+                          "tensor_parallel.autotp_size to 1")
+    if model_parameters is not None:
+        mine = {id(p) for p in module.parameters()}
+        given = [q for x in model_parameters for q in (x["params"] if isinstance(x, dict) else [x])]
+        if any(id(p) not in mine for p in given):
+            raise ValueError("model_parameters holds parameters that are not the PipelineModule's: pass "
+                             "[p for p in net.parameters() if p.requires_grad] or None")
+    dtype = precision_policy(cfg).compute_dtype
+    bounds = module.partition(cfg.pp * cfg.pipeline.virtual_stages)
+    before = _param_slots(module)
+    chunks, tied = chunks_from_layers(module.layer_list(), cfg, groups.pp_rank, bounds=bounds,
+                                      checkpoint_interval=module.activation_checkpoint_interval)
+    # the last stage's copies of tied weights stand for the originals in a client optimizer's groups
+    replaced = {id(old): new for slot, new in _param_slots(module).items()
+                if (old := before[slot]) is not new}
+    for ch in chunks:
+        ch.to(device=device, dtype=dtype)
+    stage: nn.Module = nn.ModuleList(chunks) if cfg.pp > 1 else chunks[0]
+    if groups.dp_size > 1:  # every replica starts from DP rank 0's weights, as DeepSpeed
+        with torch.no_grad():
+            for t in list(stage.parameters()) + list(stage.buffers()):
+                comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
+    trainable = [p for p in stage.parameters() if p.requires_grad]
+    client: Optional[torch.optim.Optimizer] = None
+    params: Any  # parameters, or the client's group dicts
+    if client_opt is None:
+        factory, params = optimizer_factory(cfg.optimizer), trainable
+    else:  # this stage's share of the client's groups (the tied copy on the last stage included)
+        client = resolve_client_optimizer(client_opt, trainable)
+        factory, params = client_optimizer_factory(client), param_groups_from_client(client, trainable, replaced)
+    opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group,
+                                 pp_group=groups.pp_group if cfg.pp > 1 else None,
+                                 embedding_group=groups.embedding_group if tied else None, tied_params=tied,
+                                 module=stage)
+    loss = _loss_fn(module)
+    pipeline = None
+    if cfg.pp > 1:
+        pipeline = LazyPipelineRunner(chunks, cfg, groups, loss, device=device, loss_scale=lambda: opt.loss_scale)
+    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
+    return Engine(cfg, stage, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
+                  loss_fn=None if cfg.pp > 1 else loss, dist_env=dist_env, monitor=monitor)

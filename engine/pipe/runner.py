@@ -1,0 +1,116 @@
+"""Pipeline running for a :class:`~engine.pipe.PipelineModule`: the shape that crosses the
+stage boundaries is not in the config (there is no ``model`` section), so it is measured
+once, on the first micro-batch, before the first step.
+
+:func:`probe_boundary` walks the chain of virtual stages in order: each chunk receives
+the shape and dtype of its input (a small int64 header, no activation), runs itself on
+zeros of that shape (no grad, RNG state restored, so training is unaffected) and passes
+its output's shape on. The boundary shapes are then all-gathered over the pipeline group
+and must all be equal (the executor posts fixed-shape receives), which every rank checks
+on the same data, so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from engine.config import Config
+from engine.dist.groups import ParallelGroups
+from engine.errors import ConfigError
+from engine.pipeline.actions import next_hop, prev_hop
+
+__all__ = ["probe_boundary", "LazyPipelineRunner"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+_MAX_DIMS = 6
+_HEADER = 2 + _MAX_DIMS  # dtype code, ndim, dims
+
+
+def _header(t: Any, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"a pipeline stage must output one tensor (DeepSpeed's tuples of tensors between stages are "
+                        f"not supported here), got {type(t).__name__}")
+    if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
+        raise TypeError(f"a stage output of dtype {t.dtype} with {t.dim()} dims cannot cross a stage boundary: "
+                        f"use one of {[str(d) for d in _DTYPES]} and at most {_MAX_DIMS} dims")
+    h = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def _decode(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    v = h.tolist()
+    return tuple(int(x) for x in v[2:2 + int(v[1])]), _DTYPES[int(v[0])]
+
+
+@torch.no_grad()
+def probe_boundary(chunks: Sequence[nn.Module], inputs: torch.Tensor, groups: ParallelGroups, num_stages: int,
+                   device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:
+    """The one (shape, dtype) every stage boundary carries, measured on ``inputs`` (the first
+    micro-batch's inputs; used by the first virtual stage only)."""
+    stage, v = groups.pp_rank, len(chunks)
+    ranks = list(groups.pp_ranks)
+    mine = torch.full((v, _HEADER), -1, dtype=torch.int64, device=device)  # output header of each local chunk
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for c in range(v):
+            prev = prev_hop(stage, c, num_stages)
+            if prev is None:
+                x = inputs.to(device)
+            else:
+                h = torch.empty(_HEADER, dtype=torch.int64, device=device)
+                dist.recv(h, ranks[prev[0]], group=groups.pp_group)
+                shape, dtype = _decode(h)
+                x = torch.zeros(shape, dtype=dtype, device=device)
+            out = chunks[c](x)
+            nxt = next_hop(stage, c, num_stages, v)
+            if nxt is not None:
+                mine[c] = _header(out, device)
+                dist.send(mine[c], ranks[nxt[0]], group=groups.pp_group)
+    everyone = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(everyone, mine, group=groups.pp_group)
+    found = {_decode(h) for t in everyone for h in t if int(h[0]) >= 0}
+    if len(found) != 1:
+        raise ConfigError(f"the PipelineModule's stage boundaries carry different shapes {sorted(map(str, found))}: "
+                          "the engine's schedules send one fixed shape between every pair of stages; choose "
+                          "partition_method / num_stages so that every cut falls where the activations have the "
+                          "same shape (e.g. between transformer blocks)")
+    return found.pop()
+
+
+class LazyPipelineRunner:
+    """A :class:`engine.runtime.pipe.PipelineRunner` built on the first ``train`` /
+    ``evaluate`` call, once :func:`probe_boundary` has measured the boundary shape."""
+
+    def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: Callable,
+                 *, device: torch.device, loss_scale: Callable[[], float]) -> None:
+        from engine.engine import split_microbatch  # the engine module imports this one lazily
+
+        self._split = split_microbatch
+        self.chunks, self.cfg, self.groups, self.loss_fn = list(chunks), cfg, groups, loss_fn
+        self.device, self.loss_scale = device, loss_scale
+        self._runner: Any = None
+
+    def _ready(self, microbatches: Sequence[Any]) -> Any:
+        if self._runner is None:
+            from engine.runtime.pipe import PipelineRunner
+
+            inputs, _ = self._split(microbatches[0])
+            shape, dtype = probe_boundary(self.chunks, inputs, self.groups, self.cfg.pp, self.device)
+            self._runner = PipelineRunner(self.chunks, self.cfg, self.groups, self.loss_fn, device=self.device,
+                                          dtype=dtype, loss_scale=self.loss_scale, boundary_shape=shape)
+        return self._runner
+
+    @property
+    def is_last(self) -> bool:
+        return self.groups.pp_rank == self.cfg.pp - 1
+
+    def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
+        return self._ready(microbatches).train(microbatches)
+
+    def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
+        return self._ready(microbatches).evaluate(microbatches)
