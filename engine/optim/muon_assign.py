@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from engine.tensor_parallel.attrs import is_tied_copy
+from engine.zero.init import param_shape
 
 __all__ = ["uses_muon", "split_muon_groups", "EMBEDDING_MODULES"]
 
@@ -45,13 +46,16 @@ def uses_muon(name: str, param: torch.Tensor, owner: Optional[nn.Module], tied: 
     embedding_like = (tied or is_tied_copy(param) or getattr(param, "tp_unpadded_size", None) is not None
                       or (owner is not None and type(owner).__name__ in EMBEDDING_MODULES)
                       or any(k in name.lower() for k in _KEYWORDS))
+    # the parameter's own shape: under ZeRO-3 the model is built by engine.zero.Init, whose
+    # parameters are 1-D shards until the optimizer takes them (ds_shape is the real one)
+    shape = tuple(param_shape(param))
     if to_muon:
-        if param.dim() != 2 or embedding_like:
-            why = "is not a 2-D matrix" if param.dim() != 2 else "is an embedding, LM head or tied weight"
-            raise ValueError(f"parameter {name} of shape {tuple(param.shape)} matches optimizer.params.muon_params "
+        if len(shape) != 2 or embedding_like:
+            why = "is not a 2-D matrix" if len(shape) != 2 else "is an embedding, LM head or tied weight"
+            raise ValueError(f"parameter {name} of shape {shape} matches optimizer.params.muon_params "
                              f"{to_muon} but {why}: Muon cannot update it; narrow the pattern")
         return True
-    return param.dim() == 2 and not embedding_like
+    return len(shape) == 2 and not embedding_like
 
 
 def _owners(module: nn.Module) -> dict[int, nn.Module]:

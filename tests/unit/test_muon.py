@@ -150,6 +150,19 @@ def test_assignment_rule_and_overrides():
         uses_muon("embed.weight", net.embed.weight, net.embed, False, muon_patterns=["embed.*"])
 
 
+def test_assignment_uses_the_whole_shape_of_a_zero3_partitioned_parameter():
+    """ZeRO-3 builds the model under engine.zero.Init: a parameter is a 1-D shard (ds_shape
+    holds its shape) when the groups are split; a matrix must still go to Muon, or a
+    checkpoint's per-group states (momentum vs. AdamW moments) no longer match on reload."""
+    net = _Net()
+    w = net.up.weight
+    shape = w.shape
+    w.data = w.data.reshape(-1)[: w.numel() // 2].clone()   # what Init leaves: this rank's flat shard
+    w.ds_tensor, w.ds_shape, w.ds_numel = w.data, shape, shape.numel()
+    assert uses_muon("up.weight", w, net.up, False)
+    assert uses_muon("up.weight", w, net.up, False, muon_patterns=["up.*"])
+
+
 def _cfg(params):
     return {"train_batch_size": 2, "optimizer": {"type": "muon", "params": params}}
 
