@@ -122,9 +122,10 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
                            module: Optional[torch.nn.Module] = None) -> ZeroOptimizer:
     """The ZeRO optimizer of ``cfg.zero.stage`` over ``params`` with its loss scaler and clipping.
     With ``optimizer.type`` Muon, ``params`` are split into Muon and AdamW groups first
-    (:func:`engine.optim.muon_assign.split_muon_groups`, names taken from ``module``)."""
+    (:func:`engine.optim.muon_assign.split_muon_groups`, names taken from ``module``); with
+    no optimizer section (a client optimizer, ``factory``), ``params`` are used as given."""
     policy = precision_policy(cfg)
-    if isinstance(cfg.optimizer.params, MuonParams):
+    if cfg.optimizer is not None and isinstance(cfg.optimizer.params, MuonParams):  # None: a client optimizer
         params = _muon_groups_everywhere(cfg.optimizer.params, params, module)
     f = cfg.fp16
     scaler = build_loss_scaler(policy.compute_dtype, loss_scale=f.loss_scale,
