@@ -12,9 +12,10 @@ Steps (:func:`build_autotp_engine`):
 2. :func:`engine.tensor_parallel.auto.autotp` swaps the projections for their shards;
 3. the model goes to the engine's device and dtype; DP replicas start from DP rank 0's;
 4. the optimizer: the config's, or the client's (an instance built over the *unsharded*
-   parameters, or a callable), over the sharded parameters. An instance's param groups
-   and per-group hyperparameters are kept: each original parameter is replaced by its
-   shard (:func:`map_param_groups`);
+   parameters, or a callable called with the sharded ones), over the sharded parameters,
+   as at TP = 1 (:mod:`engine.runtime.client`): its param groups and per-group
+   hyperparameters are kept, each original parameter replaced by its shard
+   (:func:`map_param_groups`); a scheduler built on it keeps driving it;
 5. the TP data path: a forward pre-hook on the model broadcasts every tensor argument of
    the forward (``input_ids``, ``labels``, masks) from TP rank 0 over the TP group, on the
    engine's device, so every rank of a TP group computes on the same micro-batch whatever
@@ -24,7 +25,6 @@ Steps (:func:`build_autotp_engine`):
 
 from __future__ import annotations
 
-import inspect
 import logging
 import zlib
 from typing import Any, Iterable, Optional
@@ -39,6 +39,7 @@ from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.monitor import Monitor
+from engine.runtime.client import param_groups_from_client, resolve_client_optimizer
 from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
                                   optimizer_factory, precision_policy)
 from engine.tensor_parallel.auto import autotp
@@ -85,31 +86,19 @@ def map_param_groups(params: Any, param_map: dict[int, nn.Parameter], model: nn.
 
 
 def _optimizer_inputs(cfg: Config, model: nn.Module, client: Any, model_parameters: Optional[list[Any]],
-                      param_map: dict[int, nn.Parameter]) -> tuple[Any, Any]:
-    """``(params or groups, factory)`` for build_engine_optimizer, as _module_engine does it
-    for TP = 1, with every original parameter mapped onto its shard."""
-    factory = optimizer_factory(cfg.optimizer) if client is None else _client_factory(client)
-    if model_parameters is not None:
-        return map_param_groups(model_parameters, param_map, model), factory
-    if isinstance(client, torch.optim.Optimizer):
-        return map_param_groups([dict(g) for g in client.param_groups], param_map, model), factory
-    return model, factory
-
-
-def _client_factory(client: Any) -> Any:
-    """A client optimizer instance re-created over the master shards with the constructor
-    arguments its class accepts (torch's ``defaults`` carry keys such as AdamW's
-    ``decoupled_weight_decay`` that its ``__init__`` refuses; per-group values travel in the
-    param groups). Callables go to :func:`client_optimizer_factory` unchanged."""
-    if not isinstance(client, torch.optim.Optimizer):
-        return client_optimizer_factory(client)
-    if any(len(s) for s in client.state.values()):
-        raise ValueError("the optimizer passed to engine.initialize already has state (it has stepped): pass a "
-                         "fresh optimizer, a callable params -> optimizer, or none (the config's)")
-    cls = type(client)
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in client.defaults.items() if k in accepted}
-    return lambda groups: cls(groups, **kwargs)
+                      param_map: dict[int, nn.Parameter]) -> tuple[Any, Any, Optional[torch.optim.Optimizer]]:
+    """``(params or groups, factory, client optimizer)`` for build_engine_optimizer and
+    build_scheduler: what _module_engine does at TP = 1 (:func:`resolve_client_optimizer`,
+    :func:`param_groups_from_client`, :func:`client_optimizer_factory`), with every original
+    parameter mapped onto its shard by ``param_map``."""
+    given = (list(model.parameters()) if model_parameters is None
+             else map_param_groups(model_parameters, param_map, model))
+    if client is None:
+        return (model if model_parameters is None else given), optimizer_factory(cfg.optimizer), None
+    resolved = resolve_client_optimizer(client, given)
+    map_param_groups(resolved.param_groups, param_map, model)  # each client parameter is one of the model's
+    flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
+    return (param_groups_from_client(resolved, flat, param_map), client_optimizer_factory(resolved), resolved)
 
 
 class TPBatchBroadcast:
@@ -208,10 +197,10 @@ def build_autotp_engine(cfg: Config, model: nn.Module, client_opt: Any, model_pa
         model.to(dtype=dtype)
     if groups.dp_size > 1:
         _broadcast_module(model, groups.dp_ranks[0], groups.dp_group)
-    params, factory = _optimizer_inputs(cfg, model, client_opt, params_in, result.param_map)
+    params, factory, client = _optimizer_inputs(cfg, model, client_opt, params_in, result.param_map)
     opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, tp_group=groups.tp_group,
                                  module=model)
-    sched = build_scheduler(cfg, opt, client_sched)
+    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
     model.register_forward_pre_hook(TPBatchBroadcast(groups.tp_group, tp_src, device), with_kwargs=True)
     logger.info("AutoTP: %d layers split over %d ranks", len(result.replaced), cfg.tp)
     return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,

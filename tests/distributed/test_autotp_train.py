@@ -26,12 +26,13 @@ pytest.importorskip("transformers")
 STEPS, MB, LR, CLIP = 3, 2, 3e-3, 0.5
 
 
-def _config(tp, stage, ga, dp, bf16=False):
+def _config(tp, stage, ga, dp, bf16=False, optimizer_section=True):
     cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": ga,
            "train_batch_size": MB * ga * dp, "gradient_clipping": CLIP, "seed": 0,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
            "tensor_parallel": {"autotp_size": tp}}
-    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": True}}
+    if optimizer_section:  # none with a client optimizer (as DeepSpeed: one source of the optimizer)
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": True}}
     if bf16:
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -79,8 +80,8 @@ def _train(rank, world, family, tp, stage, ga, client, ckpt=False, bf16=False):
         kw["optimizer"] = torch.optim.AdamW(_groups(model), lr=LR, weight_decay=0.1)
     else:
         kw["model_parameters"] = model.parameters()
-    # the config keeps an optimizer section (main requires one; the client's instance wins)
-    eng, _, _, _ = engine.initialize(model=model, config=_config(tp, stage, ga, dp, bf16), **kw)
+    cfg = _config(tp, stage, ga, dp, bf16, optimizer_section=client != "instance")
+    eng, _, _, _ = engine.initialize(model=model, config=cfg, **kw)
     dp_rank, tp_rank = eng.groups.dp_rank, eng.groups.tp_rank
     losses, norms = [], []
     for s in range(STEPS):
