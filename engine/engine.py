@@ -288,6 +288,7 @@ class Engine(nn.Module):
         self.module.train()
         if self.pipeline is not None:
             self.optimizer.set_boundary(False)  # reduce once, after the last micro-batch
+            self.pipeline.prepare(mbs)  # one-time setup (a PipelineModule's shape probe), before the step
             with self.timers.phase("pipeline"), comm.no_host_sync("the pipeline executor's step"):
                 losses = self.pipeline.train(mbs)
             self.micro_steps += ga

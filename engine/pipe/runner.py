@@ -7,7 +7,9 @@ the shape and dtype of its input (a small int64 header, no activation), runs its
 zeros of that shape (no grad, RNG state restored, so training is unaffected) and passes
 its output's shape on. The boundary shapes are then all-gathered over the pipeline group
 and must all be equal (the executor posts fixed-shape receives), which every rank checks
-on the same data, so every rank raises the same error.
+on the same data, so every rank raises the same error. The engine runs the probe through
+:meth:`LazyPipelineRunner.prepare` before it enters the step, so reading the headers on the
+host (once per job) is not a sync inside the executor's step.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ class LazyPipelineRunner:
             self._runner = PipelineRunner(self.chunks, self.cfg, self.groups, self.loss_fn, device=self.device,
                                           dtype=dtype, loss_scale=self.loss_scale, boundary_shape=shape)
         return self._runner
+
+    def prepare(self, microbatches: Sequence[Any]) -> None:
+        """One-time setup before the first step: the boundary-shape probe (its collectives
+        and its host read of the shape headers happen here, which the engine calls outside
+        the executor step's no-host-sync region; see :mod:`engine.dist.strict`, rule 6)."""
+        self._ready(microbatches)
 
     @property
     def is_last(self) -> bool:

@@ -86,6 +86,10 @@ class PipelineRunner:
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
             broadcast_loss=False, record=False, side_inputs=self.document_masking)
 
+    def prepare(self, microbatches: Sequence[Any]) -> None:
+        """Setup before a step, outside its no-host-sync region: nothing here (the boundary
+        shape comes from the config; :class:`engine.pipe.runner.LazyPipelineRunner` probes)."""
+
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
