@@ -94,32 +94,38 @@ def _train(rank, world, pp, runs, ckpt, load_ckpt):
     return out
 
 
+PP2_RUNS = {"saved": (1, "parameters", 0), "zero2": (2, "type:block", 1)}
+
+
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("pipe_ckpt"))
+def pp2(tmp_path_factory):
+    """The PP = 2 x DP = 2 runs, once per module: their results, and the checkpoint "saved"
+    writes after step 2 (tag s2), which the PP = 4 test loads; either test alone builds it."""
+    ckpt_dir = str(tmp_path_factory.mktemp("pipe_ckpt"))
+    results = run_ranks(_train, 4, 2, PP2_RUNS, ckpt_dir, None, timeout=360)
+    return results, ckpt_dir
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_pipeline_module_pp2_dp2_zero_1_and_2_equals_one_process(ckpt_dir):
-    runs = {"saved": (1, "parameters", 0), "zero2": (2, "type:block", 1)}
-    results = run_ranks(_train, 4, 2, runs, ckpt_dir, None, timeout=360)
+def test_pipeline_module_pp2_dp2_zero_1_and_2_equals_one_process(pp2):
+    results, _ = pp2
     ref = reference(2)
     deepspeed_zero1 = json.loads(GOLDEN.read_text())["pp2"]["losses"]["1"]
-    for name in runs:
+    for name in PP2_RUNS:
         for r in results:
-            assert r[name]["losses"] == pytest.approx(ref, abs=1e-5), f"{name} (ZeRO-{runs[name][0]})"
+            assert r[name]["losses"] == pytest.approx(ref, abs=1e-5), f"{name} (ZeRO-{PP2_RUNS[name][0]})"
             assert r[name]["losses"] == pytest.approx(deepspeed_zero1, abs=1e-5), f"{name} vs DeepSpeed"
         assert len({r[name]["eval"] for r in results}) == 1  # eval loss reaches every stage and replica
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(500)
-def test_pipeline_module_pp4_dp2_zero_1_and_2_and_a_pp2_checkpoint_resumed(ckpt_dir):
+@pytest.mark.timeout(900)  # includes building the PP = 2 fixture when this test runs alone
+def test_pipeline_module_pp4_dp2_zero_1_and_2_and_a_pp2_checkpoint_resumed(pp2):
     import os
 
-    if not os.path.exists(os.path.join(ckpt_dir, "s2")):
-        pytest.skip("needs the PP=2 test's checkpoint (run the module)")
+    _, ckpt_dir = pp2
+    assert os.path.isdir(os.path.join(ckpt_dir, "s2")), "the PP = 2 run did not leave its checkpoint"
     runs = {"zero1": (1, "uniform", 0), "resumed": (2, "parameters", 2)}
     results = run_ranks(_train, 8, 4, runs, None, ckpt_dir, timeout=460)
     ref = reference(2)
