@@ -28,7 +28,12 @@ import tempfile
 
 import torch.distributed as dist
 
-from engine.checkpoint.format import LATEST_FILE, METADATA_FILE, read_latest
+from engine.checkpoint.format import (
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    read_latest,
+)
 from engine.checkpoint.load import checkpoint_location
 from engine.dist.lock import DirLock, DirLockError
 
@@ -129,10 +134,19 @@ def prepare_locations(*, output: str, save: str | None, load: str | None, load_i
     if problem is None and save is not None:
         problem = _check_save(save, location, finetune)
     if problem is None and rank == 0 and save is not None and location is not None and location[1] is not None \
-            and os.path.realpath(location[0]) == os.path.realpath(save) and read_latest(save) != location[1]:
-        logger.warning("resuming from %s, not from the newest checkpoint in --save %s ('latest' names %s): saves "
-                       "of this run replace the tags it reaches again", location[1], save, read_latest(save))
+            and os.path.realpath(location[0]) == os.path.realpath(save):
+        _warn_if_older(save, location[1])
     return (None if problem is None else where + problem), location
+
+
+def _warn_if_older(save: str, tag: str) -> None:
+    try:
+        latest = read_latest(save)
+    except CheckpointError:
+        return  # a corrupt 'latest' is the load's to report (it does not read it: a tag was given)
+    if latest is not None and latest != tag:
+        logger.warning("resuming from %s, not from the newest checkpoint in --save %s ('latest' names %s): saves "
+                       "of this run replace the tags it reaches again", tag, save, latest)
 
 
 def agree_on_problems(problem: str | None) -> str | None:
