@@ -46,7 +46,8 @@ NsFn = Callable[[torch.Tensor], torch.Tensor]
 @dataclass
 class ExchangeStats:
     """Counters of this rank: Newton–Schulz calls, wall and CPU seconds (the CPU time is what
-    the rank computed, also when ranks share cores), elements sent by collectives."""
+    the rank computed, also when ranks share cores; on CUDA both are launch times, the
+    kernels being asynchronous), elements passed to the collectives."""
 
     ns_calls: int = 0
     ns_seconds: float = 0.0
