@@ -113,7 +113,8 @@ def _curve_rank(rank: int, world: int, steps: int, opt: str) -> list[float]:
     from engine.config import load_config
     from engine.runtime.trainer import build_data, train
 
-    raw = json.load(open(os.path.join(ROOT, "configs", "default.json")))
+    with open(os.path.join(ROOT, "configs", "default.json")) as f:
+        raw = json.load(f)
     cfg = copy.deepcopy(raw)
     cfg["tensor_parallel"] = {"autotp_size": 1}
     cfg["pipeline"] = {"stages": 1}
