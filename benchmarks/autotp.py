@@ -106,8 +106,9 @@ def _dtensor(a: dict[str, Any]):
 
     # foreach kernels refuse to mix DTensor and plain tensors: one AdamW for each kind
     params = list(model.parameters())
-    opts = [torch.optim.AdamW(ps, lr=LR, weight_decay=0.0, foreach=True)
-            for ps in ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])]
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    opts = [torch.optim.AdamW(ps, lr=LR, weight_decay=0.0, foreach=True) for ps in (sharded, plain)]
 
     def step(s: int) -> float:
         ids = _batch(a, s)

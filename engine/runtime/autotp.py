@@ -21,13 +21,16 @@ Steps (:func:`build_autotp_engine`):
    engine's device, so every rank of a TP group computes on the same micro-batch whatever
    its data loader gave it (:class:`TPBatchBroadcast`). ``training_data`` given to
    ``initialize`` is already read per DP rank, so the broadcast then changes nothing.
+
+``engine.train_batch`` works with ``{"input_ids", "labels"}`` micro-batches: without a
+``loss_fn`` the model's own causal-LM loss is used (:func:`_hf_train_batch_loss`).
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -159,6 +162,23 @@ class TPBatchBroadcast:
         return tuple(new_args), kwargs
 
 
+def _hf_train_batch_loss(model: nn.Module, bcast: TPBatchBroadcast) -> Optional[LossFn]:
+    """For ``engine.train_batch`` / ``eval_batch`` without a ``loss_fn``: the model's own
+    causal-LM loss (``model.loss_function``: labels shifted inside, -100 ignored) of
+    ``model(input_ids)`` against the micro-batch's ``labels`` (a dict with ``input_ids`` and
+    ``labels``, or an ``(input_ids, labels)`` pair), the labels taken from TP rank 0 like the
+    model's inputs. None for a model without ``loss_function`` (not a transformers model)."""
+    if not hasattr(type(model), "loss_function"):
+        return None
+
+    def loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+        (labels,), _ = bcast(model, (labels,), {})
+        logits = output.logits if hasattr(output, "logits") else output
+        hf_loss: Any = cast(Any, model).loss_function
+        return hf_loss(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+    return loss
+
+
 @torch.no_grad()
 def _broadcast_module(module: nn.Module, src: int, group: dist.ProcessGroup) -> None:
     for t in list(module.parameters()) + list(module.buffers()):
@@ -201,7 +221,8 @@ def build_autotp_engine(cfg: Config, model: nn.Module, client_opt: Any, model_pa
     opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, tp_group=groups.tp_group,
                                  module=model)
     sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
-    model.register_forward_pre_hook(TPBatchBroadcast(groups.tp_group, tp_src, device), with_kwargs=True)
+    bcast = TPBatchBroadcast(groups.tp_group, tp_src, device)
+    model.register_forward_pre_hook(bcast, with_kwargs=True)
     logger.info("AutoTP: %d layers split over %d ranks", len(result.replaced), cfg.tp)
-    return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
-                  dist_env=dist_env, monitor=monitor)
+    return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched,
+                  loss_fn=loss_fn or _hf_train_batch_loss(model, bcast), dist_env=dist_env, monitor=monitor)

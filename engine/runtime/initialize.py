@@ -8,6 +8,8 @@ Without tensor or pipeline parallelism any ``nn.Module`` works with the DeepSpee
 is the reference GPT (``model=None`` builds it from the config's ``model`` section; an
 unsharded :class:`engine.models.GPT` is sharded onto this rank) or, with TP = 1, a list of
 layers cut into pipeline stages; ``engine.train_batch(data_iter)`` runs a whole step.
+Any other ``nn.Module`` (a Hugging Face decoder) with ``tensor_parallel.autotp_size > 1``
+is split by AutoTP (:mod:`engine.runtime.autotp`, docs/autotp.md).
 """
 
 from __future__ import annotations

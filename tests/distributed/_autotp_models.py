@@ -1,7 +1,8 @@
 """Tiny Hugging Face decoders for the AutoTP tests (built from configs, no downloads).
 
 Each family is chosen for what it exercises: Llama with GQA (4 heads, 2 KV heads: split at
-TP 2, replicated at TP 4), Qwen2 (biases on q/k/v), GPT-2 (Conv1D transposed weights, a
+TP 2, replicated at TP 4) and attention biases (replicated k/v biases at TP 4, a row-parallel
+o_proj bias), Qwen2 (biases on q/k/v), GPT-2 (Conv1D transposed weights, a
 fused c_attn, tied embeddings), GPT-NeoX (per-head packed query_key_value), Phi-3 (fused
 qkv and gate_up, head counts read from the config in the forward).
 """
@@ -20,7 +21,7 @@ def build(family: str, seed: int = 0, *, meta: bool = False, layers: int = 2, hi
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   intermediate_size=inter, max_position_embeddings=64)
     if family == "llama":
-        cfg = tf.LlamaConfig(num_key_value_heads=kv, tie_word_embeddings=False, **common)
+        cfg = tf.LlamaConfig(num_key_value_heads=kv, tie_word_embeddings=False, attention_bias=True, **common)
     elif family == "qwen2":
         cfg = tf.Qwen2Config(num_key_value_heads=heads, tie_word_embeddings=False, **common)
     elif family == "gpt2":
@@ -43,7 +44,7 @@ def build(family: str, seed: int = 0, *, meta: bool = False, layers: int = 2, hi
         with torch.device("meta"):
             return tf.AutoModelForCausalLM.from_config(cfg)
     model = tf.AutoModelForCausalLM.from_config(cfg).float()
-    if family == "qwen2":  # HF zero-inits biases: make them matter
+    if family in ("qwen2", "llama"):  # HF zero-inits biases: make them matter
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith("bias"):

@@ -2,7 +2,8 @@
 one process training the unsharded Hugging Face model with torch.optim.AdamW on the
 global batch (same clipping).
 
-Each case runs 3 optimizer steps and compares the per-step loss (mean over micro-batches
+Each case runs 3 optimizer steps (the DeepSpeed loop, or ``engine.train_batch`` over dict
+micro-batches for the ``train_batch`` case) and compares the per-step loss (mean over micro-batches
 and DP replicas) and the pre-clipping global gradient norm. TP ranks other than TP rank 0
 are fed *different* token ids: the engine's TP batch broadcast must replace them.
 
@@ -84,6 +85,15 @@ def _train(rank, world, family, tp, stage, ga, client, ckpt=False, bf16=False):
     eng, _, _, _ = engine.initialize(model=model, config=cfg, **kw)
     dp_rank, tp_rank = eng.groups.dp_rank, eng.groups.tp_rank
     losses, norms = [], []
+    if client == "train_batch":  # engine.train_batch over dict micro-batches, labels broadcast too
+        for s in range(STEPS):
+            ids = _global_batch(s, MB * ga * dp).view(dp, ga, MB, -1)
+            mbs = [{"input_ids": ids[dp_rank, m] if tp_rank == 0 else batch(99 + s, b=MB),
+                    "labels": ids[dp_rank, m] if tp_rank == 0 else batch(77 + s, b=MB)} for m in range(ga)]
+            losses.append(eng.train_batch(iter(mbs)).item())
+            norms.append(eng.get_global_grad_norm())
+        eng.destroy()
+        return losses, norms
     for s in range(STEPS):
         ids = _global_batch(s, MB * ga * dp).view(dp, ga, MB, -1)
         total = torch.zeros(())
@@ -125,7 +135,7 @@ def _check(results, bf16_cases=()):
 
 def test_autotp_tp2_dp2_zero123():
     # (family, tp, zero stage, grad accumulation, optimizer, activation checkpointing, bf16)
-    cases = [("llama", 2, 1, 1, "config"), ("qwen2", 2, 2, 2, "instance", True), ("gpt2", 2, 2, 1, "config"),
+    cases = [("llama", 2, 1, 1, "config"), ("qwen2", 2, 2, 2, "instance", True), ("gpt2", 2, 2, 2, "train_batch"),
              ("gpt2", 2, 1, 2, "instance"), ("llama", 2, 3, 1, "config"), ("llama", 2, 2, 1, "config", False, True)]
     results = run_ranks(_cases_worker, 4, [tuple(c) for c in cases], timeout=300)
     _check(results, bf16_cases=[cases[-1]])

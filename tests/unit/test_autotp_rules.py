@@ -59,3 +59,22 @@ def test_local_ranges_follow_fused_parts():
     assert local_ranges(16, 1, 2, (8, 4, 4)) == [(4, 8), (10, 12), (14, 16)]
     with pytest.raises(ValueError, match="not divisible"):
         local_ranges(10, 0, 4, None)
+
+
+def test_config_specs_reach_the_engine_and_unknown_models_are_a_config_error():
+    import torch.nn as nn
+
+    from engine.config import load_config
+    from engine.errors import ConfigError
+    from engine.runtime.autotp import layer_specs_of
+
+    base = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = load_config({**base, "tensor_parallel": {"autotp_size": 2, "partition_config": {
+        "layer_specs": [{"patterns": [r".*\.fc\.weight$"], "partition_type": "row"}]}}}, world_size=2)
+    specs = layer_specs_of(cfg, nn.Linear(2, 2))            # no model_type: user specs only
+    assert [s.partition_type for s in specs] == ["row"]
+    bare = load_config({**base, "tensor_parallel": {"autotp_size": 2}}, world_size=2)
+    with pytest.raises(ConfigError, match="no rules for model_type None"):
+        layer_specs_of(bare, nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="vocab_parallel_lm_head"):
+        load_config({**base, "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}, world_size=2)
