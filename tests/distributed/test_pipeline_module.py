@@ -3,7 +3,8 @@
 (TiedLayerSpec with a forward_fn), LayerSpec blocks, a plain callable, ``loss_fn``.
 
 PP = 2 x DP = 2 (4 ranks) and PP = 4 x DP = 2 (8 ranks), ZeRO 1 and 2, partition methods
-parameters / type:<regex> / uniform, activation checkpointing, against one process
+parameters / type:<regex> / uniform, schedules 1F1B / interleaved 1F1B / GPipe, activation
+checkpointing, against one process
 running the same layers with torch.optim.AdamW on the whole batch. A checkpoint saved at
 PP = 2 is loaded at PP = 4 and training goes on equal to the reference. Real DeepSpeed
 runs the same script (tests/assets/ds_pipe_train.py) at ZeRO 0 and 1 (it refuses 2 and 3
@@ -72,11 +73,14 @@ def _train(rank, world, pp, runs, ckpt, load_ckpt):
     from engine.pipe import PipelineModule
 
     out = {}
-    for name, (stage, method, interval) in runs.items():
+    for name, (stage, method, interval, schedule) in runs.items():
         net = PipelineModule(specs(), num_stages=pp, loss_fn=loss_fn, partition_method=method,
                              activation_checkpoint_interval=interval)
+        cfg = config(stage)
+        if schedule is not None:  # any of the engine's schedules (DeepSpeed has its own 1F1B only)
+            cfg["pipeline"] = {"schedule": schedule, "virtual_stages": 2 if schedule.startswith("interleaved") else 1}
         eng, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                       config=config(stage))
+                                       config=cfg)
         dp_rank = eng.groups.dp_rank
         start = 0
         if load_ckpt and name == "resumed":
@@ -102,7 +106,7 @@ def ckpt_dir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_pipeline_module_pp2_dp2_zero_1_and_2_equals_one_process(ckpt_dir):
-    runs = {"saved": (1, "parameters", 0), "zero2": (2, "type:block", 1)}
+    runs = {"saved": (1, "parameters", 0, None), "zero2": (2, "type:block", 1, "interleaved-1f1b")}
     results = run_ranks(_train, 4, 2, runs, ckpt_dir, None, timeout=360)
     ref = reference(2)
     deepspeed_zero1 = json.loads(GOLDEN.read_text())["pp2"]["losses"]["1"]
@@ -120,7 +124,7 @@ def test_pipeline_module_pp4_dp2_zero_1_and_2_and_a_pp2_checkpoint_resumed(ckpt_
 
     if not os.path.exists(os.path.join(ckpt_dir, "s2")):
         pytest.skip("needs the PP=2 test's checkpoint (run the module)")
-    runs = {"zero1": (1, "uniform", 0), "resumed": (2, "parameters", 2)}
+    runs = {"zero1": (1, "uniform", 0, None), "resumed": (2, "parameters", 2, "gpipe")}
     results = run_ranks(_train, 8, 4, runs, None, ckpt_dir, timeout=460)
     ref = reference(2)
     deepspeed_zero1 = json.loads(GOLDEN.read_text())["pp4"]["losses"]["1"]
