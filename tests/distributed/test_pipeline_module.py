@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 from harness import run_ranks
 
@@ -33,9 +32,13 @@ from harness import run_ranks
 _SCRIPT = Path(__file__).resolve().parents[1] / "assets" / "ds_pipe_train.py"
 _TEXT = _SCRIPT.read_text()
 assert "\nimport deepspeed\nfrom deepspeed.pipe import" in _TEXT
+_NS: dict = {"__name__": "ds_pipe_train"}
 exec(compile(_TEXT.replace("\nimport deepspeed\nfrom deepspeed.pipe import",
                            "\nimport engine.compat.deepspeed as deepspeed\nfrom engine.pipe import"),
-             str(_SCRIPT), "exec"), globals())
+             str(_SCRIPT), "exec"), _NS)
+V, H, BLOCKS, GA, STEPS, LR = (_NS[k] for k in ("V", "H", "BLOCKS", "GA", "STEPS", "LR"))
+Embed, Block, head, scale, loss_fn = (_NS[k] for k in ("Embed", "Block", "head", "scale", "loss_fn"))
+specs, batch, config = _NS["specs"], _NS["batch"], _NS["config"]
 GOLDEN = _SCRIPT.parent / "ds_pipe_train_deepspeed.json"
 
 
