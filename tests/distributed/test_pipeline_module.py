@@ -2,7 +2,7 @@
 ``engine.train_batch``) in the pipeline tutorial's shape: a tied embedding / head
 (TiedLayerSpec with a forward_fn), LayerSpec blocks, a plain callable, ``loss_fn``.
 
-PP = 2 x DP = 2 (4 ranks) and PP = 4 x DP = 2 (8 ranks), ZeRO 1 and 2, partition methods
+PP = 2 x DP = 2 (4 ranks: ZeRO 1, 2, 3) and PP = 4 x DP = 2 (8 ranks: ZeRO 1, 2), partition methods
 parameters / type:<regex> / uniform, schedules 1F1B / interleaved 1F1B / GPipe, activation
 checkpointing, against one process
 running the same layers with torch.optim.AdamW on the whole batch. A checkpoint saved at
@@ -108,8 +108,9 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_pipeline_module_pp2_dp2_zero_1_and_2_equals_one_process(ckpt_dir):
-    runs = {"saved": (1, "parameters", 0, None), "zero2": (2, "type:block", 1, "interleaved-1f1b")}
+def test_pipeline_module_pp2_dp2_zero_1_2_3_equals_one_process(ckpt_dir):
+    runs = {"saved": (1, "parameters", 0, None), "zero2": (2, "type:block", 1, "interleaved-1f1b"),
+            "zero3": (3, "parameters", 1, None)}
     results = run_ranks(_train, 4, 2, runs, ckpt_dir, None, timeout=360)
     ref = reference(2)
     deepspeed_zero1 = json.loads(GOLDEN.read_text())["pp2"]["losses"]["1"]
