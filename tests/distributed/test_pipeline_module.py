@@ -2,8 +2,9 @@
 ``engine.train_batch``) in the pipeline tutorial's shape: a tied embedding / head
 (TiedLayerSpec with a forward_fn), LayerSpec blocks, a plain callable, ``loss_fn``.
 
-PP = 2 x DP = 2 (4 ranks) and PP = 4 x DP = 2 (8 ranks), ZeRO 1 and 2, partition methods
-parameters / type:<regex> / uniform, activation checkpointing, against one process
+PP = 2 x DP = 2 (4 ranks: ZeRO 1, 2, 3) and PP = 4 x DP = 2 (8 ranks: ZeRO 1, 2), partition methods
+parameters / type:<regex> / uniform, schedules 1F1B / interleaved 1F1B / GPipe, activation
+checkpointing, against one process
 running the same layers with torch.optim.AdamW on the whole batch. A checkpoint saved at
 PP = 2 is loaded at PP = 4 and training goes on equal to the reference. Real DeepSpeed
 runs the same script (tests/assets/ds_pipe_train.py) at ZeRO 0 and 1 (it refuses 2 and 3
@@ -23,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
 from harness import run_ranks
 
@@ -32,9 +32,13 @@ from harness import run_ranks
 _SCRIPT = Path(__file__).resolve().parents[1] / "assets" / "ds_pipe_train.py"
 _TEXT = _SCRIPT.read_text()
 assert "\nimport deepspeed\nfrom deepspeed.pipe import" in _TEXT
+_NS: dict = {"__name__": "ds_pipe_train"}
 exec(compile(_TEXT.replace("\nimport deepspeed\nfrom deepspeed.pipe import",
                            "\nimport engine.compat.deepspeed as deepspeed\nfrom engine.pipe import"),
-             str(_SCRIPT), "exec"), globals())
+             str(_SCRIPT), "exec"), _NS)
+V, H, BLOCKS, GA, STEPS, LR = (_NS[k] for k in ("V", "H", "BLOCKS", "GA", "STEPS", "LR"))
+Embed, Block, head, scale, loss_fn = (_NS[k] for k in ("Embed", "Block", "head", "scale", "loss_fn"))
+specs, batch, config = _NS["specs"], _NS["batch"], _NS["config"]
 GOLDEN = _SCRIPT.parent / "ds_pipe_train_deepspeed.json"
 
 
@@ -72,11 +76,14 @@ def _train(rank, world, pp, runs, ckpt, load_ckpt):
     from engine.pipe import PipelineModule
 
     out = {}
-    for name, (stage, method, interval) in runs.items():
+    for name, (stage, method, interval, schedule) in runs.items():
         net = PipelineModule(specs(), num_stages=pp, loss_fn=loss_fn, partition_method=method,
                              activation_checkpoint_interval=interval)
+        cfg = config(stage)
+        if schedule is not None:  # any of the engine's schedules (DeepSpeed has its own 1F1B only)
+            cfg["pipeline"] = {"schedule": schedule, "virtual_stages": 2 if schedule.startswith("interleaved") else 1}
         eng, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                       config=config(stage))
+                                       config=cfg)
         dp_rank = eng.groups.dp_rank
         start = 0
         if load_ckpt and name == "resumed":
@@ -94,7 +101,8 @@ def _train(rank, world, pp, runs, ckpt, load_ckpt):
     return out
 
 
-PP2_RUNS = {"saved": (1, "parameters", 0), "zero2": (2, "type:block", 1)}
+PP2_RUNS = {"saved": (1, "parameters", 0, None), "zero2": (2, "type:block", 1, "interleaved-1f1b"),
+            "zero3": (3, "parameters", 1, None)}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +116,7 @@ def pp2(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_pipeline_module_pp2_dp2_zero_1_and_2_equals_one_process(pp2):
+def test_pipeline_module_pp2_dp2_zero_1_2_3_equals_one_process(pp2):
     results, _ = pp2
     ref = reference(2)
     deepspeed_zero1 = json.loads(GOLDEN.read_text())["pp2"]["losses"]["1"]
@@ -126,7 +134,7 @@ def test_pipeline_module_pp4_dp2_zero_1_and_2_and_a_pp2_checkpoint_resumed(pp2):
 
     _, ckpt_dir = pp2
     assert os.path.isdir(os.path.join(ckpt_dir, "s2")), "the PP = 2 run did not leave its checkpoint"
-    runs = {"zero1": (1, "uniform", 0), "resumed": (2, "parameters", 2)}
+    runs = {"zero1": (1, "uniform", 0, None), "resumed": (2, "parameters", 2, "gpipe")}
     results = run_ranks(_train, 8, 4, runs, None, ckpt_dir, timeout=460)
     ref = reference(2)
     deepspeed_zero1 = json.loads(GOLDEN.read_text())["pp4"]["losses"]["1"]
