@@ -70,7 +70,7 @@ class _GroupLog:
 @dataclass
 class _State:
     device_type: str
-    logs: dict = field(default_factory=dict)  # group key -> _GroupLog
+    logs: dict = field(default_factory=dict)  # group name -> _GroupLog
     checking: int = 0  # > 0 while the checker itself runs (its own .tolist() is not a violation)
 
 
@@ -120,8 +120,11 @@ def _ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
 
 def _log(group: Optional[dist.ProcessGroup]) -> _GroupLog:
     assert _STATE is not None
-    key = group if group is not None else dist.group.WORLD
-    return _STATE.logs.setdefault(key, _GroupLog())
+    g = group if group is not None else dist.group.WORLD
+    # keyed by name, never by the object: holding a ProcessGroup here would keep its gloo
+    # threads alive past shutdown() (engine/dist/teardown.py warns, and the interpreter can
+    # abort at exit)
+    return _STATE.logs.setdefault(str(getattr(g, "group_name", id(g))), _GroupLog())
 
 
 def check_tensor(t: torch.Tensor, what: str) -> None:

@@ -197,15 +197,24 @@ def _reduce_max(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Te
     return t
 
 
+def _current_scales(tensors: Sequence[torch.Tensor], metas: Sequence[ScalingMeta], recipe: Fp8Recipe,
+                    group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+    """``current`` scaling: each tensor's scale from its own amax, MAX-reduced over ``group``.
+    The amaxes of all tensors travel in ONE all-reduce (the forward's input and weight
+    together): each collective is a stall of the compute stream under NCCL."""
+    amax = torch.stack([t.detach().abs().amax().float() for t in tensors])  # (n,)
+    amax = _reduce_max(amax, group)
+    return [compute_scale(a, torch.ones_like(m.scale), fp8_max(m.dtype), recipe.margin)
+            for a, m in zip(amax.unbind(0), metas)]
+
+
 def _quantize(t: torch.Tensor, meta: ScalingMeta, recipe: Fp8Recipe, group: Optional[dist.ProcessGroup],
-              transpose: bool, record: bool = True):
+              transpose: bool, record: bool = True, scale: Optional[torch.Tensor] = None):
     """(fp8, scale_inv, fp8_t or None) of a 2-D tensor under the recipe; records its amax
-    unless ``record`` is False (evaluation forwards must not feed the training history)."""
-    if recipe.scaling == "current":
-        amax = _reduce_max(t.detach().abs().amax().float(), group)
-        scale = compute_scale(amax, torch.ones_like(meta.scale), fp8_max(meta.dtype), recipe.margin)
-    else:
-        scale = meta.scale
+    unless ``record`` is False (evaluation forwards must not feed the training history).
+    ``scale``: a ``current`` scale computed already (:func:`_current_scales`)."""
+    if scale is None:
+        scale = _current_scales([t], [meta], recipe, group)[0] if recipe.scaling == "current" else meta.scale
     res = fp8_cast(t, scale, meta.dtype, transpose=transpose)
     if record:
         meta.record_amax(res[1])
@@ -229,8 +238,11 @@ class _Fp8LinearFn(torch.autograd.Function):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)  # (M, K)
         transpose = backend == "scaled_mm"  # the backward GEMMs need column-major copies
-        x8, x_inv, x8_t = _quantize(x2, state.input, recipe, group, transpose, record)
-        w8, w_inv, w8_t = _quantize(weight, state.weight, recipe, group, transpose, record)
+        sx = sw = None
+        if recipe.scaling == "current":  # one all-reduce for both amaxes
+            sx, sw = _current_scales([x2, weight], [state.input, state.weight], recipe, group)
+        x8, x_inv, x8_t = _quantize(x2, state.input, recipe, group, transpose, record, sx)
+        w8, w_inv, w8_t = _quantize(weight, state.weight, recipe, group, transpose, record, sw)
         y = _mm(x8, x_inv, w8, w_inv, backend, x.dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)

@@ -55,3 +55,34 @@ def test_peak_table_picks_the_hopper_variant_from_the_driver_name(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert device_peak_flops(torch.device("cuda", 0), "bf16") == bf16 * 1e12, name
         assert abs(device_peak_flops(torch.device("cuda", 0), "fp8") / (bf16 * 1e12) - 2) < 0.01, name
+
+
+def test_step_timer_on_cuda_does_not_drain_the_device_before_the_step(monkeypatch):
+    import time as time_mod
+
+    import torch
+
+    from engine.metrics import StepTimer
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time_mod.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    def no_sync(*a, **k):
+        raise AssertionError("device-wide synchronize in StepTimer")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    timer = StepTimer(torch.device("cuda", 0))
+    timer.start()
+    time_mod.sleep(0.01)
+    assert 0.009 < timer.stop() < 1.0
