@@ -87,6 +87,8 @@ def _ds_engine(cfg: dict):
     conf = load_config(cfg, world_size=torch.distributed.get_world_size())
     dtype = torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
     stage3 = cfg["zero_optimization"]["stage"] == 3
+    import torch._dynamo  # noqa: F401  (imported inside deepspeed.zero.Init, which patches Tensor.__new__, it fails)
+
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
     ctx = deepspeed.zero.Init(config_dict_or_path=ds_cfg) if stage3 else contextlib.nullcontext()
     with ctx:
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     from engine.zero.memory import zero_peak_formula
 
                     row["formula"] = zero_peak_formula(param_bytes=2 if dtype == "bf16" else 4, stage=stage, dp=args.dp,
-                                                       **row["inputs"],
+                                                       **row["inputs"], accumulating=ga > 1,
                                                        activation_bytes=row["predicted"]["activations"])
                 rows.append(row)
     return rows

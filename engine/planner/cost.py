@@ -464,7 +464,8 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
         logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if has_head else 0.0
         largest = vh if (has_embed or has_head) else largest_block_unit
         out = zero_peak_formula(int(numel), layout.zero_stage, layout.dp, param_bytes=int(param_bytes),
-                                bucket_numel=min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 2 else 0,
+                                bucket_numel=min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 1 else 0,
+                                accumulating=layout.num_microbatches > 1 or layout.pp > 1,
                                 largest_param_numel=largest, unit_numel=largest,
                                 prefetch_numel=int(prefetch_numel) if layout.zero_stage == 3 else 0,
                                 tied_numel=vh if tied_here else 0, activation_bytes=acts + logits)
