@@ -58,7 +58,7 @@ def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: in
 def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
                       bucket_numel: int = 0, largest_param_numel: int = 0, unit_numel: int = 0,
                       prefetch_numel: int = 0, tied_numel: int = 0, activation_bytes: float = 0.0,
-                      accumulating: bool = True, grad_bytes: int = 4,
+                      accumulating: bool = True, torch_adam: bool = False, grad_bytes: int = 4,
                       optimizer_bytes: int = 12) -> dict[str, float]:
     """Per-rank peak bytes during a step, by term (see the module docstring) and ``peak``.
 
@@ -68,13 +68,18 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     weight held whole on this rank (0 if none); ``accumulating``: gradients accumulate over
     several micro-batches (GA > 1 or a pipeline), the case in which stage 1 holds full
     gradients (otherwise it reduces through two buckets as stage 2). ``states`` is the
-    paper's formula with our fp32 gradients (and stage 1's master-gradient shard)."""
+    paper's formula with our fp32 gradients (and stage 1's master-gradient shard; at stage 0
+    fp32 parameters ARE the master). The backward terms and the optimizer step's temporary
+    (``torch_adam``: torch's AdamW allocates one master-sized sqrt temporary; the fused kernel
+    none) do not coexist: ``peak = states + max(backward, step)``."""
     f = zero_memory_formula(num_params, stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
                             optimizer_bytes=optimizer_bytes)
     states = sum(f.values()) + (4.0 * num_params / dp if stage == 1 else 0.0)
     pooled = stage >= 2 or (stage == 1 and not accumulating)
     if stage == 1 and not accumulating:
         states -= f["grads"]  # no full gradient: only the master-gradient shard
+    if stage == 0 and param_bytes == 4:
+        states -= 4.0 * num_params  # fp32 parameters are the master weights
     out = {
         "states": states,
         "buckets": 2.0 * 4 * bucket_numel if pooled else 0.0,
@@ -82,7 +87,9 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
         "gathered": float(param_bytes * (unit_numel + prefetch_numel + tied_numel)) if stage == 3 else 0.0,
         "activations": float(activation_bytes),
     }
-    out["peak"] = sum(out.values())
+    out["backward"] = out["buckets"] + out["grad_in_flight"] + out["gathered"] + out["activations"]
+    out["step"] = 4.0 * num_params / (dp if stage >= 1 else 1) if torch_adam else 0.0
+    out["peak"] = states + max(out["backward"], out["step"])
     return out
 
 
