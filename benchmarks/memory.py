@@ -47,7 +47,7 @@ def config(args: argparse.Namespace, stage: int, dtype: str, ga: int) -> dict:
         "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": ga,
         "train_batch_size": args.micro * ga * args.dp, "steps_per_print": 10 ** 9, "seed": 1,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": not args.fused_adam}},
         "bf16": {"enabled": dtype == "bf16"},
         "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
                               "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
@@ -87,6 +87,8 @@ def _ds_engine(cfg: dict):
     conf = load_config(cfg, world_size=torch.distributed.get_world_size())
     dtype = torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float32
     stage3 = cfg["zero_optimization"]["stage"] == 3
+    import torch._dynamo  # noqa: F401  (imported inside deepspeed.zero.Init, which patches Tensor.__new__, it fails)
+
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
     ctx = deepspeed.zero.Init(config_dict_or_path=ds_cfg) if stage3 else contextlib.nullcontext()
     with ctx:
@@ -156,7 +158,8 @@ def predict(cfg: dict, inputs: dict, dp: int) -> dict:
                     num_microbatches=cfg["gradient_accumulation_steps"], zero_stage=zc["stage"])
     pb = 2 if cfg["bf16"]["enabled"] else 4
     return peak_estimate(ModelConfig(**cfg["model"]), layout, param_bytes=pb, bucket_numel=inputs["bucket_numel"],
-                         prefetch_numel=zc["stage3_prefetch_bucket_size"])
+                         prefetch_numel=zc["stage3_prefetch_bucket_size"],
+                         torch_adam=cfg["optimizer"]["params"]["torch_adam"])
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -185,7 +188,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     from engine.zero.memory import zero_peak_formula
 
                     row["formula"] = zero_peak_formula(param_bytes=2 if dtype == "bf16" else 4, stage=stage, dp=args.dp,
-                                                       **row["inputs"],
+                                                       **row["inputs"], accumulating=ga > 1,
+                                                       torch_adam=cfg["optimizer"]["params"]["torch_adam"],
                                                        activation_bytes=row["predicted"]["activations"])
                 rows.append(row)
     return rows
@@ -227,6 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ga", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--systems", nargs="+", choices=["ours", "deepspeed"], default=["ours", "deepspeed"])
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--fused-adam", action="store_true",
+                    help="ours steps its FusedAdamW (in place, no temporaries) instead of torch.optim.AdamW; "
+                         "DeepSpeed keeps torch.optim.AdamW")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", help="write the rows (bytes) here")
     args = ap.parse_args(argv)

@@ -430,7 +430,7 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[s
 
 
 def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.0, bucket_numel: int = 500_000_000,
-                  prefetch_numel: int = 50_000_000) -> dict[str, float]:
+                  prefetch_numel: int = 50_000_000, torch_adam: bool = False) -> dict[str, float]:
     """Predicted per-rank PEAK bytes during a step (no pipeline simulation: 1F1B holds
     ``min(pp - rank, micro-batches)`` micro-batches on rank ``rank``), by term:
 
@@ -442,7 +442,9 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
       plus the logits (compute dtype, fp32 log-softmax and its gradient).
 
     ``bucket_numel``: ``reduce_bucket_size`` (or the largest bucket when a single parameter
-    is larger); ``prefetch_numel``: ``stage3_prefetch_bucket_size``. Measured against
+    is larger); ``prefetch_numel``: ``stage3_prefetch_bucket_size``; ``torch_adam``: the
+    inner optimizer is torch's AdamW (a master-sized temporary in the step) rather than the
+    fused kernel. Backward transients and the step's temporary do not coexist. Measured against
     ``benchmarks/memory.py`` (tests/unit/test_planner_peak.py)."""
     from engine.zero.memory import zero_peak_formula
 
@@ -464,10 +466,13 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
         logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if has_head else 0.0
         largest = vh if (has_embed or has_head) else largest_block_unit
         out = zero_peak_formula(int(numel), layout.zero_stage, layout.dp, param_bytes=int(param_bytes),
-                                bucket_numel=min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 2 else 0,
-                                largest_param_numel=largest, unit_numel=largest,
+                                bucket_numel=min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 1 else 0,
+                                accumulating=layout.num_microbatches > 1 or layout.pp > 1,
+                                largest_param_numel=largest,
+                                unit_numel=largest_block_unit if tied_here else largest,  # the tied one counts below
                                 prefetch_numel=int(prefetch_numel) if layout.zero_stage == 3 else 0,
-                                tied_numel=vh if tied_here else 0, activation_bytes=acts + logits)
+                                tied_numel=vh if tied_here else 0, activation_bytes=acts + logits,
+                                torch_adam=torch_adam)
         if best is None or out["peak"] > best["peak"]:
             best = out
     assert best is not None

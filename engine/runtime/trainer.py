@@ -115,8 +115,10 @@ def write_memory_report(engine: Any, output_dir: str) -> Optional[dict[str, Any]
     mine = {"rank": engine.global_rank, "dp": coord.dp, "tp": coord.tp, "pp": coord.pp,
             "params_bytes": int(mem["params"]), "grads_bytes": int(mem["grads"]),
             "optimizer_state_bytes": int(mem["optimizer_state"]),
+            "bucket_buffers_bytes": int(mem.get("buckets", 0)),  # ZeRO-2/3 pooled reduction buffers
             "peak_bytes": peak_memory_bytes(engine.device),
-            "peak_kind": "max allocated (CUDA)" if engine.device.type == "cuda" else "max resident set size (CPU)"}
+            "peak_kind": "max allocated (CUDA)" if engine.device.type == "cuda" else
+            "resident set high-water mark since start (CPU, VmHWM; exact for tensors with MALLOC_MMAP_THRESHOLD_ fixed)"}
     everyone: Optional[list] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if dist.get_rank() != 0:

@@ -324,7 +324,8 @@ class ColumnParallelLinear(_Fp8Holder):
                                       fp8_state=self.fp8_state, record_amax=self.training)
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+        local = self.weight.shape[0] if self.weight.dim() == 2 else "partitioned"  # ZeRO-3: empty between uses
+        return (f"in={self.in_features}, out={self.out_features} (local {local}), "
                 f"parts={self.parts}, gather_output={self.gather_output}, sp={self.sequence_parallel}, "
                 f"fp8={self.fp8_state is not None}")
 
@@ -368,7 +369,8 @@ class RowParallelLinear(_Fp8Holder):
                                    fp8_state=self.fp8_state, record_amax=self.training)
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+        local = self.weight.shape[1] if self.weight.dim() == 2 else "partitioned"  # ZeRO-3: empty between uses
+        return (f"in={self.in_features} (local {local}), out={self.out_features}, "
                 f"input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}, "
                 f"fp8={self.fp8_state is not None}")
 

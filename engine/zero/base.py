@@ -93,7 +93,11 @@ class ZeroOptimizer:
 
     stage: int = -1
     shards_optimizer_state: bool = True  # stage >= 1: reduce-scatter into DP shards
-    keeps_full_grads: bool = True  # stages 0/1: the fp32 accumulator lives across steps
+    keeps_full_grads: bool = True  # stages 0/1: a full fp32 accumulator while gradients accumulate
+    # stage 1: a bucket with nothing accumulated when the boundary micro-step reaches it (no
+    # gradient accumulation) is reduced as it fills, like stage 2; its full accumulator exists
+    # only across accumulating micro-steps and is freed after the step's reduction
+    pools_on_boundary: bool = False
 
     def __init__(self, params: ParamsArg, optimizer_factory: OptimizerFactory,
                  dp_group: Optional[dist.ProcessGroup], *,
@@ -184,7 +188,7 @@ class ZeroOptimizer:
         self._init_grad_storage(b)
 
     def _init_grad_storage(self, b: FlatBucket) -> None:
-        if self.keeps_full_grads:
+        if self.keeps_full_grads and not self.pools_on_boundary:
             b.grad_acc = torch.zeros(b.layout.padded_numel, dtype=torch.float32, device=b.device)
 
     def _register_grad_hooks(self) -> None:
@@ -238,6 +242,8 @@ class ZeroOptimizer:
         # post-division when both are powers of two (bit-identical to DeepSpeed at dp = 2).
         alpha = 1.0 / (self.dp_size * self.loss_scaler.loss_scale)
         self._reduced = False
+        if self.pools_on_boundary and not b.pooled and b.grad_acc is None and self._boundary:
+            b.pooled = True  # nothing accumulated here this step: no full gradient needed
         if b.pooled:
             self._on_grad_sharded(b, i, p, alpha)
             return
@@ -307,7 +313,7 @@ class ZeroOptimizer:
     def _launch_remaining(self) -> None:
         """Launch the reduction of every bucket the hooks did not launch."""
         for b in self.buckets:
-            if not b.launched:
+            if not b.launched and not b.pooled:
                 self._launch(b)
 
     def reduce_gradients(self) -> None:
@@ -317,19 +323,19 @@ class ZeroOptimizer:
         pipeline executor does); :meth:`step` calls it if needed."""
         if self._reduced:
             return
-        if self.keeps_full_grads:
+        # pooled buckets: partly filled accumulators (parameters unused in the last pass); a
+        # bucket no gradient reached this step still takes part once (same collectives everywhere)
+        self._drain_inflight()
+        for b in self.buckets:
+            if b.pooled and (b.grad_acc is not None or b.reductions == 0):
+                self._launch_sharded(b)
+        self._drain_inflight()
+        if not all(b.pooled for b in self.buckets):  # full accumulators: one reduction each
             self._launch_remaining()
             for b in self.buckets:
-                b.wait()
-                self._after_reduce(b)
-        else:
-            # partly filled accumulators (parameters unused in the last pass); a bucket no
-            # gradient reached this step still takes part once (same collectives on every rank)
-            self._drain_inflight()
-            for b in self.buckets:
-                if b.grad_acc is not None or b.reductions == 0:
-                    self._launch_sharded(b)
-            self._drain_inflight()
+                if not b.pooled:
+                    b.wait()
+                    self._after_reduce(b)
         self._reduce_tied()  # the hooks already divided by dp * loss scale
         for b in self.buckets:
             b.reset_step()
@@ -337,7 +343,10 @@ class ZeroOptimizer:
         self._norm_cache = None
 
     def _after_reduce(self, b: FlatBucket) -> None:
-        """After a bucket's reduction completed (stages 0/1: nothing to do)."""
+        """After a full accumulator's reduction completed: stage 1 frees it (its shard is in
+        the master gradient now); stage 0's is the master gradient itself."""
+        if self.pools_on_boundary:
+            b.grad_acc = None
 
     def _reduce_tied(self) -> None:
         """Sum tied-weight gradients between the pipeline stages that hold a copy (same DP
@@ -434,6 +443,9 @@ class ZeroOptimizer:
                     self._pool.release(b.grad_acc)
                     b.grad_acc = None
                 b.arrived.clear()
+                b.pooled = not self.keeps_full_grads  # stage 1 decides again next step
+            elif self.pools_on_boundary:
+                b.grad_acc = None  # freed (a zero_grad without a step)
             elif b.grad_acc.data_ptr() != b.shard_grad.data_ptr():  # stage 0: zeroed as the master grad
                 b.grad_acc.zero_()
             for p in b.params:

@@ -16,7 +16,7 @@ shard (``4 Psi / N_d``) next to the full accumulator.
 The paper's terms are what a rank holds BETWEEN steps. :func:`zero_peak_formula` adds what
 exists only DURING a step, which decides whether a run fits:
 
-- ``buckets`` (stages 2/3): two bucket-sized fp32 accumulators (one filling, one being
+- ``buckets`` (stages 2/3, and 1 without accumulation): two bucket-sized fp32 accumulators (one filling, one being
   reduce-scattered; the pooled buffers of :mod:`engine.zero.base`);
 - ``grad_in_flight``: the compute-dtype gradient autograd produces for a parameter before
   the hook moves it into the accumulator, the largest one; a tied weight (used twice)
@@ -58,25 +58,38 @@ def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: in
 def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
                       bucket_numel: int = 0, largest_param_numel: int = 0, unit_numel: int = 0,
                       prefetch_numel: int = 0, tied_numel: int = 0, activation_bytes: float = 0.0,
-                      grad_bytes: int = 4, optimizer_bytes: int = 12) -> dict[str, float]:
+                      accumulating: bool = True, torch_adam: bool = False, grad_bytes: int = 4,
+                      optimizer_bytes: int = 12) -> dict[str, float]:
     """Per-rank peak bytes during a step, by term (see the module docstring) and ``peak``.
 
     ``bucket_numel``: the largest bucket (padded elements); ``largest_param_numel``: the
     largest parameter; ``unit_numel`` / ``prefetch_numel``: stage 3's largest gathered unit
     and its prefetch window (``stage3_prefetch_bucket_size``); ``tied_numel``: a tied
-    weight held whole on this rank (0 if none). ``states`` is the paper's formula with our
-    fp32 gradients (and stage 1's master-gradient shard)."""
+    weight held whole on this rank (0 if none); ``accumulating``: gradients accumulate over
+    several micro-batches (GA > 1 or a pipeline), the case in which stage 1 holds full
+    gradients (otherwise it reduces through two buckets as stage 2). ``states`` is the
+    paper's formula with our fp32 gradients (and stage 1's master-gradient shard; at stage 0
+    fp32 parameters ARE the master). The backward terms and the optimizer step's temporary
+    (``torch_adam``: torch's AdamW allocates one master-sized sqrt temporary; the fused kernel
+    none) do not coexist: ``peak = states + max(backward, step)``."""
     f = zero_memory_formula(num_params, stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
                             optimizer_bytes=optimizer_bytes)
     states = sum(f.values()) + (4.0 * num_params / dp if stage == 1 else 0.0)
+    pooled = stage >= 2 or (stage == 1 and not accumulating)
+    if stage == 1 and not accumulating:
+        states -= f["grads"]  # no full gradient: only the master-gradient shard
+    if stage == 0 and param_bytes == 4:
+        states -= 4.0 * num_params  # fp32 parameters are the master weights
     out = {
         "states": states,
-        "buckets": 2.0 * 4 * bucket_numel if stage >= 2 else 0.0,
+        "buckets": 2.0 * 4 * bucket_numel if pooled else 0.0,
         "grad_in_flight": float(param_bytes * max(largest_param_numel, 3 * tied_numel)),
         "gathered": float(param_bytes * (unit_numel + prefetch_numel + tied_numel)) if stage == 3 else 0.0,
         "activations": float(activation_bytes),
     }
-    out["peak"] = sum(out.values())
+    out["backward"] = out["buckets"] + out["grad_in_flight"] + out["gathered"] + out["activations"]
+    out["step"] = 4.0 * num_params / (dp if stage >= 1 else 1) if torch_adam else 0.0
+    out["peak"] = states + max(out["backward"], out["step"])
     return out
 
 
@@ -86,7 +99,7 @@ def optimizer_peak_inputs(optimizer: Any, module: torch.nn.Module) -> dict[str, 
     ``largest_param_numel``, ``unit_numel``, ``prefetch_numel`` and ``tied_numel`` (the
     largest parameter registered in several modules here, e.g. a tied embedding and head)."""
     buckets = optimizer.buckets
-    pooled = [b for b in buckets if getattr(b, "pooled", False)]
+    pooled = buckets if getattr(optimizer, "stage", 0) >= 1 else []
     units = getattr(optimizer, "_units", {})
     unit_sizes = [sum(b.layout.padded_numel for b in bs) for bs in units.values()]
     owners: dict[int, int] = {}

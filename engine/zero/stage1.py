@@ -1,10 +1,14 @@
 """ZeRO stage 1: optimizer state sharded over the DP group.
 
-Each rank keeps full compute-dtype parameters and a full fp32 gradient accumulator per
-bucket, but only its shard of the fp32 master weights and optimizer moments. On the
-boundary micro-step each bucket is reduce-scattered (async, as it fills) straight into the
-owning ranks' master-gradient shards; after the update every bucket's shard is
-all-gathered back into the parameters. Memory per rank: 2 Psi + 4 Psi + 12 Psi / N_d.
+Each rank keeps full compute-dtype parameters but only its shard of the fp32 master
+weights and optimizer moments. Full fp32 gradients exist only where ZeRO-1 needs them:
+while gradients accumulate over micro-steps (a full accumulator per bucket, from the first
+micro-step to the step's reduce-scatter, then freed). A bucket that has accumulated
+nothing when the boundary micro-step reaches it (no gradient accumulation) is reduced as
+it fills, through the two pooled bucket buffers, as in stage 2. After the update every
+bucket's shard is all-gathered back into the parameters.
+Memory per rank: 2 Psi + 12 Psi / N_d + 4 Psi / N_d (master gradient) + 4 Psi while
+accumulating (two buckets otherwise).
 """
 
 from __future__ import annotations
@@ -18,3 +22,4 @@ class Zero1Optimizer(ZeroOptimizer):
     stage = 1
     shards_optimizer_state = True
     keeps_full_grads = True
+    pools_on_boundary = True
