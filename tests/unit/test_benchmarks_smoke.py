@@ -131,25 +131,9 @@ def test_comm_timer_on_cuda_records_events_and_never_syncs_per_collective(monkey
 
     import torch
 
-    class FakeEvent:
-        def __init__(self, enable_timing=False):
-            assert enable_timing
-            self.t = None
+    from fake_cuda import patch_cuda_timing
 
-        def record(self):
-            self.t = time_mod.perf_counter()
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
-    def no_sync(*a, **k):
-        raise AssertionError("device synchronised inside the comm timer")
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    patch_cuda_timing(monkeypatch, "the comm timer")
     timer = CommTimer(torch.device("cuda", 0))
     for kind in ("collective", "p2p", "collective"):
         with timer.region(kind):

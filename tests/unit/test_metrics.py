@@ -64,24 +64,9 @@ def test_step_timer_on_cuda_does_not_drain_the_device_before_the_step(monkeypatc
 
     from engine.metrics import StepTimer
 
-    class FakeEvent:
-        def __init__(self, enable_timing=False):
-            self.t = None
+    from fake_cuda import patch_cuda_timing
 
-        def record(self):
-            self.t = time_mod.perf_counter()
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return (other.t - self.t) * 1e3
-
-    def no_sync(*a, **k):
-        raise AssertionError("device-wide synchronize in StepTimer")
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    patch_cuda_timing(monkeypatch, "StepTimer")
     timer = StepTimer(torch.device("cuda", 0))
     timer.start()
     time_mod.sleep(0.01)

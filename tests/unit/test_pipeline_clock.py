@@ -10,21 +10,8 @@ import time
 import torch
 
 from engine.pipeline.clock import DeviceClock, HostClock, make_clock
+from fake_cuda import FakeEvent
 
-
-class FakeEvent:
-    def __init__(self, enable_timing=False):
-        assert enable_timing
-        self.t = None
-
-    def record(self):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
 
 
 def test_device_clock_syncs_once_per_step_and_resolves_after(monkeypatch):
