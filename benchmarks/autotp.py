@@ -131,7 +131,7 @@ def _rank(a: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(a["threads"])
     variants = {"autotp": _engine(a, 2, env), "dp": _engine(a, 1, env), "dtensor": _dtensor(a)}
     first = {k: fn(0) for k, fn in variants.items()}        # same weights, same global batch
-    losses = torch.tensor(list(first.values()))
+    losses = torch.tensor(list(first.values()), device=env.device)
     dist.all_reduce(losses)  # the DP variant's loss is per rank: compare the means
     check = {k: v / 2 for k, v in zip(first, losses.tolist())}
     if max(check.values()) - min(check.values()) > 1e-4:

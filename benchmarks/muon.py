@@ -65,7 +65,7 @@ def _step_rank(rank: int, world: int, hidden: int, layers: int, vocab: int, seq:
     for opt in ("AdamW", "Muon"):
         eng, *_ = engine.initialize(config=_config(opt, world, hidden, layers, vocab, seq, ns_dtype))
         g = torch.Generator().manual_seed(rank)
-        ids = torch.randint(0, vocab, (2, seq + 1), generator=g)
+        ids = torch.randint(0, vocab, (2, seq + 1), generator=g, device="cpu")  # host batch: the engine moves it
         eng.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))  # warm-up, and state allocated
         engines[opt] = eng
     times: dict[str, list[float]] = {"AdamW": [], "Muon": []}
@@ -76,7 +76,7 @@ def _step_rank(rank: int, world: int, hidden: int, layers: int, vocab: int, seq:
             dist.barrier()
             t0 = time.perf_counter()
             eng.optimizer.optimizer.step()
-            dt = torch.tensor([time.perf_counter() - t0])
+            dt = torch.tensor([time.perf_counter() - t0], device=eng.device)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's
             times[opt].append(dt.item())
     mem = {opt: eng.optimizer.memory_bytes()["optimizer_state"] for opt, eng in engines.items()}

@@ -24,6 +24,7 @@ WORLD_SIZES = {
     "zero3.json": [2],
     "single_gpu.json": [1],
     "multinode.json": [16, 32],
+    "zero3_300m_dp8.json": [8],
 }
 
 
