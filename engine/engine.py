@@ -33,6 +33,7 @@ from engine.config import Config
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
+from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
 from engine.precision.fp8 import fp8_states, update_fp8_scales
 from engine.runtime.device import move_to_device
 from engine.runtime.timers import PhaseTimers
@@ -65,7 +66,7 @@ class Engine(nn.Module):
     def __init__(self, config: Config, module: nn.Module, optimizer: ZeroOptimizer, *,
                  device: torch.device, groups: Optional[ParallelGroups] = None, lr_scheduler: Any = None,
                  pipeline: Any = None, loss_fn: Optional[LossFn] = None, dist_env: Any = None,
-                 training_dataloader: Optional[Iterable[Any]] = None, monitor: Any = None) -> None:
+                 training_dataloader: Optional[Iterable[Any]] = None, monitor: Optional[Monitor] = None) -> None:
         super().__init__()
         self.config = config
         self.module = module
@@ -77,7 +78,7 @@ class Engine(nn.Module):
         self.dist_env = dist_env
         self.device = device
         self.training_dataloader = training_dataloader
-        self.monitor = monitor  # engine.monitor.Monitor (rank 0 writes) or None
+        self.monitor = monitor  # rank 0 writes; None: no monitor section
         self._step_losses: list[torch.Tensor] = []
         self._data_iter: Optional[Iterator[Any]] = None
         self.global_steps = 0
@@ -225,8 +226,7 @@ class Engine(nn.Module):
 
     def _write_monitor(self, loss: Optional[torch.Tensor]) -> None:
         """DeepSpeed's per-step scalars (engine.monitor), at ``global_samples``."""
-        from engine.monitor import LOSS_SCALE, LR, TRAIN_LOSS
-
+        assert self.monitor is not None
         if not self.monitor.enabled:  # not the writing rank: no device sync for .item()
             return
         events = [] if loss is None else [(TRAIN_LOSS, float(loss), self.global_samples)]
@@ -325,8 +325,6 @@ class Engine(nn.Module):
             self.module.train(was_training)
         loss = self._aggregate_loss(losses)
         if self.monitor is not None:
-            from engine.monitor import EVAL_LOSS
-
             self.monitor.write_events([(EVAL_LOSS, float(loss), self.global_samples)])
         return loss
 
