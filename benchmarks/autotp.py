@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import (ROOT, launch, machine_description, markdown_table, median,  # noqa: E402
-                               write_json)
+from benchmarks.common import ROOT, launch, machine_description, markdown_table, median, write_json  # noqa: E402
 
 LR, CLIP = 1e-4, 1.0
 

@@ -38,8 +38,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (CommTimer, PhaseTimer, cpu_matmul_peak, launch, machine_description,  # noqa: E402
-                               markdown_table, median, spread, write_json)
+from benchmarks.common import (  # noqa: E402
+    CommTimer,
+    PhaseTimer,
+    cpu_matmul_peak,
+    launch,
+    machine_description,
+    markdown_table,
+    median,
+    spread,
+    write_json,
+)
 
 COLUMNS = ["config", "layout", "ZeRO", "dtype", "ranks", "device", "tokens/s", "step ms (median)", "step ms IQR",
            "MFU %", "fwd ms", "bwd ms", "optim ms", "comm ms", "bubble ms", "other ms", "peak MiB/rank"]

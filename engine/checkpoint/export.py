@@ -31,8 +31,14 @@ from typing import Any, Optional
 
 import torch
 
-from engine.checkpoint.format import (METADATA_FILE, CheckpointError, SafetensorsWriter, read_latest, read_metadata,
-                                      resolve_checkpoint_dir)
+from engine.checkpoint.format import (
+    METADATA_FILE,
+    CheckpointError,
+    SafetensorsWriter,
+    read_latest,
+    read_metadata,
+    resolve_checkpoint_dir,
+)
 from engine.checkpoint.reader import iter_full_params
 
 __all__ = ["consolidate", "resolve_checkpoint", "SAFETENSORS_FILE", "TORCH_FILE"]

@@ -31,8 +31,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.format import (LATEST_FILE, METADATA_FILE, CheckpointError, Fragment, decode_bytes, read_latest,
-                                      read_metadata, resolve_checkpoint_dir, unpickling_error)
+from engine.checkpoint.format import (
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    Fragment,
+    decode_bytes,
+    read_latest,
+    read_metadata,
+    resolve_checkpoint_dir,
+    unpickling_error,
+)
 from engine.checkpoint.layout import local_pieces, parameter_names
 from engine.checkpoint.reader import ShardReader
 from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed_mask, numel_of, take_local

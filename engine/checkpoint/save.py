@@ -39,12 +39,29 @@ import torch
 import torch.distributed as dist
 
 import engine as _engine_pkg
-from engine.checkpoint.format import (CLIENT_STATE_FILE, FORMAT, FORMAT_VERSION, LATEST_FILE, OLD_PREFIX, TMP_PREFIX,
-                                      CheckpointError, Fragment, SafetensorsWriter, check_tag, encode_bytes,
-                                      fsync_dir, read_latest, shard_file_name, tag_step, tensor_key, unpickling_error,
-                                      write_latest, write_metadata)
-from engine.dist.lock import held_here, pid_running
+from engine.checkpoint.format import (
+    CLIENT_STATE_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    OLD_PREFIX,
+    TMP_PREFIX,
+    CheckpointError,
+    Fragment,
+    SafetensorsWriter,
+    check_tag,
+    encode_bytes,
+    fsync_dir,
+    read_latest,
+    shard_file_name,
+    tag_step,
+    tensor_key,
+    unpickling_error,
+    write_latest,
+    write_metadata,
+)
 from engine.checkpoint.layout import local_pieces, owns_group, parameter_names, stage_chunks, tied_names
+from engine.dist.lock import held_here, pid_running
 
 __all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
 

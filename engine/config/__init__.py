@@ -9,10 +9,30 @@ Every accepted key, default, rejected DeepSpeed key and no-op is listed in docs/
 
 from engine.config.loader import load_config, resolve_batch_sizes
 from engine.config.schema import (
-    ActivationCheckpointingConfig, AdamParams, BF16Config, CheckpointConfig, Config, CosineParams, DataConfig,
-    CSVMonitorConfig, FP8Config, FP16Config, LionParams, MonitorConfig, MuonParams, TensorBoardConfig,
-    WandbConfig, OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig,
-    WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, WSDParams, ZeroConfig,
+    ActivationCheckpointingConfig,
+    AdamParams,
+    BF16Config,
+    CheckpointConfig,
+    Config,
+    CosineParams,
+    CSVMonitorConfig,
+    DataConfig,
+    FP8Config,
+    FP16Config,
+    LionParams,
+    MonitorConfig,
+    MuonParams,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorBoardConfig,
+    TensorParallelConfig,
+    WandbConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    WSDParams,
+    ZeroConfig,
 )
 from engine.errors import ConfigError
 

@@ -16,8 +16,16 @@ from engine.config.optim import parse_optimizer, parse_scheduler
 from engine.config.reader import Section, read_json_file, show
 from engine.config.schema import Config, PipelineConfig
 from engine.config.sections import (
-    parse_activation_checkpointing, parse_bf16, parse_checkpoint, parse_data, parse_fp8, parse_fp16,
-    parse_model, parse_pipeline, parse_tensor_parallel, parse_zero,
+    parse_activation_checkpointing,
+    parse_bf16,
+    parse_checkpoint,
+    parse_data,
+    parse_fp8,
+    parse_fp16,
+    parse_model,
+    parse_pipeline,
+    parse_tensor_parallel,
+    parse_zero,
 )
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig

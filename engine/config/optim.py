@@ -6,8 +6,17 @@ from typing import Optional
 
 from engine.config.reader import Section, did_you_mean
 from engine.config.schema import (
-    AdamParams, CosineParams, LionParams, MuonParams, OptimizerConfig, SchedulerConfig, SchedulerParams,
-    WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, WSDParams,
+    AdamParams,
+    CosineParams,
+    LionParams,
+    MuonParams,
+    OptimizerConfig,
+    SchedulerConfig,
+    SchedulerParams,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    WSDParams,
 )
 from engine.errors import ConfigError
 

@@ -330,7 +330,7 @@ def _reject_constant(name: str) -> Any:
 def read_json_file(path: Union[str, "os.PathLike[str]"]) -> Any:
     """Parse a JSON file, rejecting duplicate keys and NaN/Infinity."""
     try:
-        with open(path, "r", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {e.strerror or e}") from None

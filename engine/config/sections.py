@@ -12,9 +12,17 @@ from typing import Any, Optional
 
 from engine.config.reader import Section
 from engine.config.schema import (
-    ActivationCheckpointingConfig, AutoTPLayerSpecConfig, AutoTPPartitionConfig,
-    BF16Config, CheckpointConfig, DataConfig, FP8Config, FP16Config,
-    PipelineConfig, TensorParallelConfig, ZeroConfig,
+    ActivationCheckpointingConfig,
+    AutoTPLayerSpecConfig,
+    AutoTPPartitionConfig,
+    BF16Config,
+    CheckpointConfig,
+    DataConfig,
+    FP8Config,
+    FP16Config,
+    PipelineConfig,
+    TensorParallelConfig,
+    ZeroConfig,
 )
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig

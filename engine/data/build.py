@@ -22,8 +22,7 @@ from engine.data.cache import cache_key, cached_build, default_cache_dir
 from engine.data.corpus import DEFAULT_EMBEDDED_MAX_BYTES, Corpus, FileCorpus, StdlibCorpus
 from engine.data.errors import DataError
 from engine.data.packing import PackedDataset
-from engine.data.tokenizer import (DEFAULT_TOKENIZER_MAX_BYTES, SENTENCEPIECE_VERSION, Tokenizer,
-                                   train_tokenizer)
+from engine.data.tokenizer import DEFAULT_TOKENIZER_MAX_BYTES, SENTENCEPIECE_VERSION, Tokenizer, train_tokenizer
 from engine.data.tokens import FORMAT_VERSION, TokenFile, write_token_file
 
 __all__ = ["build_dataset", "build_tokenizer"]

@@ -199,7 +199,7 @@ class StdlibCorpus(Corpus):
             if size == 0 or total + size > max_bytes:
                 continue
             try:
-                with open(path, "r", encoding="utf-8", newline="") as f:
+                with open(path, encoding="utf-8", newline="") as f:
                     text = f.read()
             except (OSError, UnicodeDecodeError):
                 continue

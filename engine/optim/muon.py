@@ -36,8 +36,14 @@ from torch.optim.adam import adam as _adam_functional
 
 from engine.optim.muon_exchange import ExchangeStats, orthogonalize_bucket, orthogonalize_full
 from engine.optim.muon_plan import MuonMatrix, assign_owners, lr_segments, matrix_of
-from engine.optim.newton_schulz import (ADJUST_LR_FNS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_EPS, DEFAULT_NS_STEPS,
-                                        adjusted_lr, newton_schulz)
+from engine.optim.newton_schulz import (
+    ADJUST_LR_FNS,
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_EPS,
+    DEFAULT_NS_STEPS,
+    adjusted_lr,
+    newton_schulz,
+)
 from engine.zero.shard_view import ShardView
 
 __all__ = ["Muon", "NS_DTYPES"]

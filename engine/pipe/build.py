@@ -23,8 +23,13 @@ from engine.pipe.module import PipelineModule
 from engine.pipe.runner import LazyPipelineRunner
 from engine.runtime.client import param_groups_from_client, resolve_client_optimizer
 from engine.runtime.model import chunks_from_layers
-from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
-                                  optimizer_factory, precision_policy)
+from engine.runtime.optim import (
+    build_engine_optimizer,
+    build_scheduler,
+    client_optimizer_factory,
+    optimizer_factory,
+    precision_policy,
+)
 
 __all__ = ["pipeline_config", "build_pipeline_engine"]
 

@@ -20,8 +20,7 @@ from collections import deque
 from typing import Callable, Mapping, Optional, Sequence
 
 from engine.errors import ConfigError
-from engine.pipeline.actions import (Action, ActionKind, ScheduleError, next_hop, prev_hop,
-                                     virtual_stage)
+from engine.pipeline.actions import Action, ActionKind, ScheduleError, next_hop, prev_hop, virtual_stage
 
 __all__ = [
     "SCHEDULES",

@@ -27,8 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from engine.pipeline.actions import (Action, ActionKind, ScheduleError, comm_batches, next_hop,
-                                     prev_hop)
+from engine.pipeline.actions import Action, ActionKind, ScheduleError, comm_batches, next_hop, prev_hop
 
 __all__ = ["ScheduleError", "TimedAction", "SimResult", "simulate", "check_actions",
            "DEFAULT_COSTS", "bubble_formula", "format_timeline"]

@@ -11,9 +11,18 @@ its calibration against measured runs in :mod:`engine.planner.calibrate`.
 """
 
 from engine.planner.cluster import CLUSTERS, MODELS, Cluster, GiB, cluster_preset, model_preset
-from engine.planner.cost import (Layout, MemoryEstimate, TimeEstimate, activation_bytes_per_token, check_layout,
-                                 memory_estimate, pipeline_makespan, stage_shapes, time_estimate,
-                                 zero_state_bytes)
+from engine.planner.cost import (
+                                 Layout,
+                                 MemoryEstimate,
+                                 TimeEstimate,
+                                 activation_bytes_per_token,
+                                 check_layout,
+                                 memory_estimate,
+                                 pipeline_makespan,
+                                 stage_shapes,
+                                 time_estimate,
+                                 zero_state_bytes,
+)
 from engine.planner.search import Plan, enumerate_layouts, evaluate, format_plans, plan
 
 __all__ = ["Cluster", "CLUSTERS", "MODELS", "GiB", "cluster_preset", "model_preset", "Layout", "MemoryEstimate",

@@ -17,8 +17,15 @@ from typing import Iterable, Optional, Sequence
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.planner.cluster import Cluster, GiB
-from engine.planner.cost import (Layout, MemoryEstimate, TimeEstimate, check_layout, memory_estimate,
-                                 memory_lower_bound, time_estimate)
+from engine.planner.cost import (
+    Layout,
+    MemoryEstimate,
+    TimeEstimate,
+    check_layout,
+    memory_estimate,
+    memory_lower_bound,
+    time_estimate,
+)
 
 __all__ = ["Plan", "plan", "enumerate_layouts", "evaluate", "format_plans", "divisors"]
 

@@ -43,8 +43,13 @@ from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.monitor import Monitor
 from engine.runtime.client import param_groups_from_client, resolve_client_optimizer
-from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
-                                  optimizer_factory, precision_policy)
+from engine.runtime.optim import (
+    build_engine_optimizer,
+    build_scheduler,
+    client_optimizer_factory,
+    optimizer_factory,
+    precision_policy,
+)
 from engine.tensor_parallel.auto import autotp
 from engine.tensor_parallel.auto_rules import LayerSpec, parse_layer_specs, specs_for
 

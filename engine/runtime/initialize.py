@@ -31,11 +31,21 @@ from engine.models import GPT
 from engine.monitor import Monitor, build_monitor
 from engine.pipe.build import build_pipeline_engine, pipeline_config
 from engine.pipe.module import PipelineModule
-from engine.runtime.client import (agree_on_error, check_client_objects, mpu_mismatch, param_groups_from_client,
-                                   resolve_client_optimizer)
+from engine.runtime.client import (
+    agree_on_error,
+    check_client_objects,
+    mpu_mismatch,
+    param_groups_from_client,
+    resolve_client_optimizer,
+)
 from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
-from engine.runtime.optim import (build_engine_optimizer, build_scheduler, client_optimizer_factory,
-                                  optimizer_factory, precision_policy)
+from engine.runtime.optim import (
+    build_engine_optimizer,
+    build_scheduler,
+    client_optimizer_factory,
+    optimizer_factory,
+    precision_policy,
+)
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.zero.init import Init as zero_init
 from engine.zero.init import is_partitioned

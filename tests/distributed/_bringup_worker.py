@@ -24,8 +24,7 @@ def main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.dist.env import PeerFailureError, failure_guard, gloo_worker_threads, \
-        init_distributed, shutdown
+    from engine.dist.env import PeerFailureError, failure_guard, gloo_worker_threads, init_distributed, shutdown
     from engine.dist.groups import ParallelGroups
     from engine.topology import Topology
 

@@ -26,10 +26,10 @@ def _block(marker):
 
 
 def main(save_dir, phase, marker):
+    import _ckpt_common as C
     import torch
     import torch.distributed as dist
 
-    import _ckpt_common as C
     import engine.checkpoint.format as fmt
     import engine.checkpoint.save as save_mod
 

@@ -24,7 +24,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_ranks
 
 pytest.importorskip("transformers")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import run_ranks
 
 pytest.importorskip("transformers")
@@ -69,8 +68,9 @@ def _reference(family, ga, dp, client):
 
 
 def _train(rank, world, family, tp, stage, ga, client, ckpt=False, bf16=False):
-    import engine
     from _autotp_models import batch, build
+
+    import engine
 
     dp = world // tp
     model = build(family)

@@ -31,12 +31,10 @@ import os
 import subprocess
 import sys
 
+import _ckpt_common as C
 import pytest
 import torch
-
 from harness import run_ranks
-
-import _ckpt_common as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RTOL = 2e-6

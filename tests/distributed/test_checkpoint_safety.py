@@ -29,12 +29,10 @@ import subprocess
 import sys
 import time
 
+import _ckpt_common as C
 import pytest
 import torch
-
 from harness import run_ranks
-
-import _ckpt_common as C
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PHASES = ("shard", "metadata", "latest")

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from harness import run_ranks
 
 import engine
@@ -154,9 +153,10 @@ def test_mpu_and_client_object_errors_name_the_problem(compat_run):
 
 
 def test_wandb_section_without_the_package_names_it():
+    import importlib.util
+
     from engine.config import load_config
     from engine.monitor import build_monitor
-    import importlib.util
 
     cfg = load_config({"train_batch_size": 2, "optimizer": {"type": "AdamW"}, "wandb": {"enabled": True}},
                       world_size=1)

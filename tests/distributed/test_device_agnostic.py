@@ -14,7 +14,6 @@ not change a value).
 
 import torch
 import torch.nn as nn
-
 from harness import run_ranks
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import run_ranks
 
 TINY = {"vocab_size": 64, "hidden_size": 16, "num_layers": 6, "num_heads": 2, "seq_len": 16}

@@ -17,7 +17,6 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-
 from harness import run_ranks
 
 import engine

@@ -41,7 +41,6 @@ import sys
 import sysconfig
 
 import torch
-
 from harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,7 +10,6 @@ at all is refused by every rank with the same message.
 
 import torch
 import torch.nn as nn
-
 from harness import run_ranks
 
 BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,

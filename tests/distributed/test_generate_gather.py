@@ -10,7 +10,6 @@ from, exactly (copies, no arithmetic).
 
 import torch
 import torch.distributed as dist
-
 from harness import run_ranks
 
 MODEL = {"vocab_size": 64, "hidden_size": 16, "num_layers": 2, "num_heads": 2, "seq_len": 8}

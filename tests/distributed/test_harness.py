@@ -3,7 +3,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import RankFailure, RankTimeout, run_ranks
 
 

@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import os
 
+import _muon_common as M
 import pytest
 import torch
-
 from harness import run_ranks
-
-import _muon_common as M
 
 STEPS, RTOL, RTOL_BF16 = 3, 1e-5, 1e-3
 BEFORE, AFTER = 2, 3

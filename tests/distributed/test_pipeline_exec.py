@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from harness import RankFailure, run_ranks
+
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward

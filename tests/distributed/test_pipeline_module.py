@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_ranks
 
 # the model, data and config of DeepSpeed's pipeline-tutorial script, its deepspeed imports

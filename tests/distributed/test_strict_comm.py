@@ -11,9 +11,9 @@ collective), so the ranks stay in step for the next case.
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from harness import run_ranks
 
 from engine.dist import comm, strict
-from harness import run_ranks
 
 
 def _raises(fn) -> str:

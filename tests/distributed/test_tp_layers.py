@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from harness import run_ranks
 
 from engine.models.blocks import RMSNorm

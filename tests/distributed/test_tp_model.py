@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from harness import run_ranks
 
 from engine.models import GPT, ModelConfig, build_stage_layers

@@ -34,7 +34,6 @@ import sysconfig
 import time
 
 import pytest
-
 from harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from harness import run_ranks
 
 from engine.precision.loss_scaler import build_loss_scaler

@@ -18,7 +18,6 @@ import gc
 
 import pytest
 import torch
-
 from harness import run_ranks
 
 TINY = {"vocab_size": 256, "hidden_size": 128, "num_layers": 4, "num_heads": 4, "seq_len": 16}

@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from harness import run_ranks
 
 from engine.dist.groups import ParallelGroups

@@ -130,7 +130,6 @@ def test_comm_timer_on_cuda_records_events_and_never_syncs_per_collective(monkey
     import time as time_mod
 
     import torch
-
     from fake_cuda import patch_cuda_timing
 
     patch_cuda_timing(monkeypatch, "the comm timer")

@@ -13,11 +13,22 @@ import zipfile
 import pytest
 import torch
 
-from engine.checkpoint.export import _TorchStreamWriter
 from engine.checkpoint.consolidate import main as consolidate_main
-from engine.checkpoint.format import (CheckpointError, Fragment, SafetensorsWriter, TPSlice, check_tag, read_latest,
-                                      read_metadata, resolve_checkpoint_dir, sha256_file, tag_step, write_latest,
-                                      write_metadata)
+from engine.checkpoint.export import _TorchStreamWriter
+from engine.checkpoint.format import (
+    CheckpointError,
+    Fragment,
+    SafetensorsWriter,
+    TPSlice,
+    check_tag,
+    read_latest,
+    read_metadata,
+    resolve_checkpoint_dir,
+    sha256_file,
+    tag_step,
+    write_latest,
+    write_metadata,
+)
 from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed_mask, take_local
 from engine.checkpoint.save import prune_tags
 from engine.tensor_parallel.layers import shard_tensor

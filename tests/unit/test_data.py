@@ -11,9 +11,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.data import (Batch, DataError, FileCorpus, PackedDataset, StdlibCorpus, TokenFile,
-                         Tokenizer, build_dataset, check_train_files, document_causal_mask,
-                         position_ids_from_doc_ids, token_dtype, train_tokenizer, write_token_file)
+from engine.data import (
+    Batch,
+    DataError,
+    FileCorpus,
+    PackedDataset,
+    StdlibCorpus,
+    TokenFile,
+    Tokenizer,
+    build_dataset,
+    check_train_files,
+    document_causal_mask,
+    position_ids_from_doc_ids,
+    token_dtype,
+    train_tokenizer,
+    write_token_file,
+)
 from engine.errors import ConfigError
 
 

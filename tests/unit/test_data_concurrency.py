@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
+from harness import run_ranks
 
 from engine.data import DataError, GlobalBatchSampler, build_dataset
 from engine.data.cache import cached_build
-from harness import run_ranks
 
 _KW = dict(train_files=None, tokenizer_model=None, document_masking=True, vocab_size=400,
            seq_len=16, embedded_max_bytes=150_000)

@@ -7,8 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from engine.data import (Batch, DataError, GlobalBatchSampler, accumulation_steps, batch_at,
-                         build_dataset, dp_slice, epoch_permutation, microbatches, sample_indices)
+from engine.data import (
+    Batch,
+    DataError,
+    GlobalBatchSampler,
+    accumulation_steps,
+    batch_at,
+    build_dataset,
+    dp_slice,
+    epoch_permutation,
+    microbatches,
+    sample_indices,
+)
 from engine.topology import Topology
 
 

@@ -6,8 +6,15 @@ import re
 import pytest
 
 from engine.dist.env import (
-    DEFAULT_MASTER_PORT, SLURM_PORT_BASE, SLURM_PORT_SPAN, LaunchError, LaunchInfo, detect_launch,
-    env_flag, expand_hostlist, op_build_settings,
+    DEFAULT_MASTER_PORT,
+    SLURM_PORT_BASE,
+    SLURM_PORT_SPAN,
+    LaunchError,
+    LaunchInfo,
+    detect_launch,
+    env_flag,
+    expand_hostlist,
+    op_build_settings,
 )
 
 ARGV = ["train.py"]

@@ -19,12 +19,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from harness import run_ranks
 from torch import nn
 
 from engine.errors import ConfigError
-from engine.precision.fp8 import (Fp8Linear, Fp8LinearState, Fp8Recipe, compute_scale, fp8_linear,
-                                  fp8_recipe_from_config, fp8_states, update_fp8_scales)
-from harness import run_ranks
+from engine.precision.fp8 import (
+    Fp8Linear,
+    Fp8LinearState,
+    Fp8Recipe,
+    compute_scale,
+    fp8_linear,
+    fp8_recipe_from_config,
+    fp8_states,
+    update_fp8_scales,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

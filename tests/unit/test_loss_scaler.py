@@ -9,7 +9,10 @@ import torch
 
 from engine.errors import ConfigError
 from engine.precision.loss_scaler import (
-    DynamicLossScaler, LossScaleAtMinimumError, StaticLossScaler, build_loss_scaler,
+    DynamicLossScaler,
+    LossScaleAtMinimumError,
+    StaticLossScaler,
+    build_loss_scaler,
 )
 
 

@@ -1,5 +1,4 @@
 import json
-import math
 
 import pytest
 import torch
@@ -61,10 +60,9 @@ def test_step_timer_on_cuda_does_not_drain_the_device_before_the_step(monkeypatc
     import time as time_mod
 
     import torch
+    from fake_cuda import patch_cuda_timing
 
     from engine.metrics import StepTimer
-
-    from fake_cuda import patch_cuda_timing
 
     patch_cuda_timing(monkeypatch, "StepTimer")
     timer = StepTimer(torch.device("cuda", 0))

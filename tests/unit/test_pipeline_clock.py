@@ -8,10 +8,9 @@ records are resolved, never per action, and give the same times the host clock w
 import time
 
 import torch
-
-from engine.pipeline.clock import DeviceClock, HostClock, make_clock
 from fake_cuda import FakeEvent
 
+from engine.pipeline.clock import DeviceClock, HostClock, make_clock
 
 
 def test_device_clock_syncs_once_per_step_and_resolves_after(monkeypatch):

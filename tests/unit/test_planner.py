@@ -15,9 +15,21 @@ from engine.models import param_count
 from engine.models.config import ModelConfig
 from engine.pipeline.schedule import build_all
 from engine.pipeline.simulate import bubble_formula, simulate
-from engine.planner import (Cluster, GiB, Layout, activation_bytes_per_token, cluster_preset, evaluate,
-                            memory_estimate, model_preset, pipeline_makespan, plan, stage_shapes,
-                            time_estimate, zero_state_bytes)
+from engine.planner import (
+    Cluster,
+    GiB,
+    Layout,
+    activation_bytes_per_token,
+    cluster_preset,
+    evaluate,
+    memory_estimate,
+    model_preset,
+    pipeline_makespan,
+    plan,
+    stage_shapes,
+    time_estimate,
+    zero_state_bytes,
+)
 from engine.planner.__main__ import main as cli_main
 from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
 from engine.zero.memory import zero_memory_formula

@@ -6,8 +6,7 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, parse_action, prev_hop
-from engine.pipeline.schedule import (SCHEDULES, build_all, build_schedule, compute_order,
-                                      format_table, schedule_table)
+from engine.pipeline.schedule import SCHEDULES, build_all, build_schedule, compute_order, format_table, schedule_table
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "assets")
 F, B, I, W = "F", "B", "I", "W"
