@@ -90,7 +90,7 @@ class PlainGPT(nn.Module):
         self.embed = Embedding(s)
         self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
         self.head = Head(s)
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
 

@@ -188,8 +188,8 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         analytic = "n/a" if result["analytic_bubble"] is None else f"{result['analytic_bubble']:.3f}"
-        print(f"{result['schedule']} p={result['stages']} m={result['microbatches']}"
-              f"{' v=%d' % result['virtual_stages'] if result['virtual_stages'] > 1 else ''}: "
+        virtual = f" v={result['virtual_stages']}" if result["virtual_stages"] > 1 else ""
+        print(f"{result['schedule']} p={result['stages']} m={result['microbatches']}{virtual}: "
               f"measured bubble {result['measured_bubble']:.3f}, analytic {analytic}, "
               f"simulated {result['simulated_bubble']:.3f} (step {result['step_ms']} ms)\n"
               f"trace: {result['trace']}\npng:   {result['png']} ({result['png_writer']})")

@@ -117,7 +117,7 @@ def main() -> int:
         med = time_interleaved(timed, device, args.reps)
         bw = copy_bytes / med.pop("memory copy (bandwidth probe)")
         print(f"\n{case} ({numel / 1e6:.1f}M elements); copy bandwidth in this run: {bw / 1e9:.1f} GB/s")
-        rows = bandwidth_table(med, bw, lambda name: variants[name][1] * numel, lambda name: "torch fused=True",
+        rows = bandwidth_table(med, bw, lambda name, variants=variants, numel=numel: variants[name][1] * numel, lambda name: "torch fused=True",
                                "speedup_vs_torch_fused")
         results["cases"][case] = {"copy_GBps": bw / 1e9, "variants": rows}
         mine = rows["engine FusedAdamW"]

@@ -85,10 +85,10 @@ def main() -> int:
                 print(f"VALIDATION FAILED for {shape} {dtype}: {exc}")
                 return 1
             variants = {
-                "torch unfused": lambda: torch_unfused(x, scale, False),
-                "engine fused": lambda: fp8_cast_kernel(x, scale, FP8),
-                "torch unfused + transpose": lambda: torch_unfused(x, scale, True),
-                "engine fused + transpose": lambda: fp8_cast_kernel(x, scale, FP8, transpose=True),
+                "torch unfused": lambda x=x, scale=scale: torch_unfused(x, scale, False),
+                "engine fused": lambda x=x, scale=scale: fp8_cast_kernel(x, scale, FP8),
+                "torch unfused + transpose": lambda x=x, scale=scale: torch_unfused(x, scale, True),
+                "engine fused + transpose": lambda x=x, scale=scale: fp8_cast_kernel(x, scale, FP8, transpose=True),
                 "memory copy (bandwidth probe)": copy_fn,
             }
             med = time_interleaved(variants, device, args.reps, warmup=1)
@@ -99,7 +99,7 @@ def main() -> int:
                   f"copy bandwidth in this run: {bw / 1e9:.1f} GB/s")
             # read x, write the e4m3 output (+ its transpose)
             rows = bandwidth_table(
-                med, bw, lambda name: n * (x.element_size() + (2 if "transpose" in name else 1)),
+                med, bw, lambda name, n=n, x=x: n * (x.element_size() + (2 if "transpose" in name else 1)),
                 lambda name: "torch unfused + transpose" if "transpose" in name else "torch unfused",
                 "speedup_vs_torch", width=28)
             results["cases"][case] = {"copy_GBps": bw / 1e9, "variants": rows}

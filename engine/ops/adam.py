@@ -16,37 +16,51 @@ mixed-precision run, or of a ZeRO shard). amsgrad is not implemented.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 
 from engine.ops.builder import load_op
 
-__all__ = ["adamw_reference", "adamw_step", "fused_adamw_available"]
+__all__ = ["AdamWHyper", "adamw_reference", "adamw_step", "fused_adamw_available"]
 
 logger = logging.getLogger(__name__)
 
 Tensors = Sequence[torch.Tensor]
 
 
-def adamw_reference(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *,
-                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-                    bias_correction: bool = True, maximize: bool = False,
-                    param_copies: Optional[Tensors] = None) -> None:
+@dataclass(frozen=True)
+class AdamWHyper:
+    """The scalars of one AdamW step (``step`` is the 1-based count the bias correction uses)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: float
+    bias_correction: bool = True
+    maximize: bool = False
+
+
+def adamw_reference(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, hp: AdamWHyper,
+                    *, param_copies: Optional[Tensors] = None) -> None:
     """In-place AdamW step with torch ops (the definition the kernel is tested against)."""
-    bc1 = 1 - beta1 ** step if bias_correction else 1.0
-    bc2 = 1 - beta2 ** step if bias_correction else 1.0
+    lr, beta1, beta2, weight_decay = float(hp.lr), float(hp.beta1), float(hp.beta2), float(hp.weight_decay)
+    bc1 = 1 - beta1 ** float(hp.step) if hp.bias_correction else 1.0
+    bc2 = 1 - beta2 ** float(hp.step) if hp.bias_correction else 1.0
     step_size = lr / bc1
     bc2_sqrt = bc2 ** 0.5
     for i, p in enumerate(params):
         g = grads[i].to(p.dtype)
-        if maximize:
+        if hp.maximize:
             g = -g
         m, v = exp_avgs[i], exp_avg_sqs[i]
         p.mul_(1 - lr * weight_decay)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
+        denom = (v.sqrt() / bc2_sqrt).add_(float(hp.eps))
         p.addcdiv_(m, denom, value=-step_size)
         if param_copies is not None:
             param_copies[i].copy_(p)
@@ -65,9 +79,7 @@ def _kernel_eligible(tensors: Sequence[Tensors]) -> bool:
     return all(t.is_contiguous() for ts in tensors for t in ts)
 
 
-def adamw_step(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *,
-               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-               bias_correction: bool = True, maximize: bool = False,
+def adamw_step(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, hp: AdamWHyper, *,
                param_copies: Optional[Tensors] = None, use_kernel: Optional[bool] = None) -> None:
     """One AdamW step over tensors on one device (fp32 params/states; grads fp32, bf16 or fp16).
 
@@ -82,14 +94,11 @@ def adamw_step(params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: 
         use_kernel = fused_adamw_available(device) and _kernel_eligible(lists)
     elif use_kernel and not fused_adamw_available(device):
         raise RuntimeError(f"the fused AdamW kernel is not available on {device}; see `python -m engine.ops`")
-    kwargs = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                  weight_decay=float(weight_decay), step=float(step))
     if not use_kernel:
-        adamw_reference(params, grads, exp_avgs, exp_avg_sqs, bias_correction=bias_correction,
-                        maximize=maximize, param_copies=param_copies, **kwargs)
+        adamw_reference(params, grads, exp_avgs, exp_avg_sqs, hp, param_copies=param_copies)
         return
     torch.ops.engine_adam.adamw_step(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
         list(param_copies) if param_copies is not None else [],
-        kwargs["lr"], kwargs["beta1"], kwargs["beta2"], kwargs["eps"], kwargs["weight_decay"],
-        kwargs["step"], bias_correction, maximize)
+        float(hp.lr), float(hp.beta1), float(hp.beta2), float(hp.eps), float(hp.weight_decay),
+        float(hp.step), hp.bias_correction, hp.maximize)

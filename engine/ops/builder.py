@@ -336,7 +336,7 @@ def _namespace_loaded(namespace: str) -> bool:
     # torch.ops.<ns> always exists as a lazy object; every library in csrc/ defines
     # `cpu_isa() -> str`, so resolving it tells whether the library is registered.
     try:
-        getattr(torch.ops, namespace).cpu_isa
+        _ = getattr(torch.ops, namespace).cpu_isa
     except (AttributeError, RuntimeError):
         return False
     return True

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from engine.ops.adam import adamw_step, fused_adamw_available
+from engine.ops.adam import AdamWHyper, adamw_step, fused_adamw_available
 
 __all__ = ["FusedAdamW"]
 
@@ -38,7 +38,8 @@ class FusedAdamW(torch.optim.Optimizer):
     Parameters must be float32 (master weights); gradients may be fp32, bf16 or fp16.
     """
 
-    def __init__(self, params: Iterable[Any], lr: Union[float, torch.Tensor] = 1e-3,
+    # torch.optim.AdamW's signature, argument for argument (a drop-in replacement), plus bias_correction
+    def __init__(self, params: Iterable[Any], lr: Union[float, torch.Tensor] = 1e-3,  # noqa: PLR0913
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
@@ -137,9 +138,9 @@ class FusedAdamW(torch.optim.Optimizer):
                     b[4].append(copy)
             beta1, beta2 = group["betas"]
             for (device, _, copy_dtype, step, contiguous), (ps, gs, ms, vs, cs) in buckets.items():
-                adamw_step(ps, gs, ms, vs, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                           weight_decay=group["weight_decay"], step=step,
-                           bias_correction=group["bias_correction"], maximize=group["maximize"],
-                           param_copies=cs if copy_dtype is not None else None,
+                hp = AdamWHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                                weight_decay=group["weight_decay"], step=step,
+                                bias_correction=group["bias_correction"], maximize=group["maximize"])
+                adamw_step(ps, gs, ms, vs, hp, param_copies=cs if copy_dtype is not None else None,
                            use_kernel=contiguous and fused_adamw_available(device))
         return loss

@@ -56,7 +56,8 @@ class Muon(torch.optim.Optimizer):
     (defaults of Muon groups); ``ns_dtype``: ``"bfloat16"`` (torch's) or ``"float32"``;
     ``adamw_*``: defaults of the AdamW groups (``use_muon=False``)."""
 
-    def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+    # torch.optim.Muon's arguments plus the AdamW groups' defaults: the public signature, kept flat
+    def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,  # noqa: PLR0913
                  nesterov: bool = True, ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
                  eps: float = DEFAULT_NS_EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None,
                  ns_dtype: str = "bfloat16", *, adamw_lr: float = 1e-3,

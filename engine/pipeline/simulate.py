@@ -81,7 +81,7 @@ def format_timeline(result: "SimResult", slot: float = 1.0) -> str:
     """A stage x time table of the compute actions, one cell per ``slot`` of time ('.' = idle)."""
     n = int(round(result.makespan / slot))
     rows = []
-    for s, timed in enumerate(result.timeline):
+    for timed in result.timeline:
         cells = ["."] * n
         for t in timed:
             if t.action.is_compute:

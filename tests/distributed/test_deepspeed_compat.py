@@ -141,7 +141,7 @@ def _check_weights(workdir: Path, golden: dict) -> None:
             assert sorted(mine) == sorted(theirs), f"ZeRO-{stage} {what} names"
             for k, v in theirs.items():
                 torch.testing.assert_close(mine[k].float().flatten(), torch.tensor(v), atol=ATOL, rtol=0,
-                                           msg=lambda m: f"ZeRO-{stage} {what} {k}: {m}")
+                                           msg=lambda m, stage=stage, what=what, k=k: f"ZeRO-{stage} {what} {k}: {m}")
 
 
 def _golden(world: int) -> dict:

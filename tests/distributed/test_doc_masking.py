@@ -94,7 +94,7 @@ def _layouts(rank, world, layouts):
                             "schedule": extra.get("schedule", "1f1b"), "virtual_stages": extra.get("v", 1)},
                "model": TINY, "data": {"document_masking": True}}
         captured = []
-        def capture(logits, targets):  # the last stage's full logits (TP = 1)
+        def capture(logits, targets, captured=captured):  # the last stage's full logits (TP = 1)
             captured.append(logits.detach().clone())
             return vocab_parallel_cross_entropy(logits, targets, None)
 

@@ -130,7 +130,7 @@ def test_deepspeed_loop_matches_single_process_adamw_zero_0_to_3():
             assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
             for i, (a, b) in enumerate(zip(r["params"], ref)):
                 torch.testing.assert_close(a, b, atol=ATOL, rtol=0,
-                                           msg=lambda m: f"ZeRO-{stage} rank {rank} param {i}: {m}")
+                                           msg=lambda m, stage=stage, rank=rank, i=i: f"ZeRO-{stage} rank {rank} param {i}: {m}")
         # replicas agree exactly (same reduced gradients, same update)
         for a, b in zip(results[0][stage]["params"], results[1][stage]["params"]):
             assert torch.equal(a, b)

@@ -82,7 +82,7 @@ def _planted(rank, world):
 
 def test_strict_mode_catches_a_planted_violation_of_each_rule():
     per_rank = run_ranks(_planted, 2, timeout=120)
-    for rank, out in enumerate(per_rank):
+    for out in per_rank:
         assert "is on cpu but this job communicates on cuda" in out["device"]
         assert "not contiguous" in out["contiguous"]
         assert "disagree on this collective" in out["dtype"] and "float64" in out["dtype"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.ops.adam import adamw_step, fused_adamw_available
+from engine.ops.adam import AdamWHyper, adamw_step, fused_adamw_available
 from engine.ops.fp8 import fp8_cast_kernel, fp8_cast_reference, fp8_kernel_available
 from engine.optim import FusedAdamW
 from engine.precision.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear
@@ -108,9 +108,9 @@ def test_adamw_multi_tensor_matches_cpu_kernel_bitwise(cuda_ops, grad_dtype, cop
     gen = torch.Generator(device=cuda_ops).manual_seed(1)
     for step in range(1, 4):
         grads = [torch.randn(p.shape, device=cuda_ops, generator=gen).to(grad_dtype) for p in p_gpu]
-        kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step, use_kernel=True)
-        adamw_step(p_gpu, grads, m_gpu, v_gpu, param_copies=c_gpu, **kw)
-        adamw_step(p_cpu, [g.cpu() for g in grads], m_cpu, v_cpu, param_copies=c_cpu, **kw)
+        hp = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
+        adamw_step(p_gpu, grads, m_gpu, v_gpu, hp, param_copies=c_gpu, use_kernel=True)
+        adamw_step(p_cpu, [g.cpu() for g in grads], m_cpu, v_cpu, hp, param_copies=c_cpu, use_kernel=True)
     for got, want in zip(p_gpu + m_gpu + v_gpu + (c_gpu or []), p_cpu + m_cpu + v_cpu + (c_cpu or [])):
         assert torch.equal(got.cpu(), want)
 

@@ -136,7 +136,7 @@ def test_output_and_grads_close_to_bf16(scaling):
     w = torch.randn(128, 256, generator=gen) / 16
     b = torch.randn(128, generator=gen)
     state = Fp8LinearState(Fp8Recipe(scaling=scaling))
-    for step in range(3):  # delayed: step 0 runs with scale 1, later steps with amax-based scales
+    for _ in range(3):  # delayed: step 0 runs with scale 1, later steps with amax-based scales
         xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_linear(xf, wf, b, state)
         gy = torch.randn(y.shape, generator=gen)

@@ -16,7 +16,7 @@ import torch
 
 import engine.ops.adam as adam_ops
 import engine.optim.fused_adamw as fused_adamw_mod
-from engine.ops.adam import adamw_reference, adamw_step, fused_adamw_available
+from engine.ops.adam import AdamWHyper, adamw_reference, adamw_step, fused_adamw_available
 from engine.ops.builder import get_builder
 from engine.optim import FusedAdamW
 
@@ -93,9 +93,10 @@ def test_no_bias_correction_and_bf16_grads_match_reference(kernel):
         gen = torch.Generator().manual_seed(6)
         for step in range(1, 11):
             grads = [torch.randn(p.shape, generator=gen).to(grad_dtype) for p in params]
-            kw = dict(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05, step=step, bias_correction=False)
-            adamw_step(params, grads, m, v, use_kernel=True, **kw)
-            adamw_reference(ref, grads, m_ref, v_ref, **kw)
+            hp = AdamWHyper(lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05, step=step,
+                            bias_correction=False)
+            adamw_step(params, grads, m, v, hp, use_kernel=True)
+            adamw_reference(ref, grads, m_ref, v_ref, hp)
         for got, want in zip(params + m + v, ref + m_ref + v_ref):
             torch.testing.assert_close(got, want, **TOL)
 
@@ -126,8 +127,8 @@ def test_every_isa_variant_gives_identical_bits(kernel):
         gen = torch.Generator().manual_seed(10)
         for step in range(1, 4):
             grads = [torch.randn(p.shape, generator=gen) for p in params]
-            adamw_step(params, grads, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                       step=step, param_copies=copies, use_kernel=True)
+            hp = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step)
+            adamw_step(params, grads, m, v, hp, param_copies=copies, use_kernel=True)
         results.append(params + m + v + copies)
     torch.ops.engine_adam.set_cpu_isa(kernel)
     for other in results[1:]:
@@ -183,8 +184,8 @@ def test_fallback_without_kernel_equals_torch(monkeypatch):
     for pa, pb in zip(a, b):
         assert torch.equal(pa, pb)
     with pytest.raises(RuntimeError, match="not available"):
-        adamw_step([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], lr=1.0, beta1=0.9,
-                   beta2=0.9, eps=1e-8, weight_decay=0.0, step=1, use_kernel=True)
+        adamw_step([torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)],
+                   AdamWHyper(lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0, step=1), use_kernel=True)
 
 
 def test_rejected_options_and_inputs(kernel):

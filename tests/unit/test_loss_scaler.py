@@ -102,7 +102,7 @@ def test_random_sequences_match_deepspeed(monkeypatch, consecutive, hysteresis):
     # DeepSpeed asks its comm layer for the rank only to decide who logs.
     monkeypatch.setattr(ds, "dist", types.SimpleNamespace(get_rank=lambda: 0))
     rng = random.Random(1234 + hysteresis + 10 * consecutive)
-    for trial in range(20):
+    for _ in range(20):
         window = rng.choice([1, 2, 3, 5])
         p_overflow = rng.choice([0.05, 0.3, 0.6])
         ours = DynamicLossScaler(init_scale=2.0 ** 10, scale_window=window, min_scale=1.0, hysteresis=hysteresis,

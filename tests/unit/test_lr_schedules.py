@@ -156,7 +156,10 @@ def test_state_dict_round_trip_resumes_the_curve():
     sched2.load_state_dict(sd)
     assert sched2.last_epoch == 9
     for _ in range(3):
-        opt.step(); sched.step(); opt2.step(); sched2.step()
+        opt.step()
+        sched.step()
+        opt2.step()
+        sched2.step()
         assert sched.get_last_lr() == pytest.approx(sched2.get_last_lr())
         assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
 

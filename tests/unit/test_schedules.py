@@ -1,5 +1,6 @@
 """Pipeline actions and schedules: printable form, structure, golden lists, errors."""
 
+import dataclasses
 import os
 
 import pytest
@@ -31,7 +32,7 @@ def test_action_printable_form_round_trips():
 
 def test_actions_are_frozen_and_hashable():
     a = Action(ActionKind.FORWARD, 1)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         a.microbatch = 2  # type: ignore[misc]
     assert len({a, Action(ActionKind.FORWARD, 1)}) == 1
 
@@ -116,7 +117,7 @@ def test_every_compute_once(name, v):
 
 def test_comm_placement_send_after_producer_recv_before_consumer():
     for name, v in [("1f1b", 1), ("interleaved-1f1b", 3), ("zb-h1", 1), ("gpipe", 1)]:
-        for s, acts in enumerate(build_all(name, 4, 8, v)):
+        for acts in build_all(name, 4, 8, v):
             pos = {a: i for i, a in enumerate(acts)}
             for a, i in pos.items():
                 if a.kind is ActionKind.SEND_ACT:

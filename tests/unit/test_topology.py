@@ -5,6 +5,7 @@ formula written out here, or by brute-force enumeration), so a bug in one method
 hide behind another.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -201,5 +202,5 @@ def test_out_of_range_coordinates(kw):
 
 def test_immutable():
     topo = Topology(dp=2, tp=2, pp=2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         topo.dp = 4
