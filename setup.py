@@ -10,7 +10,7 @@ from setuptools import find_packages, setup
 # another torch build.
 INSTALL_REQUIRES = ["torch>=2.4", "numpy", "sentencepiece", "tqdm", "safetensors"]
 EXTRAS = {
-    "test": ["pytest>=7", "pytest-timeout", "ninja", "transformers", "tensorboard"],
+    "test": ["pytest>=7", "pytest-timeout", "ninja", "transformers", "tensorboard", "ruff==0.17.6", "mypy==2.4.1"],
     "deepspeed": ["deepspeed"],
 }
 
