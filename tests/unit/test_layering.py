@@ -1,0 +1,235 @@
+"""The layering of engine/, checked on the source with ``ast`` (no imports, no processes).
+
+Three rules (issue 18, "one owner per concept at the seams"):
+
+(a) an import never points upward in ``LAYERS`` (module-level or inside a function:
+    a lazy import is still a dependency); imports within one layer are free;
+(b) no parameter is annotated ``engine: Any`` (take the typed value you need instead);
+(c) no process-group parameter defaults to ``None`` (``None`` meant WORLD in one module
+    and "no parallelism" in another: pass the group).
+
+``ALLOWED`` lists the violations in the tree when this test was written; other work removes
+them. It must shrink to empty: the test fails on any violation not listed, and on a listed
+entry that no longer occurs (so the list cannot go stale: delete the entry you fixed).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "engine"
+
+# Lowest first. A module belongs to the layer of the longest prefix listed here (a prefix
+# matches itself and its submodules); the package root ``engine`` (the lazy facade in
+# engine/__init__.py) is matched exactly and sits on top. A module that matches nothing
+# fails the test: place a new package here, in the layer its imports put it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # pure values and helpers with no engine dependencies
+    ("foundation", ("engine.errors", "engine.topology", "engine.metrics", "engine.runtime.device",
+                    "engine.runtime.timers")),
+    ("dist", ("engine.dist",)),
+    # typed configuration (the model's config dataclass and the AutoTP rule grammar are
+    # parsed by the config loader), data, monitors, op builders
+    ("config", ("engine.config", "engine.models.config", "engine.tensor_parallel.auto_rules", "engine.data",
+                "engine.monitor", "engine.ops")),
+    ("layers", ("engine.precision", "engine.tensor_parallel", "engine.models")),
+    # ZeRO and the pipeline; the optimizers (Muon reads ZeRO's shard view); stage chunks
+    ("parallel", ("engine.zero", "engine.pipeline", "engine.optim", "engine.runtime.model")),
+    ("checkpoint", ("engine.checkpoint", "engine.runtime.outputs")),
+    ("engine", ("engine.engine", "engine.pipe", "engine.runtime.pipe", "engine.runtime.optim",
+                "engine.runtime.client")),
+    # assembly, entry points and adapters on top
+    ("entry", ("engine.runtime", "engine.compat", "engine.planner", "engine")),
+]
+
+# Rule (c) does not apply here: engine.compat mirrors deepspeed.comm / torch.distributed,
+# whose documented signatures take ``group=None`` for the default (world) group.
+GROUP_NONE_EXEMPT = ("engine.compat",)
+
+# The violations present when this test was written. MUST SHRINK TO EMPTY: each entry is
+# removed by the change that fixes it (the test fails if a listed entry no longer occurs).
+ALLOWED: frozenset[str] = frozenset({
+    # (a) upward imports: "<file> imports <module> (<from layer> -> <to layer>)"
+    "engine/checkpoint/hf.py imports engine.engine (checkpoint -> engine)",
+    "engine/checkpoint/save.py imports engine (checkpoint -> entry)",
+    "engine/engine.py imports engine.compat.model16 (engine -> entry)",
+    "engine/optim/muon_assign.py imports engine.checkpoint.layout (parallel -> checkpoint)",
+    # (b) engine: Any parameters: "<file> <function>(engine: Any)"
+    "engine/checkpoint/load.py _apply(engine: Any)",
+    "engine/checkpoint/load.py _check_compatible(engine: Any)",
+    "engine/checkpoint/load.py _model_diff(engine: Any)",
+    "engine/checkpoint/load.py _optimizer_state_dict(engine: Any)",
+    "engine/checkpoint/load.py _read_local(engine: Any)",
+    "engine/checkpoint/load.py _read_masters(engine: Any)",
+    "engine/checkpoint/load.py load_checkpoint(engine: Any)",
+    "engine/checkpoint/preempt.py Checkpointer.__init__(engine: Any)",
+    "engine/checkpoint/save.py _finish(engine: Any)",
+    "engine/checkpoint/save.py _merge(engine: Any)",
+    "engine/checkpoint/save.py _write_local(engine: Any)",
+    "engine/checkpoint/save.py save_checkpoint(engine: Any)",
+    "engine/runtime/trainer.py step_record(engine: Any)",
+    "engine/runtime/trainer.py train(engine: Any)",
+    "engine/runtime/trainer.py write_memory_report(engine: Any)",
+    # (c) process groups defaulting to None: "<file> <function>(<param>=None)"; zero.init.Init
+    # mirrors deepspeed.zero.Init(data_parallel_group=None): exempt it by name or pass the group
+    "engine/checkpoint/preempt.py PreemptionHandler.stop_requested(group=None)",
+    "engine/models/blocks.py RMSNorm.__init__(tp_group=None)",
+    "engine/models/gpt.py FinalNormAndHead.__init__(tp_group=None)",
+    "engine/models/gpt.py GPT.__init__(tp_group=None)",
+    "engine/models/gpt.py build_stage_layers(tp_group=None)",
+    "engine/pipeline/executor.py PipelineExecutor.__init__(embedding_group=None)",
+    "engine/precision/fp8.py Fp8Linear.__init__(tp_group=None)",
+    "engine/precision/fp8.py fp8_linear(tp_group=None)",
+    "engine/precision/fp8.py update_fp8_scales(group=None)",
+    "engine/runtime/optim.py build_engine_optimizer(embedding_group=None)",
+    "engine/runtime/optim.py build_engine_optimizer(pp_group=None)",
+    "engine/runtime/optim.py build_engine_optimizer(tp_group=None)",
+    "engine/zero/__init__.py build_zero_optimizer(embedding_group=None)",
+    "engine/zero/__init__.py build_zero_optimizer(pp_group=None)",
+    "engine/zero/__init__.py build_zero_optimizer(tp_group=None)",
+    "engine/zero/base.py ZeroOptimizer.__init__(embedding_group=None)",
+    "engine/zero/base.py ZeroOptimizer.__init__(pp_group=None)",
+    "engine/zero/base.py ZeroOptimizer.__init__(tp_group=None)",
+    "engine/zero/init.py Init.__init__(data_parallel_group=None)",
+})
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _known_modules() -> set[str]:
+    return {_module_name(p) for p in _sources()}
+
+
+def layer_of(module: str) -> Optional[int]:
+    """Index in LAYERS of ``module`` (longest matching prefix), None when nothing matches."""
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if prefix == "engine":
+                hit = module == "engine"
+            else:
+                hit = module == prefix or module.startswith(prefix + ".")
+            if hit and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best
+
+
+def _imported_modules(node: ast.AST, package: str, known: set[str]) -> Iterator[str]:
+    """Engine modules one import statement depends on (``from engine import pipe`` -> engine.pipe)."""
+    if isinstance(node, ast.Import):
+        yield from (a.name for a in node.names if a.name == "engine" or a.name.startswith("engine."))
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolve against this module's package
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        if module != "engine" and not module.startswith("engine."):
+            return
+        for a in node.names:
+            sub = f"{module}.{a.name}"
+            yield sub if sub in known else module
+
+
+def _is_any(annotation: Optional[ast.expr]) -> bool:
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return annotation.value in ("Any", "typing.Any")
+    if isinstance(annotation, ast.Name):
+        return annotation.id == "Any"
+    return isinstance(annotation, ast.Attribute) and annotation.attr == "Any"
+
+
+def _is_group_param(arg: ast.arg) -> bool:
+    name = arg.arg
+    if name in ("group", "pg", "process_group") or name.endswith("_group") or name.endswith("_pg"):
+        return not name.startswith("param_group")
+    return arg.annotation is not None and "ProcessGroup" in ast.unparse(arg.annotation)
+
+
+def _functions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function with its qualified name (``Class.method``, ``outer.inner``)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + child.name, child
+            yield from _functions(child, prefix + child.name + ".")
+        elif isinstance(child, ast.ClassDef):
+            yield from _functions(child, prefix + child.name + ".")
+        else:
+            yield from _functions(child, prefix)
+
+
+def _defaults(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[tuple[ast.arg, Optional[ast.expr]]]:
+    positional = fn.args.posonlyargs + fn.args.args
+    padded: list[Optional[ast.expr]] = [None] * (len(positional) - len(fn.args.defaults))
+    yield from zip(positional, padded + list(fn.args.defaults))
+    yield from zip(fn.args.kwonlyargs, fn.args.kw_defaults)
+
+
+def violations() -> set[str]:
+    known = _known_modules()
+    found: set[str] = set()
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        here = layer_of(module)
+        assert here is not None, f"{rel}: module {module} is in no layer; add it to LAYERS in {__file__}"
+        tree = ast.parse(path.read_text(), filename=rel)
+        for node in ast.walk(tree):
+            for target in _imported_modules(node, package, known):
+                there = layer_of(target)
+                assert there is not None, f"{rel} imports {target}, which is in no layer; add it to LAYERS"
+                if there > here:
+                    found.add(f"{rel} imports {target} ({LAYERS[here][0]} -> {LAYERS[there][0]})")
+        group_rule = not any(module == m or module.startswith(m + ".") for m in GROUP_NONE_EXEMPT)
+        for name, fn in _functions(tree):
+            for arg, default in _defaults(fn):
+                if arg.arg == "engine" and _is_any(arg.annotation):
+                    found.add(f"{rel} {name}(engine: Any)")
+                if group_rule and isinstance(default, ast.Constant) and default.value is None and _is_group_param(arg):
+                    found.add(f"{rel} {name}({arg.arg}=None)")
+    return found
+
+
+def test_every_module_has_a_layer_and_the_layers_are_disjoint():
+    prefixes = [p for _, ps in LAYERS for p in ps]
+    assert len(prefixes) == len(set(prefixes)), "a prefix is listed in two layers"
+    for module in _known_modules():
+        assert layer_of(module) is not None, f"{module} is in no layer"
+
+
+def test_no_new_layering_violation_and_the_allowlist_is_current():
+    found = violations()
+    new = sorted(found - ALLOWED)
+    assert not new, ("new layering violations (fix them; do not add them to ALLOWED):\n  " + "\n  ".join(new))
+    gone = sorted(ALLOWED - found)
+    assert not gone, ("fixed, so delete these entries from ALLOWED in tests/unit/test_layering.py:\n  "
+                      + "\n  ".join(gone))
+
+
+def test_the_checker_sees_each_kind_of_violation(tmp_path):
+    """The three detectors on a planted module (so an empty ALLOWED proves something)."""
+    src = ("def f(engine: Any, tp_group=None, *, pg: 'ProcessGroup' = None, param_group=None):\n"
+           "    from engine.runtime.initialize import initialize\n")
+    tree = ast.parse(src)
+    fn = tree.body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    flagged = [a.arg for a, d in _defaults(fn)
+               if isinstance(d, ast.Constant) and d.value is None and _is_group_param(a)]
+    assert flagged == ["tp_group", "pg"]
+    assert _is_any(fn.args.args[0].annotation)
+    targets = [t for node in ast.walk(tree) for t in _imported_modules(node, "engine.zero", _known_modules())]
+    assert targets == ["engine.runtime.initialize"]
+    assert layer_of("engine.runtime.initialize") > layer_of("engine.zero.base")
+    assert layer_of("engine.zero.base") == layer_of("engine.zero")
+    assert layer_of("engine.runtime.model") < layer_of("engine.runtime.initialize")
