@@ -28,7 +28,7 @@ def _gather(rank, world, layout):
     from engine.config import load_config
     from engine.dist import comm
     from engine.models import GPT
-    from engine.runtime import generate
+    from engine import generate
 
     dist.gather_object = dist.all_gather_object = _forbidden
     largest = [0]
