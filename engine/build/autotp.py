@@ -42,7 +42,6 @@ from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.monitor import Monitor
-from engine.optim.client import param_groups_from_client, resolve_client_optimizer
 from engine.optim.build import (
     build_engine_optimizer,
     build_scheduler,
@@ -50,6 +49,7 @@ from engine.optim.build import (
     optimizer_factory,
     precision_policy,
 )
+from engine.optim.client import param_groups_from_client, resolve_client_optimizer
 from engine.tensor_parallel.auto import autotp
 from engine.tensor_parallel.auto_rules import LayerSpec, parse_layer_specs, specs_for
 

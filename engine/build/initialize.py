@@ -29,16 +29,6 @@ from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
 from engine.monitor import Monitor, build_monitor
-from engine.pipe.build import build_pipeline_engine, pipeline_config
-from engine.pipe.module import PipelineModule
-from engine.optim.client import (
-    agree_on_error,
-    check_client_objects,
-    mpu_mismatch,
-    param_groups_from_client,
-    resolve_client_optimizer,
-)
-from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.optim.build import (
     build_engine_optimizer,
     build_scheduler,
@@ -46,6 +36,16 @@ from engine.optim.build import (
     optimizer_factory,
     precision_policy,
 )
+from engine.optim.client import (
+    agree_on_error,
+    check_client_objects,
+    mpu_mismatch,
+    param_groups_from_client,
+    resolve_client_optimizer,
+)
+from engine.pipe.build import build_pipeline_engine, pipeline_config
+from engine.pipe.module import PipelineModule
+from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.zero.init import Init as zero_init
 from engine.zero.init import is_partitioned

@@ -19,10 +19,6 @@ from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.engine import Engine
 from engine.errors import ConfigError
-from engine.pipe.module import PipelineModule
-from engine.pipe.runner import LazyPipelineRunner
-from engine.optim.client import param_groups_from_client, resolve_client_optimizer
-from engine.pipeline.stages import chunks_from_layers
 from engine.optim.build import (
     build_engine_optimizer,
     build_scheduler,
@@ -30,6 +26,10 @@ from engine.optim.build import (
     optimizer_factory,
     precision_policy,
 )
+from engine.optim.client import param_groups_from_client, resolve_client_optimizer
+from engine.pipe.module import PipelineModule
+from engine.pipe.runner import LazyPipelineRunner
+from engine.pipeline.stages import chunks_from_layers
 
 __all__ = ["pipeline_config", "build_pipeline_engine"]
 
