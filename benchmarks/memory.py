@@ -12,7 +12,7 @@ Each (system, stage, dtype, GA) runs in fresh processes so that peaks do not mix
 - ours: ``engine.initialize(model=None, config=...)`` (stage 3 builds under
   ``engine.zero.Init``);
 - DeepSpeed (``deepspeed.initialize``, same JSON minus the ``model`` section) on the same
-  reference model built by ``engine.runtime.model.build_reference_chunks`` (stage 3: under
+  reference model built by ``engine.pipeline.stages.build_reference_chunks`` (stage 3: under
   ``deepspeed.zero.Init``), the same micro-batches, ``torch.optim.AdamW`` on both sides.
 
 Two measurements per rank, both from the rank's own start (after imports and the process
@@ -79,7 +79,7 @@ def _ds_engine(cfg: dict):
     import torch
 
     from engine.config import load_config
-    from engine.runtime.model import ReferenceModel, build_reference_chunks
+    from engine.pipeline.stages import ReferenceModel, build_reference_chunks
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     ds_cfg = {k: v for k, v in cfg.items() if k not in ("model", "seed")}

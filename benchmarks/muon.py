@@ -111,7 +111,7 @@ def step_table(dps: list[int], args: argparse.Namespace) -> list[dict]:
 def _curve_rank(rank: int, world: int, steps: int, opt: str) -> list[float]:
     import engine
     from engine.config import load_config
-    from engine.runtime.trainer import build_data, train
+    from engine.training.trainer import build_data, train
 
     with open(os.path.join(ROOT, "configs", "default.json")) as f:
         raw = json.load(f)

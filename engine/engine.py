@@ -30,13 +30,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
+from engine.data.device import move_to_device
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
 from engine.precision.fp8 import fp8_states, update_fp8_scales
-from engine.runtime.device import move_to_device
-from engine.runtime.timers import PhaseTimers
+from engine.timers import PhaseTimers
 from engine.zero import ZeroOptimizer
 
 __all__ = ["Engine", "split_microbatch"]

@@ -141,7 +141,7 @@ def _check_inputs(args: argparse.Namespace, world_size: int):
                                   "GPT it describes; add one with vocab_size, hidden_size, num_layers, num_heads "
                                   "and seq_len (see configs/default.json)")
     try:
-        from engine.runtime.trainer import build_data
+        from engine.training.trainer import build_data
 
         dataset, sampler = build_data(cfg)
     except DataError as exc:
@@ -252,7 +252,7 @@ def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
 
     import torch.distributed as dist
 
-    from engine.runtime.outputs import agree_on_problems, prepare_locations
+    from engine.training.outputs import agree_on_problems, prepare_locations
 
     box = [uuid.uuid4().hex[:12] if env.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -335,9 +335,9 @@ def _checkpoint_bytes(eng) -> int:
 
 def _train(args: argparse.Namespace, cfg, dataset, sampler, env, engine, run_id: str, location) -> None:
     from engine.checkpoint.preempt import Checkpointer, StopTraining
-    from engine.runtime.generate import gather_reference_model, greedy_generate
-    from engine.runtime.outputs import warn_if_low_space
-    from engine.runtime.trainer import train, write_memory_report, write_resolved_config
+    from engine.generate import gather_reference_model, greedy_generate
+    from engine.training.outputs import warn_if_low_space
+    from engine.training.trainer import train, write_memory_report, write_resolved_config
 
     rank0 = env.rank == 0
     eng, *_ = engine.initialize(config=cfg, dist_env=env)

@@ -43,7 +43,7 @@ class LocalPiece:
 def stage_chunks(module: nn.Module) -> Optional[list[nn.Module]]:
     """The StageChunks behind an engine's module (pipeline list, ReferenceModel or one
     chunk), or None for a plain module."""
-    from engine.runtime.model import ReferenceModel, StageChunk
+    from engine.pipeline.stages import ReferenceModel, StageChunk
 
     if isinstance(module, StageChunk):
         return [module]

@@ -25,9 +25,9 @@ from __future__ import annotations
 import types
 
 from engine import pipe, zero
+from engine.build.initialize import initialize
 from engine.compat import comm, zero_to_fp32
 from engine.compat.api import add_config_arguments, init_distributed
-from engine.runtime.initialize import initialize
 
 # attribute access only (deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint):
 # ``from deepspeed.utils.zero_to_fp32 import ...`` becomes ``from engine.compat.zero_to_fp32 import ...``

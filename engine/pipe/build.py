@@ -1,6 +1,6 @@
 """``engine.initialize(model=PipelineModule(...))``: the config gets the module's pipeline
 depth, the layers are cut with the module's ``partition_method`` into this rank's chunks
-(:func:`engine.runtime.model.chunks_from_layers`: the tied embedding/head weight becomes a
+(:func:`engine.pipeline.stages.chunks_from_layers`: the tied embedding/head weight becomes a
 marked copy on the last stage, its gradient summed over the embedding group), and the
 engine runs them with the configured schedule, ZeRO 0-3 and ``train_batch``.
 """
@@ -19,17 +19,17 @@ from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.engine import Engine
 from engine.errors import ConfigError
-from engine.pipe.module import PipelineModule
-from engine.pipe.runner import LazyPipelineRunner
-from engine.runtime.client import param_groups_from_client, resolve_client_optimizer
-from engine.runtime.model import chunks_from_layers
-from engine.runtime.optim import (
+from engine.optim.build import (
     build_engine_optimizer,
     build_scheduler,
     client_optimizer_factory,
     optimizer_factory,
     precision_policy,
 )
+from engine.optim.client import param_groups_from_client, resolve_client_optimizer
+from engine.pipe.module import PipelineModule
+from engine.pipe.runner import LazyPipelineRunner
+from engine.pipeline.stages import chunks_from_layers
 
 __all__ = ["pipeline_config", "build_pipeline_engine"]
 

@@ -3,7 +3,7 @@ TiedLayerSpec(...), nn.Module, callable, ...], num_stages=, loss_fn=, partition_
 activation_checkpoint_interval=)``.
 
 The module only *describes* the model: ``engine.initialize(model=PipelineModule(...))``
-cuts its layers into this rank's stage with :func:`engine.runtime.model.chunks_from_layers`
+cuts its layers into this rank's stage with :func:`engine.pipeline.stages.chunks_from_layers`
 and runs them with the engine's own schedules (``pipeline.schedule``, 1F1B by default),
 ZeRO 0-3 and ``engine.train_batch(data_iter)`` / ``eval_batch``.
 

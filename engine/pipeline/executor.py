@@ -46,12 +46,12 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
+from engine.data.device import move_to_device
 from engine.dist import comm
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
 from engine.pipeline.clock import make_clock
 from engine.pipeline.schedule import build_schedule
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
-from engine.runtime.device import move_to_device
 
 __all__ = ["ActionRecord", "PipelineExecutor", "allreduce_tied_grads", "broadcast_tied_weights"]
 

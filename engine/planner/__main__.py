@@ -21,10 +21,10 @@ from typing import Optional
 
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
+from engine.pipeline.stages import reference_layer_params
 from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
 from engine.planner.cluster import CLUSTERS, MODELS, Cluster, GiB, cluster_preset, model_preset
 from engine.planner.search import DEFAULT_SCHEDULES, format_plans, plan
-from engine.runtime.model import reference_layer_params
 
 
 def _tokens(text: str) -> int:

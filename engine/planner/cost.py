@@ -46,8 +46,8 @@ from engine.models.config import ModelConfig
 from engine.pipeline.partition import partition_layers
 from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args
 from engine.pipeline.simulate import simulate
+from engine.pipeline.stages import reference_layer_params
 from engine.planner.cluster import Cluster
-from engine.runtime.model import reference_layer_params
 from engine.zero.memory import zero_memory_formula
 
 __all__ = ["Layout", "MemoryEstimate", "TimeEstimate", "StageShape", "stage_shapes", "memory_estimate",

@@ -1,3 +1,2 @@
-"""The engine's runtime pieces: building what a rank trains (model.py), its optimizer and
-schedule (optim.py), the pipeline glue (pipe.py), ``initialize`` (initialize.py), the
-training loop of the entry point (trainer.py) and greedy sampling (generate.py)."""
+"""Pipeline glue between the engine and the executor (pipe.py); the rest of what lived here
+moved to places named for what they hold (docs/architecture.md)."""

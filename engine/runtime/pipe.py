@@ -25,12 +25,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
+from engine.data.device import move_to_device
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.pipeline.actions import next_hop, prev_hop
 from engine.pipeline.executor import PipelineExecutor
-from engine.runtime.device import move_to_device
-from engine.runtime.model import check_doc_ids
+from engine.pipeline.stages import check_doc_ids
 
 __all__ = ["PipelineRunner", "activation_shape", "microbatch_doc_ids"]
 

@@ -59,7 +59,7 @@ def build(cfg: dict):
 
 def dense_state(eng) -> dict:
     """The unsharded fp32 weights on rank 0 (None elsewhere), named as GPT's state dict."""
-    from engine.runtime.generate import gather_reference_model
+    from engine.generate import gather_reference_model
 
     model = gather_reference_model(eng)
     return None if model is None else {k: v.clone() for k, v in model.state_dict().items()}

@@ -22,7 +22,7 @@ def main() -> int:
     spec = importlib.util.spec_from_file_location("train_entry", TRAIN)
     train_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_mod)
-    import engine.runtime.trainer as trainer
+    import engine.training.trainer as trainer
 
     real = trainer.step_record
 

@@ -46,7 +46,7 @@ def _config(cache_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory):
     from engine.config import load_config
-    from engine.runtime.trainer import build_data
+    from engine.training.trainer import build_data
 
     d = tmp_path_factory.mktemp("preempt")
     cfg = _config(str(d / "cache"))

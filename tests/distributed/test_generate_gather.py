@@ -25,10 +25,10 @@ def _gather_all(rank, world, layouts):
 
 def _gather(rank, world, layout):
     import engine
+    from engine import generate
     from engine.config import load_config
     from engine.dist import comm
     from engine.models import GPT
-    from engine.runtime import generate
 
     dist.gather_object = dist.all_gather_object = _forbidden
     largest = [0]

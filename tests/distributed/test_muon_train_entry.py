@@ -61,7 +61,7 @@ def _run(tmp, name: str, cfg: dict, nproc: int) -> list[float]:
 @pytest.mark.timeout(600)
 def test_launch_train_with_muon_matches_one_process(tmp_path):
     from engine.config import load_config
-    from engine.runtime.trainer import build_data
+    from engine.training.trainer import build_data
 
     cache = str(tmp_path / "cache")
     build_data(load_config(_config(cache, 1, 0, 8), world_size=1))  # tokenizer built once, here

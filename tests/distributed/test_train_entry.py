@@ -5,7 +5,7 @@
    sequence parallelism), (1,1,2) (1F1B, GPipe, ZB-H1, activation checkpointing; interleaved
    1F1B on a 4-layer model) and (2,2,2) (ZeRO 1; ZeRO 0 with sequence parallelism; ZeRO 3
    with GPipe), through
-   the loop launch/train.py runs (engine.initialize + engine.runtime.trainer.train), against
+   the loop launch/train.py runs (engine.initialize + engine.training.trainer.train), against
    (1,1,1); then eval_batch, and the weights gathered into one dense model on rank 0 (the
    sampling path) give the same eval loss.
 2. launch/train.py under the real deepspeed launcher and under torchrun (2 CPU ranks):
@@ -64,7 +64,7 @@ def tiny_config(cache_dir: str, dp: int = 1, tp: int = 1, pp: int = 1, zero: int
 def cache_dir(tmp_path_factory):
     """Tokenizer and token file built once, here, so the ranks only read the cache."""
     from engine.config import load_config
-    from engine.runtime.trainer import build_data
+    from engine.training.trainer import build_data
 
     d = str(tmp_path_factory.mktemp("data_cache"))
     build_data(load_config(tiny_config(d), world_size=1))
@@ -94,8 +94,8 @@ def reference(cache_dir):
 def _trajectories(rank, world, configs):
     import engine
     from engine.config import load_config
-    from engine.runtime.generate import gather_reference_model
-    from engine.runtime.trainer import build_data, train
+    from engine.generate import gather_reference_model
+    from engine.training.trainer import build_data, train
 
     out = []
     for c in configs:

@@ -41,7 +41,7 @@ NOISE = ("Traceback", "frame #", "outlive shutdown", "ChildFailedError")
 def cache_dir(tmp_path_factory):
     """Tokenizer and token file built once, here, so the ranks only read the cache."""
     from engine.config import load_config
-    from engine.runtime.trainer import build_data
+    from engine.training.trainer import build_data
 
     d = str(tmp_path_factory.mktemp("data_cache"))
     build_data(load_config(tiny_config(d), world_size=1))

@@ -97,7 +97,7 @@ def _init_case(rank, world):
     """Stage 3 at DP = 4 built under Init (model=None) vs the same GPT given whole."""
     import engine
     from engine.models import GPT, ModelConfig
-    from engine.runtime.model import build_reference_chunks
+    from engine.pipeline.stages import build_reference_chunks
     from engine.zero import GatheredParameters, Init
     from engine.zero.peak import LiveMemoryTracker
 

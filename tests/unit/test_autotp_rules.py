@@ -64,9 +64,9 @@ def test_local_ranges_follow_fused_parts():
 def test_config_specs_reach_the_engine_and_unknown_models_are_a_config_error():
     import torch.nn as nn
 
+    from engine.build.autotp import layer_specs_of
     from engine.config import load_config
     from engine.errors import ConfigError
-    from engine.runtime.autotp import layer_specs_of
 
     base = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     cfg = load_config({**base, "tensor_parallel": {"autotp_size": 2, "partition_config": {

@@ -12,8 +12,8 @@ import torch.nn as nn
 import engine
 import engine.compat.deepspeed as deepspeed
 from engine.config import ConfigError, load_config
+from engine.optim.client import ClientLRScheduler, param_groups_from_client
 from engine.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from engine.runtime.client import ClientLRScheduler, param_groups_from_client
 
 
 def test_add_config_arguments_is_deepspeeds():

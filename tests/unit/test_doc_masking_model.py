@@ -129,7 +129,7 @@ def test_bad_attention_inputs_are_refused():
 
 def test_stage_chunk_checks_config_against_data_and_checkpoints_with_the_mask():
     from engine.models import build_stage_layers
-    from engine.runtime.model import ReferenceModel, StageChunk
+    from engine.pipeline.stages import ReferenceModel, StageChunk
 
     ids, doc_ids, _ = _packed([[9, 15]], batch_rows=2)
     targets = torch.roll(ids, -1, dims=1)
@@ -159,7 +159,7 @@ def test_the_single_gpu_config_loads_and_builds():
     from pathlib import Path
 
     from engine.config import load_config
-    from engine.runtime.model import ReferenceModel, build_reference_chunks, check_reference_support
+    from engine.pipeline.stages import ReferenceModel, build_reference_chunks, check_reference_support
 
     path = Path(__file__).resolve().parents[2] / "configs" / "single_gpu.json"
     cfg = load_config(path, world_size=1)

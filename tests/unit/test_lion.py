@@ -44,7 +44,7 @@ def test_lion_rejects_bad_hyperparameters():
 
 def test_config_lion_builds_lion():
     from engine.config import load_config
-    from engine.runtime.optim import optimizer_factory
+    from engine.optim.build import optimizer_factory
 
     cfg = load_config({"train_batch_size": 2, "optimizer": {"type": "Lion", "params": {"lr": 1e-4}},
                        "model": {"vocab_size": 64, "hidden_size": 16, "num_layers": 1, "num_heads": 2,

@@ -141,7 +141,7 @@ def test_bad_data_files(train_mod, capsys, tmp_path, what):
 
 def test_tokenizer_that_does_not_match_the_vocab_size(train_mod, capsys, tmp_path):
     from engine.config import load_config
-    from engine.runtime.trainer import build_data
+    from engine.training.trainer import build_data
 
     build_data(load_config(_cfg(tmp_path), world_size=1))  # trains a 256-piece tokenizer into the cache
     model_file = glob.glob(str(tmp_path / "cache" / "tokenizer-*" / "tokenizer.model"))[0]

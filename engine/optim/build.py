@@ -85,9 +85,9 @@ def client_optimizer_factory(client: Any) -> OptimizerFactory:
     A ``torch.optim.Optimizer`` instance is cloned (a shallow copy of the object, so its
     class, defaults and any attribute its constructor set are kept) with fresh state and
     the given groups (the master shards; each group dict carries the client group's
-    options, :func:`engine.runtime.client.param_groups_from_client`). The client's object
+    options, :func:`engine.optim.client.param_groups_from_client`). The client's object
     itself is left as it was (a scheduler built on it keeps working through
-    :class:`engine.runtime.client.ClientLRScheduler`). It must not have stepped yet: its
+    :class:`engine.optim.client.ClientLRScheduler`). It must not have stepped yet: its
     state would not match the shards. A callable (``params -> Optimizer``) is used as it is.
     """
     if isinstance(client, torch.optim.Optimizer):
@@ -176,7 +176,7 @@ def build_scheduler(cfg: Config, optimizer: ZeroOptimizer, client: Union[None, A
         if hasattr(client, "step"):
             bound = getattr(client, "optimizer", optimizer.optimizer)
             if client_optimizer is not None and bound is client_optimizer:
-                from engine.runtime.client import ClientLRScheduler
+                from engine.optim.client import ClientLRScheduler
 
                 return ClientLRScheduler(client, client_optimizer, optimizer.optimizer,
                                          [g.key.param_group for g in optimizer.groups])

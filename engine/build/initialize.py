@@ -9,7 +9,7 @@ is the reference GPT (``model=None`` builds it from the config's ``model`` secti
 unsharded :class:`engine.models.GPT` is sharded onto this rank) or, with TP = 1, a list of
 layers cut into pipeline stages; ``engine.train_batch(data_iter)`` runs a whole step.
 Any other ``nn.Module`` (a Hugging Face decoder) with ``tensor_parallel.autotp_size > 1``
-is split by AutoTP (:mod:`engine.runtime.autotp`, docs/autotp.md).
+is split by AutoTP (:mod:`engine.build.autotp`, docs/autotp.md).
 """
 
 from __future__ import annotations
@@ -29,23 +29,23 @@ from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
 from engine.monitor import Monitor, build_monitor
-from engine.pipe.build import build_pipeline_engine, pipeline_config
-from engine.pipe.module import PipelineModule
-from engine.runtime.client import (
-    agree_on_error,
-    check_client_objects,
-    mpu_mismatch,
-    param_groups_from_client,
-    resolve_client_optimizer,
-)
-from engine.runtime.model import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
-from engine.runtime.optim import (
+from engine.optim.build import (
     build_engine_optimizer,
     build_scheduler,
     client_optimizer_factory,
     optimizer_factory,
     precision_policy,
 )
+from engine.optim.client import (
+    agree_on_error,
+    check_client_objects,
+    mpu_mismatch,
+    param_groups_from_client,
+    resolve_client_optimizer,
+)
+from engine.pipe.build import build_pipeline_engine, pipeline_config
+from engine.pipe.module import PipelineModule
+from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.zero.init import Init as zero_init
 from engine.zero.init import is_partitioned
@@ -184,7 +184,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
         engine = _module_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
                                 dist_env, loss_fn, monitor)
     elif isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
-        from engine.runtime.autotp import build_autotp_engine  # AutoTP: a model we did not write
+        from engine.build.autotp import build_autotp_engine  # AutoTP: a model we did not write
 
         engine = build_autotp_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
                                      dist_env, loss_fn, monitor)

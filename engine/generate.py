@@ -23,7 +23,7 @@ import torch.distributed as dist
 from engine.dist import comm
 from engine.models import GPT
 from engine.pipeline.partition import layers_of
-from engine.runtime.model import reference_layer_params, stage_bounds
+from engine.pipeline.stages import reference_layer_params, stage_bounds
 from engine.tensor_parallel.layers import gather_full_tensor
 
 __all__ = ["gather_reference_model", "greedy_generate"]

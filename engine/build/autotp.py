@@ -13,7 +13,7 @@ Steps (:func:`build_autotp_engine`):
 3. the model goes to the engine's device and dtype; DP replicas start from DP rank 0's;
 4. the optimizer: the config's, or the client's (an instance built over the *unsharded*
    parameters, or a callable called with the sharded ones), over the sharded parameters,
-   as at TP = 1 (:mod:`engine.runtime.client`): its param groups and per-group
+   as at TP = 1 (:mod:`engine.optim.client`): its param groups and per-group
    hyperparameters are kept, each original parameter replaced by its shard
    (:func:`map_param_groups`); a scheduler built on it keeps driving it;
 5. the TP data path: a forward pre-hook on the model broadcasts every tensor argument of
@@ -42,14 +42,14 @@ from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.monitor import Monitor
-from engine.runtime.client import param_groups_from_client, resolve_client_optimizer
-from engine.runtime.optim import (
+from engine.optim.build import (
     build_engine_optimizer,
     build_scheduler,
     client_optimizer_factory,
     optimizer_factory,
     precision_policy,
 )
+from engine.optim.client import param_groups_from_client, resolve_client_optimizer
 from engine.tensor_parallel.auto import autotp
 from engine.tensor_parallel.auto_rules import LayerSpec, parse_layer_specs, specs_for
 
