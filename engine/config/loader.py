@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Union
 
+from engine.config.ignored import IGNORED_KEYS, ignored_keys_in
 from engine.config.monitor import parse_monitor
 from engine.config.optim import parse_optimizer, parse_scheduler
 from engine.config.reader import Section, read_json_file, show
@@ -72,7 +73,7 @@ _TOP_LEVEL_FIXED = {
     "dump_state": (False, "state dumping is not implemented"),
 }
 # Switches that only matter for DeepSpeed's client / CPU optimizers: accepted, no effect here.
-_TOP_LEVEL_IGNORED = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
+_TOP_LEVEL_IGNORED = tuple(k for k in IGNORED_KEYS if "." not in k)
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -126,6 +127,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
         seed=top.int("seed", 1234, min=0, max=2**63 - 1),
+        ignored_keys=ignored_keys_in(raw),
     )
     _check_cross_section(cfg)
     return cfg
