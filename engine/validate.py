@@ -41,6 +41,8 @@ def int_requirement(minimum: Optional[int] = None, maximum: Optional[int] = None
         return f"an integer from {minimum} to {maximum}"
     if minimum == 1:
         return "a positive integer (>= 1)"
+    if minimum == 0:
+        return "a non-negative integer (>= 0)"
     if minimum is not None:
         return f"an integer >= {minimum}"
     if maximum is not None:
