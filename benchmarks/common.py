@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
-import pickle
 import platform
-import queue as queue_mod
-import socket
 import statistics
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +25,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from engine.dist.env import launched_by_torch_style_launcher  # noqa: E402
+from engine.dist.spawn import free_port, spawn  # noqa: E402
+
 __all__ = ["ROOT", "launch", "launched_externally", "CommTimer", "PhaseTimer", "sync", "cpu_matmul_peak",
            "machine_description", "markdown_table", "median", "spread", "write_json", "free_port"]
 
@@ -37,37 +35,13 @@ __all__ = ["ROOT", "launch", "launched_externally", "CommTimer", "PhaseTimer", "
 # ------------------------------------------------------------------ launching ranks
 def launched_externally() -> bool:
     """True under torchrun / the deepspeed launcher / srun (the launcher made the ranks)."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn: Callable, rank: int, world: int, port: int, results, args: tuple, threads: Optional[int]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
-    try:
-        out = fn(*args)
-        results.put((rank, "ok", pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
-        return
-    # DeepSpeed's ZeRO-3 occasionally aborts in its own atexit teardown on CPU; once the
-    # result has left (flush the queue's feeder thread), skip interpreter shutdown.
-    results.close()
-    results.join_thread()
-    os._exit(0)
+    return launched_by_torch_style_launcher()
 
 
 def launch(fn: Callable, nproc: int, *args: Any, threads: Optional[int] = 1, timeout: float = 3600.0) -> list:
     """Run ``fn(*args)`` on ``nproc`` fresh processes with a torchrun-style environment
-    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and return each rank's result.
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and return each rank's result: the
+    ``"env"`` mode of the one launcher, :func:`engine.dist.spawn.spawn`.
 
     Under an external launcher (torchrun, deepspeed, srun) ``fn`` runs in this process only
     and the list holds just this rank's result. ``fn`` must be importable (module level)
@@ -75,39 +49,7 @@ def launch(fn: Callable, nproc: int, *args: Any, threads: Optional[int] = 1, tim
     """
     if launched_externally():
         return [fn(*args)]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, port, results, args, threads), daemon=True)
-             for r in range(nproc)]
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.start()
-        while len(out) < nproc:
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
-                if dead:
-                    time.sleep(1.0)
-                    if results.empty():
-                        raise RuntimeError(f"rank(s) {dead} died without a result (exit codes "
-                                           f"{[procs[r].exitcode for r in dead]})") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks {[r for r in range(nproc) if r not in out]} did not finish "
-                                       f"within {timeout:.0f}s") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = pickle.loads(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(nproc)]
+    return spawn(fn, nproc, args, rendezvous="env", timeout=timeout, threads=threads)
 
 
 # ------------------------------------------------------------------ timing

@@ -16,6 +16,8 @@ import enum
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
+from engine.validate import check_int
+
 __all__ = ["Axis", "Coord", "Topology", "TopologyError"]
 
 
@@ -63,9 +65,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1, error=TopologyError)
         product = self.dp * self.tp * self.pp
         if self.world_size is None:
             object.__setattr__(self, "world_size", product)
@@ -87,8 +87,8 @@ class Topology:
 
     # ------------------------------------------------------- rank <-> coords
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise TopologyError(f"rank {rank!r} is outside [0, {self.world_size})")
+        check_int("rank", rank, minimum=0, maximum=self.world_size - 1, error=TopologyError,
+                  fix=f"it is outside this topology's {self.world_size} ranks")
 
     def coord(self, rank: int) -> Coord:
         self._check_rank(rank)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config, load_config
+from engine.config.ignored import log_ignored_keys
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.engine import Engine, LossFn
@@ -169,6 +170,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
         cfg = source if isinstance(source, Config) else load_config(source, world_size=world)
     if cfg.world_size != world:
         raise ConfigError(f"the config was resolved for {cfg.world_size} ranks but the job has {world}")
+    log_ignored_keys(cfg.ignored_keys, dist.get_rank(), logger)  # once, rank 0: accepted, no effect
     _check_fp8_model(cfg, model)  # on every rank, before any collective
     check_client_objects(cfg, optimizer, lr_scheduler)
     device = dist_env.device if dist_env is not None else _device_of_default_group()

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Union
 
+from engine.config.ignored import IGNORED_KEYS, ignored_keys_in
 from engine.config.monitor import parse_monitor
 from engine.config.optim import parse_optimizer, parse_scheduler
-from engine.config.reader import Section, read_json_file, show
+from engine.config.reader import Section, read_json_file
 from engine.config.schema import Config, PipelineConfig
 from engine.config.sections import (
     parse_activation_checkpointing,
@@ -30,6 +31,7 @@ from engine.config.sections import (
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.topology import Topology
+from engine.validate import check_int
 
 __all__ = ["load_config", "resolve_batch_sizes"]
 
@@ -72,7 +74,7 @@ _TOP_LEVEL_FIXED = {
     "dump_state": (False, "state dumping is not implemented"),
 }
 # Switches that only matter for DeepSpeed's client / CPU optimizers: accepted, no effect here.
-_TOP_LEVEL_IGNORED = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
+_TOP_LEVEL_IGNORED = tuple(k for k in IGNORED_KEYS if "." not in k)
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -83,8 +85,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     ``path_or_dict``: a JSON file path, or the already-parsed object. Raises
     :class:`~engine.errors.ConfigError` on every problem, naming the key and the fix.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer (the number of launched ranks), got {world_size!r}")
+    check_int("world_size", world_size, minimum=1, fix="pass the number of launched ranks")
     if isinstance(path_or_dict, Mapping):
         raw: Any = dict(path_or_dict)
     elif isinstance(path_or_dict, (str, os.PathLike)):
@@ -126,6 +127,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
         seed=top.int("seed", 1234, min=0, max=2**63 - 1),
+        ignored_keys=ignored_keys_in(raw),
     )
     _check_cross_section(cfg)
     return cfg
@@ -143,11 +145,8 @@ def _batch_value(name: str, v: Any) -> Optional[int]:
     """A batch key's value: ``None`` when absent, null or ``"auto"`` (resolved from the others)."""
     if v is None or v == "auto":
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise ConfigError(f"{name} must be a positive integer or \"auto\", got {show(v)}")
-    if v < 1:
-        raise ConfigError(f"{name} must be a positive integer (>= 1), got {show(v)}")
-    return int(v)
+    return check_int(name, v, minimum=1, allow_float=True,
+                     fix="set it, or \"auto\" to derive it from the other batch sizes")
 
 
 def resolve_batch_sizes(train_batch: Any, micro: Any, gas: Any, topology: Topology) -> tuple[int, int, int]:

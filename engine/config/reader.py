@@ -18,6 +18,7 @@ import os
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from engine.errors import ConfigError
+from engine.validate import as_int, int_requirement
 
 __all__ = ["AUTO", "Section", "key_path", "read_json_file", "did_you_mean", "show"]
 
@@ -181,7 +182,7 @@ class Section:
         v = self._get(key, default, required or default is _MISSING, auto_hint)
         if v is None and nullable:
             return None
-        v = _as_int(v)
+        v = as_int(v, allow_float=True)  # JSON writes 5e8 as a float
         if v is None:
             raw = self._values.get(key, default)
             kind = "an integer" + (" or null" if nullable else "")
@@ -275,25 +276,9 @@ def _same(value: Any, allowed: Any) -> bool:
     return value == allowed
 
 
-def _as_int(v: Any) -> Optional[int]:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-        return int(v)  # JSON writes 5e8 as a float
-    return None
-
-
 def _check_range(sec: Section, key: str, v: int, lo: Optional[int], hi: Optional[int]) -> None:
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        if lo is not None and hi is not None:
-            what = f"must be an integer from {lo} to {hi}"
-        elif lo is not None:
-            what = {0: "must be >= 0", 1: "must be a positive integer (>= 1)"}.get(lo, f"must be >= {lo}")
-        else:
-            what = f"must be <= {hi}"
-        raise sec.error(key, f"{what}, got {v}: set a value in that range")
+        raise sec.error(key, f"must be {int_requirement(lo, hi)}, got {v}: set a value in that range")
 
 
 def _type_fix(v: Any, want: str) -> str:

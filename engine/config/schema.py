@@ -8,7 +8,7 @@ batch sizes filled in, ``"auto"`` replaced, defaults applied. Build one with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
 from engine.models.config import ModelConfig
@@ -369,6 +369,9 @@ class Config:
     steps_per_print: Optional[int] = 10  # None: never
     wall_clock_breakdown: bool = False
     seed: int = 1234
+    # keys of engine.config.ignored.IGNORED_KEYS this config set: accepted, no effect; not
+    # part of the config's value (not compared, not written by to_dict)
+    ignored_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def dp(self) -> int:

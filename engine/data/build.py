@@ -24,6 +24,7 @@ from engine.data.errors import DataError
 from engine.data.packing import PackedDataset
 from engine.data.tokenizer import DEFAULT_TOKENIZER_MAX_BYTES, SENTENCEPIECE_VERSION, Tokenizer, train_tokenizer
 from engine.data.tokens import FORMAT_VERSION, TokenFile, write_token_file
+from engine.validate import check_int
 
 __all__ = ["build_dataset", "build_tokenizer"]
 
@@ -81,8 +82,7 @@ def build_dataset(*, train_files: Optional[Sequence[str]], tokenizer_model: Opti
     Safe to call from every rank at once: each cache entry is built by one process.
     """
     for name, value in (("model.vocab_size", vocab_size), ("model.seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise DataError(f"{name} must be a positive integer, got {value!r}")
+        check_int(name, value, minimum=1, error=DataError)
     if not isinstance(document_masking, bool):
         raise DataError(f"data.document_masking must be true or false, got {document_masking!r}")
     if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):

@@ -24,6 +24,7 @@ import sysconfig
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from engine.data.errors import DataError
+from engine.validate import check_int
 
 __all__ = ["Corpus", "FileCorpus", "StdlibCorpus", "check_train_files", "DEFAULT_EMBEDDED_MAX_BYTES"]
 
@@ -186,9 +187,7 @@ class StdlibCorpus(Corpus):
     """
 
     def __init__(self, max_bytes: int = DEFAULT_EMBEDDED_MAX_BYTES, root: Optional[str] = None) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-            raise DataError(f"the embedded corpus size cap must be a positive number of bytes, "
-                            f"got {max_bytes!r}")
+        check_int("the embedded corpus size cap (bytes)", max_bytes, minimum=1, error=DataError)
         self.root = root or sysconfig.get_paths()["stdlib"]
         self.max_bytes = max_bytes
         self.documents: List[str] = []

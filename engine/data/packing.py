@@ -23,6 +23,7 @@ import torch
 from engine.data.errors import DataError
 from engine.data.tokenizer import Tokenizer
 from engine.data.tokens import TokenFile
+from engine.validate import check_int
 
 __all__ = ["Batch", "PackedDataset", "document_causal_mask", "position_ids_from_doc_ids"]
 
@@ -121,8 +122,7 @@ class PackedDataset:
 
     def __init__(self, token_file: TokenFile, tokenizer: Tokenizer, seq_len: int,
                  document_masking: bool = False) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-            raise DataError(f"model.seq_len must be a positive integer, got {seq_len!r}")
+        check_int("model.seq_len", seq_len, minimum=1, error=DataError)
         token_file.check_tokenizer(tokenizer)
         self.token_file = token_file
         self.tokenizer = tokenizer

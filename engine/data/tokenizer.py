@@ -22,6 +22,7 @@ import sentencepiece as spm
 
 from engine.data.corpus import Corpus
 from engine.data.errors import DataError
+from engine.validate import check_int
 
 __all__ = ["Tokenizer", "train_tokenizer", "DEFAULT_TOKENIZER_MAX_BYTES", "SENTENCEPIECE_VERSION"]
 
@@ -153,8 +154,7 @@ def train_tokenizer(corpus: Corpus, vocab_size: int, out_path: str, *, model_typ
     Deterministic for a given corpus and settings (single-threaded by default).
     Ids: 0 ``<unk>``, 1 ``<s>`` (BOS), 2 ``</s>`` (EOS), 3 ``"\\n"``; no pad piece.
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise DataError(f"model.vocab_size must be a positive integer, got {vocab_size!r}")
+    check_int("model.vocab_size", vocab_size, minimum=1, error=DataError)
     if model_type not in ("bpe", "unigram"):
         raise DataError(f"tokenizer model_type must be 'bpe' or 'unigram', got {model_type!r}")
     if byte_fallback is None:

@@ -25,7 +25,7 @@ from engine.dist.teardown import bind_world_defaults_early, gloo_worker_threads,
 
 __all__ = [
     "LaunchError", "LaunchInfo", "detect_launch", "current_launch", "expand_hostlist",
-    "DistEnv", "init_distributed", "shutdown", "gloo_worker_threads",
+    "DistEnv", "init_distributed", "launched_by_torch_style_launcher", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
     "strict_comm_from_env", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
@@ -542,6 +542,13 @@ def op_build_settings(environ: Optional[Mapping[str, str]] = None) -> OpBuildSet
         extensions_dir=environ.get("ENGINE_EXTENSIONS_DIR") or None,
         cuda_arch_list=environ.get("TORCH_CUDA_ARCH_LIST") or None,
     )
+
+
+def launched_by_torch_style_launcher(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when RANK and WORLD_SIZE are set (torchrun, the deepspeed launcher, or a script
+    that set them): the launcher made the ranks, so a benchmark must not spawn its own."""
+    environ = os.environ if environ is None else environ
+    return "RANK" in environ and "WORLD_SIZE" in environ
 
 
 def current_launch() -> LaunchInfo:

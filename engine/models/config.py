@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 from engine.errors import ConfigError
+from engine.validate import check_int
 
 __all__ = ["ModelConfig"]
 
@@ -91,5 +92,4 @@ class ModelConfig:
 
 
 def _positive_int(name: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"model.{name} must be a positive integer, got {v!r}")
+    check_int(f"model.{name}", v, minimum=1)

@@ -43,6 +43,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from engine.errors import ConfigError
+from engine.validate import check_int
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "CosineWithWarmup", "WSD",
            "build_lr_scheduler", "SCHEDULERS",
@@ -117,9 +118,7 @@ def wsd_ratio(step: int, warmup_num_steps: int, total_num_steps: int, decay_num_
 
 # ----------------------------------------------------------------------------- checks
 def _positive_int(name: str, v: Any, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ConfigError(f"scheduler.params.{name} must be an integer >= {minimum}, got {v!r}")
-    return v
+    return check_int(f"scheduler.params.{name}", v, minimum=minimum)
 
 
 def _ratio(name: str, v: Any) -> float:

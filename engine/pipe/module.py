@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from engine.errors import ConfigError
 from engine.pipeline.partition import partition_layers
+from engine.validate import check_int
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "PARTITION_METHODS"]
 
@@ -109,17 +110,15 @@ class PipelineModule(nn.Module):
         if topology is not None:
             raise ValueError("PipelineModule(topology=...) is not supported: pass num_stages (the data-parallel "
                              "size is the world size / num_stages, as DeepSpeed's PipeDataParallelTopology)")
-        if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
-            raise ValueError(f"PipelineModule needs num_stages, a positive integer; got {num_stages!r}")
+        check_int("PipelineModule num_stages", num_stages, minimum=1, error=ValueError)
         for name, value, default in (("seed_fn", seed_fn, None), ("activation_checkpoint_func",
                                                                    activation_checkpoint_func, None),
                                      ("checkpointable_layers", checkpointable_layers, None),
                                      ("dynamic_shape", dynamic_shape, False)):
             if value != default:
                 raise ValueError(f"PipelineModule({name}=...) is not supported: leave it at its default")
-        if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
-            raise ValueError(f"activation_checkpoint_interval must be an integer >= 0, got "
-                             f"{activation_checkpoint_interval!r}")
+        check_int("activation_checkpoint_interval", activation_checkpoint_interval, minimum=0,
+                  fix="0 disables checkpointing", error=ValueError)
         self.num_stages = num_stages
         self.loss_fn = loss_fn
         self.partition_method = partition_method

@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.validate import check_int
+
 __all__ = [
     "ScheduleError",
     "ActionKind",
@@ -82,9 +84,7 @@ class Action:
         if not isinstance(self.kind, ActionKind):
             object.__setattr__(self, "kind", ActionKind(self.kind))
         for name in ("microbatch", "chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Action.{name} must be a non-negative integer, got {value!r}")
+            check_int(f"Action.{name}", getattr(self, name), minimum=0, error=ValueError)
 
     @property
     def is_compute(self) -> bool:

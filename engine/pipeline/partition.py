@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.errors import ConfigError
+from engine.validate import check_int
 
 __all__ = ["PARTITION_METHODS", "partition_layers", "part_sizes", "layers_of"]
 
@@ -27,13 +28,11 @@ PARTITION_METHODS = ("uniform", "parameters")
 
 
 def _check(layer_params: Sequence[int], num_parts: int) -> None:
-    if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
-        raise ConfigError(f"num_parts (pipeline stages x virtual stages) must be a positive integer, got {num_parts!r}")
+    check_int("num_parts (pipeline stages x virtual stages)", num_parts, minimum=1)
     if len(layer_params) < 1:
         raise ConfigError("cannot partition an empty list of layers")
     for i, n in enumerate(layer_params):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"layer {i}: parameter count must be a non-negative integer, got {n!r}")
+        check_int(f"layer {i}: parameter count", n, minimum=0)
 
 
 def _uniform(num_layers: int, num_parts: int) -> list[int]:

@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from engine.errors import ConfigError
 from engine.pipeline.actions import Action, ActionKind, ScheduleError, next_hop, prev_hop, virtual_stage
+from engine.validate import check_int
 
 __all__ = [
     "SCHEDULES",
@@ -45,21 +46,15 @@ F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches: int,
                         virtual_stages: int = 1) -> None:
     """Raise ConfigError naming the problem and the fix for an unsupported combination."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline.schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    _check_int("num_stages (pipeline-parallel size)", num_stages, 1)
-    _check_int("num_microbatches (gradient_accumulation_steps)", num_microbatches, 1)
-    _check_int("pipeline.virtual_stages", virtual_stages, 1)
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
-        raise ConfigError(f"stage {stage!r} is outside [0, {num_stages})")
+    check_int("num_stages (pipeline-parallel size)", num_stages, minimum=1)
+    check_int("num_microbatches (gradient_accumulation_steps)", num_microbatches, minimum=1)
+    check_int("pipeline.virtual_stages", virtual_stages, minimum=1)
+    check_int("stage", stage, minimum=0, maximum=num_stages - 1, fix=f"it is outside the {num_stages} stages")
     if name == "interleaved-1f1b":
         if num_stages < 2:
             raise ConfigError("interleaved-1f1b needs at least 2 pipeline stages; use 1f1b for pp=1")

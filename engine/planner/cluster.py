@@ -20,6 +20,7 @@ from typing import Optional
 
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
+from engine.validate import check_int
 
 __all__ = ["Cluster", "CLUSTERS", "MODELS", "cluster_preset", "model_preset", "GiB"]
 
@@ -53,9 +54,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for f in ("gpus_per_node", "nodes"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"cluster {f} must be a positive integer, got {v!r}")
+            check_int(f"cluster {f}", getattr(self, f), minimum=1)
         for f in ("memory_bytes", "peak_flops", "intra_node_bw", "inter_node_bw", "hbm_bw"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not v > 0:

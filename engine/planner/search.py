@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.planner.cluster import Cluster, GiB
 from engine.planner.cost import (
@@ -26,6 +25,7 @@ from engine.planner.cost import (
     memory_lower_bound,
     time_estimate,
 )
+from engine.validate import check_int
 
 __all__ = ["Plan", "plan", "enumerate_layouts", "evaluate", "format_plans", "divisors"]
 
@@ -58,8 +58,7 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, *
     divisibility; with ``balanced_stages``, a pipeline degree that does not divide the
     layers - the engine runs uneven stages, but the slowest one sets the pace);
     ``global_batch`` is in sequences."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ConfigError(f"global batch must be a positive number of sequences, got {global_batch!r}")
+    check_int("global batch (sequences)", global_batch, minimum=1)
     world = cluster.world_size
     tps = tp_sizes or [t for t in divisors(world) if t <= max(cluster.gpus_per_node, 1) * 2]
     for tp in tps:

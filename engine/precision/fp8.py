@@ -41,6 +41,7 @@ from torch import nn
 from engine.dist.comm import all_reduce
 from engine.errors import ConfigError
 from engine.ops.fp8 import fp8_cast, fp8_max
+from engine.validate import check_int
 
 __all__ = [
     "Fp8Recipe",
@@ -79,10 +80,8 @@ class Fp8Recipe:
             raise ConfigError(f"fp8.format={self.fp8_format!r} is not one of {_FORMATS}")
         if self.amax_compute_algo not in _ALGOS:
             raise ConfigError(f"fp8.amax_compute_algo={self.amax_compute_algo!r} is not one of {_ALGOS}")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ConfigError(f"fp8.amax_history_len={self.amax_history_len!r} must be an integer >= 1")
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise ConfigError(f"fp8.margin={self.margin!r} must be an integer >= 0 (scale divides by 2**margin)")
+        check_int("fp8.amax_history_len", self.amax_history_len, minimum=1)
+        check_int("fp8.margin", self.margin, minimum=0, fix="the scale divides by 2**margin")
 
     @property
     def fwd_dtype(self) -> torch.dtype:

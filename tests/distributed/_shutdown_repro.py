@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import socket
 import subprocess
 import sys
 import time
+
+from engine.dist.spawn import free_port
 
 
 def _work(mode: str) -> None:
@@ -135,11 +136,6 @@ def _collectives(wait_all: bool = False) -> list:
     return [lo, hi, pairs]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool,
            gdb_dir: str = "") -> int:
@@ -147,7 +143,7 @@ def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool,
     samples: dict[str, str] = {}
     start = time.monotonic()
     for i in range(runs):
-        port = _free_port()
+        port = free_port()
         procs = []
         for r in range(world):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
@@ -216,7 +212,7 @@ def _fork_drive(runs: int, world: int, mode: str, timeout: float, verbose: bool)
     tally: collections.Counter = collections.Counter()
     start = time.monotonic()
     for i in range(runs):
-        port = _free_port()
+        port = free_port()
         logs = [tempfile.TemporaryFile() for _ in range(world)]
         pids = []
         for r in range(world):

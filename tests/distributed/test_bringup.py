@@ -8,7 +8,6 @@ launch path: environment parsing, the rendezvous store rank 0 hosts, interpreter
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,10 @@ import time
 import pytest
 
 from engine.dist.env import LaunchError, init_distributed
+from engine.dist.spawn import free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bringup_worker.py")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(scenario, world, timeout=60.0, kill_after=None, **extra):
@@ -32,7 +27,7 @@ def _launch(scenario, world, timeout=60.0, kill_after=None, **extra):
     ``kill_after``: rank whose process is killed once every other rank has finished
     (the hung victim). Every process is killed in ``finally``.
     """
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for r in range(world):

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
 
 import pytest
+
+from engine.dist.spawn import start_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -56,25 +57,12 @@ def config_path(tmp_path_factory):
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _launch(world: int, args: list[str], cwd: str) -> list[subprocess.Popen]:
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     base.pop("PYTHONPATH", None)
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(base)
-        if world > 1:
-            env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world), SLURM_JOB_ID="7",
-                       SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, TRAIN, *args, "--sample-tokens", "0"], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
+    return start_script([sys.executable, TRAIN, *args, "--sample-tokens", "0"], world, env=base, cwd=cwd,
+                        job_id="7")
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import types
 from pathlib import Path
@@ -34,17 +33,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.dist.spawn import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "assets" / "ds_style_train.py"
 GOLDEN = ROOT / "tests" / "assets" / "ds_style_train_deepspeed_w{}.json"
 ATOL = 1e-5
 STAGES = "0,1,2,3"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ours(tmp_path: Path) -> Path:
@@ -67,7 +63,7 @@ def _env(engine: bool) -> dict:
 def _launch(launcher: str, script: Path, world: int, workdir: Path, engine: bool, timeout: int = 280) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "result.json"
-    port = str(_free_port())
+    port = str(free_port())
     if launcher == "torchrun":
         cmd = ["torchrun", "--nproc_per_node", str(world), "--master_port", port]
     else:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
 
 import pytest
+
+from engine.dist.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -36,17 +37,12 @@ def _config(cache_dir: str, dp: int, zero: int, micro: int) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run(tmp, name: str, cfg: dict, nproc: int) -> list[float]:
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(cfg))
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                 str(_free_port())] if nproc > 1 else [sys.executable])
+                 str(free_port())] if nproc > 1 else [sys.executable])
     out = tmp / name
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
     proc = subprocess.run(launcher + [TRAIN, "--config", str(path), "--steps", str(STEPS), "--output", str(out),

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -35,6 +34,8 @@ import time
 
 import pytest
 from harness import run_ranks
+
+from engine.dist.spawn import free_port, start_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -70,11 +71,6 @@ def cache_dir(tmp_path_factory):
     build_data(load_config(tiny_config(d), world_size=1))
     return d
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _losses(path: str) -> list[float]:
@@ -164,7 +160,7 @@ def torchrun_run(tmp_path_factory, cache_dir):
     tmp = tmp_path_factory.mktemp("torchrun")
     cfg = _write_config(tmp, cache_dir, dp=2, zero=1)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), TRAIN, "--config", cfg, "--steps", str(LAUNCH_STEPS),
+                           "--master_port", str(free_port()), TRAIN, "--config", cfg, "--steps", str(LAUNCH_STEPS),
                            "--output", str(tmp / "out"), "--sample-tokens", "8"],
                           cwd=str(tmp), env=_env(), capture_output=True, text=True, timeout=240)
     return cfg, tmp / "out", proc
@@ -199,7 +195,7 @@ def test_deepspeed_launcher_gives_the_same_losses_as_torchrun(torchrun_run, tmp_
         pytest.skip("the deepspeed launcher is not installed (pip install --no-build-isolation deepspeed)")
     cfg, tr_out, tr = torchrun_run
     assert tr.returncode == 0, tr.stderr[-3000:]
-    ds = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), TRAIN,
+    ds = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
                          "--deepspeed", "--deepspeed_config", cfg, "--steps", str(LAUNCH_STEPS), "--output", str(tmp_path / "ds"),
                          "--sample-tokens", "8"],
                         cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=240)
@@ -216,16 +212,9 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, cache_dir, who):
     to every rank (a terminal's Ctrl-C reaches the whole process group), or to rank 0 only
     (the other rank's next collective fails as soon as rank 0's sockets close)."""
     cfg = _write_config(tmp_path, cache_dir, dp=2, zero=1)
-    port, out = _free_port(), tmp_path / "run"
-    procs = []
-    for rank in range(2):
-        env = dict(_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-                   SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, TRAIN, "--config", cfg, "--steps", "100000",
-                                       "--output", str(out), "--sample-tokens", "0"],
-                                      cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+    out = tmp_path / "run"
+    procs = start_script([sys.executable, TRAIN, "--config", cfg, "--steps", "100000", "--output", str(out),
+                          "--sample-tokens", "0"], 2, env=_env(), cwd=str(tmp_path))
     try:
         deadline = time.monotonic() + 120
         metrics = out / "metrics.jsonl"

@@ -29,7 +29,9 @@ import sys
 import time
 
 import pytest
-from test_train_entry import TRAIN, _env, _free_port, tiny_config
+from test_train_entry import TRAIN, _env, tiny_config
+
+from engine.dist.spawn import free_port, start_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAULT = os.path.join(HERE, "_train_fault.py")
@@ -75,14 +77,8 @@ def _lines(err: str) -> list[str]:
 
 def _slurm(tmp_path, n: int, argv: list[str], prefix: list[str] | None = None) -> list[subprocess.Popen]:
     """n ranks started as srun would (SLURM_* variables), each its own process."""
-    port, procs = _free_port(), []
-    for rank in range(n):
-        env = dict(_env(), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(n),
-                   SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, *(prefix or [TRAIN]), "--sample-tokens", "0", *argv],
-                                      cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    return procs
+    return start_script([sys.executable, *(prefix or [TRAIN]), "--sample-tokens", "0", *argv], n, env=_env(),
+                        cwd=str(tmp_path))
 
 
 def _finish(procs, timeout=120) -> list[tuple[int, str]]:
@@ -268,14 +264,14 @@ def test_corrupt_checkpoint_is_one_line_per_rank(tmp_path, cache_dir):
 def test_torchrun_bad_input_and_preemption(tmp_path, cache_dir):
     cfg = _cfg(tmp_path, cache_dir, dp=2, zero=1)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    bad = subprocess.run([*torchrun, "--master_port", str(_free_port()), TRAIN, "--config", cfg, "--steps", "1",
+    bad = subprocess.run([*torchrun, "--master_port", str(free_port()), TRAIN, "--config", cfg, "--steps", "1",
                           "--timeout", "0"], cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
     assert bad.stderr.count("argument error: --timeout") == 1, bad.stderr  # rank 0 only
     # SIGTERM to the launcher's process group (`kill -- -PGID`; torchrun's ranks have their own
     # sessions): the wrapper forwards it, the ranks save and exit 0, and so does the launcher
     # (plain torchrun exits 1: its agent raises SignalException)
     out, ck = tmp_path / "out", tmp_path / "ck"
-    job = subprocess.Popen([TORCHRUN_PREEMPTIBLE, "--nproc_per_node", "2", "--master_port", str(_free_port()), TRAIN,
+    job = subprocess.Popen([TORCHRUN_PREEMPTIBLE, "--nproc_per_node", "2", "--master_port", str(free_port()), TRAIN,
                             "--config", cfg, "--steps", "100000", "--output", str(out), "--save", str(ck),
                             "--sample-tokens", "0"], cwd=str(tmp_path), env=dict(_env(), TORCHRUN=" ".join(torchrun[:3])),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
