@@ -96,8 +96,9 @@ def parse_args(argv: list[str] | None = None, speak: bool = True) -> argparse.Na
     p.add_argument("--prompt", default="    def __init__(self", help="prompt of the final sample")
     p.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                    help="per-device peak TFLOP/s for MFU where the device is not in the table (e.g. CPUs)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="collective timeout in seconds: a hung or dead peer fails the run after this long")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
+                   help="collective timeout in seconds (default 1800, as init_distributed): "
+                        "a hung or dead peer fails the run after this long")
     p.add_argument("--debug", action="store_true",
                    help="print full tracebacks of failures (otherwise: one line, traceback in OUTPUT/logs/)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -8,7 +8,9 @@ Attention inputs (optional, per forward; see :func:`attention_inputs`): a boolea
 ``(B, 1, S, S)`` (True = query i may attend key j; it replaces the causal default, so it
 must be causal itself) and position ids ``(B, S)`` for the rotary embedding. Packed
 documents give both from their document ids: the document-causal mask and positions that
-restart at 0 in each document, so each document is computed as if it were alone.
+restart at 0 in each document, so each document is computed as if it were alone. On CUDA
+the document mask is a flex-attention block mask, never the (B, 1, S, S) tensor
+(engine.models.attention).
 
 FP8 (``fp8_recipe``): the q/k/v, output, gate/up and down projections run their GEMMs in
 FP8 (engine.precision.fp8); norms, attention itself, the embedding and the LM head do not.
@@ -24,8 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.data.packing import document_causal_mask, position_ids_from_doc_ids
+from engine.data.packing import position_ids_from_doc_ids
 from engine.dist.strict import host_sync_allowed
+from engine.models.attention import AttnMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
 from engine.precision.fp8 import Fp8Recipe
 from engine.tensor_parallel.attrs import set_tp_attrs
@@ -104,15 +107,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attention_inputs(seq_len: Optional[int], doc_ids: Optional[torch.Tensor] = None,
-                     attn_mask: Optional[torch.Tensor] = None,
-                     position_ids: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Checked ``(attn_mask (B, 1, S, S) bool or None, position_ids (B, S) int64 or None)``.
+                     attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None, *,
+                     doc_kernel: Optional[DocMaskKernel] = None) -> tuple[Optional[AttnMask], Optional[torch.Tensor]]:
+    """Checked ``(mask or None, position_ids (B, S) int64 or None)``; the mask is the given
+    ``attn_mask`` (B, 1, S, S) bool, or the document mask of ``doc_ids``.
 
     ``doc_ids`` (B, S), document ids of packed rows (``engine.data.Batch.input_doc_ids``),
     give the document-causal mask and per-document positions; they exclude ``attn_mask``
-    and ``position_ids``. Built once per forward and shared by every block. ``seq_len``:
-    the full sequence length S, or None to take it from the tensors given (a pipeline
-    stage's hidden states may be (B, S/tp, H) and cannot tell).
+    and ``position_ids``. Built once per forward and shared by every block. The document
+    mask's form follows ``doc_kernel`` (None: by device, flex block mask on CUDA, the bool
+    (B, 1, S, S) tensor elsewhere; see engine.models.attention). ``seq_len``: the full
+    sequence length S, or None to take it from the tensors given (a pipeline stage's hidden
+    states may be (B, S/tp, H) and cannot tell).
     """
     if seq_len is None:
         given = doc_ids if doc_ids is not None else (position_ids if position_ids is not None else attn_mask)
@@ -126,7 +132,7 @@ def attention_inputs(seq_len: Optional[int], doc_ids: Optional[torch.Tensor] = N
         if doc_ids.dim() != 2 or doc_ids.shape[1] != seq_len or doc_ids.is_floating_point():
             raise ValueError(f"doc_ids must be integer (batch, seq) = (B, {seq_len}) like the token ids, got "
                              f"{tuple(doc_ids.shape)} {doc_ids.dtype}")
-        return document_causal_mask(doc_ids), position_ids_from_doc_ids(doc_ids)
+        return document_attention_mask(doc_ids, doc_kernel), position_ids_from_doc_ids(doc_ids)
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1 \
                 or tuple(attn_mask.shape[2:]) != (seq_len, seq_len):
@@ -144,7 +150,7 @@ def attention_inputs(seq_len: Optional[int], doc_ids: Optional[torch.Tensor] = N
     return attn_mask, position_ids
 
 
-def forward_layers(layers: Sequence[nn.Module], x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+def forward_layers(layers: Sequence[nn.Module], x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                    position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run ``layers`` in order; blocks (``takes_attention_inputs``) also get the mask and
     positions, other layers (embedding, head) only the activation."""
@@ -183,7 +189,7 @@ class Attention(nn.Module):
             sequence_parallel=sequence_parallel, device=device, dtype=dtype, fp8_recipe=fp8_recipe)
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         qkv = self.qkv(x)                                                 # (B, S, (nh + 2 nkv) d / tp)
         b, s, _ = qkv.shape
@@ -194,15 +200,7 @@ class Attention(nn.Module):
         v = v.view(b, s, nkv, d).transpose(1, 2)
         cos, sin = self.rotary(s, position_ids)                           # (S, d) or (B, 1, S, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # (B, nh/tp, S, d)
-        else:
-            if nh != nkv:
-                # Repeat the kv heads (what enable_gqa means): GPU kernels that take a mask
-                # (memory-efficient attention) do not all take enable_gqa.
-                k = k.repeat_interleave(nh // nkv, dim=1)                 # (B, nh/tp, S, d)
-                v = v.repeat_interleave(nh // nkv, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # mask (B, 1, S, S)
+        o = attend(q, k, v, attn_mask)                                    # (B, nh/tp, S, d); GQA without K/V copies
         o = o.transpose(1, 2).reshape(b, s, nh * d)                       # (B, S, nh d / tp)
         return self.proj(o)                                               # (B, S, H) or (B, S/tp, H)
 
@@ -246,7 +244,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
         self.mlp = SwiGLU(cfg, layer, tp_group, sequence_parallel, seed, device, dtype, fp8_recipe=fp8_recipe)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), attn_mask, position_ids)
         return x + self.mlp(self.mlp_norm(x))

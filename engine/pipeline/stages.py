@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from engine.config import Config
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
+from engine.models.attention import AttnMask
 from engine.models.blocks import attention_inputs, forward_layers
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.precision.fp8 import fp8_recipe_from_config, fp8_states
@@ -71,7 +72,7 @@ class StageChunk(nn.Module):
         self.is_last = start + len(layers) == num_layers_total
         self.checkpoint_interval = checkpoint_interval
 
-    def _run(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+    def _run(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[AttnMask] = None,
              pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         return forward_layers(self.layers[lo:hi], x, mask, pos)
 
@@ -79,7 +80,7 @@ class StageChunk(nn.Module):
                 attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.document_masking is not None:
             check_doc_ids(doc_ids, self.document_masking)
-        mask, pos = attention_inputs(None, doc_ids, attn_mask, position_ids)  # (B, 1, S, S), (B, S)
+        mask, pos = attention_inputs(None, doc_ids, attn_mask, position_ids)  # AttnMask, (B, S)
         n = len(self.layers)
         if self.checkpoint_interval <= 0 or not torch.is_grad_enabled():
             return self._run(0, n, x, mask, pos)

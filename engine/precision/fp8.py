@@ -42,6 +42,7 @@ from engine.dist.comm import all_reduce
 from engine.errors import ConfigError
 from engine.ops.fp8 import fp8_cast, fp8_max
 from engine.validate import check_int
+from engine.pipeline.split_backward import backward_phase
 
 __all__ = [
     "Fp8Recipe",
@@ -262,19 +263,53 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, gy):
         x_inv, w_inv, xs, ws = ctx.saved_tensors  # (x8_t, w8_t) for _scaled_mm, else (x8, w8)
         state, backend = ctx.state, ctx.backend
-        g2 = gy.reshape(-1, ctx.out_features)  # (M, N)
+        want_dx, want_dw = _wanted_halves(ctx)
         transpose = backend == "scaled_mm"
-        g8, g_inv, g8_t = _quantize(g2, state.grad_output, state.recipe, ctx.group, transpose)
+        cached = getattr(ctx, "grad_fp8", None)  # (g8, g_inv, g8_t) left by the input half
+        if cached is None:
+            g2 = gy.reshape(-1, ctx.out_features)  # (M, N)
+            cached = _quantize(g2, state.grad_output, state.recipe, ctx.group, transpose)
+        g8, g_inv, g8_t = cached
+        ctx.grad_fp8 = cached if backward_phase() == "input" and ctx.needs_input_grad[1] else None
+        dx = dw = db = None
         if backend == "scaled_mm":
             x8_t, w8_t = xs, ws
-            dx = _mm(g8, g_inv, w8_t, w_inv, backend, ctx.x_dtype)       # (M,N)@(N,K): B^T = W^T (K,N)
-            dw = _mm(g8_t, g_inv, x8_t, x_inv, backend, torch.float32)   # (N,M)@(M,K): B^T = x^T (K,M)
+            if want_dx:
+                dx = _mm(g8, g_inv, w8_t, w_inv, backend, ctx.x_dtype)       # (M,N)@(N,K): B^T = W^T (K,N)
+            if want_dw:
+                dw = _mm(g8_t, g_inv, x8_t, x_inv, backend, torch.float32)   # (N,M)@(M,K): B^T = x^T (K,M)
         else:
             x8, w8 = xs, ws
-            dx = ((g8.float() * g_inv) @ (w8.float() * w_inv)).to(ctx.x_dtype)   # (M, K)
-            dw = (g8.float() * g_inv).t() @ (x8.float() * x_inv)                  # (N, K)
-        db = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
-        return dx.reshape(ctx.x_shape), dw.to(ctx.w_dtype), db, None, None, None, None
+            if want_dx:
+                dx = ((g8.float() * g_inv) @ (w8.float() * w_inv)).to(ctx.x_dtype)   # (M, K)
+            if want_dw:
+                dw = (g8.float() * g_inv).t() @ (x8.float() * x_inv)                  # (N, K)
+        if want_dw and ctx.has_bias:
+            db = gy.reshape(-1, gy.shape[-1]).sum(0)
+        return (None if dx is None else dx.reshape(ctx.x_shape), None if dw is None else dw.to(ctx.w_dtype),
+                db, None, None, None, None)
+
+
+def _wanted_halves(ctx: Any) -> tuple[bool, bool]:
+    """(input gradient wanted, weight/bias gradients wanted) for this call of the backward.
+
+    An ordinary backward wants both. Under the zero-bubble split (engine.pipeline.
+    split_backward) the input half wants only dx: it quantizes the output gradient once
+    and leaves it on ``ctx`` for the weight half, which then computes only dW (and dx only
+    if autograd will use it, which the split does not arrange: asked, to stay exact). So
+    each FP8 GEMM and each quantization of the output gradient runs once per micro-batch
+    in both schedules (no second amax record, no second ``current`` all-reduce)."""
+    phase = backward_phase()
+    if phase == "input":
+        return True, False
+    if phase == "weight":
+        node = ctx.next_functions[0][0]  # the x edge
+        try:
+            want_dx = node is not None and torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # torch cannot tell for this node: compute it (exact either way)
+            want_dx = True
+        return bool(want_dx), True
+    return True, True
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: Fp8LinearState,

@@ -180,3 +180,19 @@ def test_script_runs_from_the_repo_root_without_installing(tmp_path):
                            "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("config error:") and "Traceback" not in proc.stderr
+
+
+def test_default_timeout_is_30_minutes(train_mod):
+    """A first-step JIT build or a large save on NCCL can take minutes: the default collective
+    timeout is 30 minutes, ``init_distributed``'s default and torch's ``default_pg_timeout``
+    (was 600 s). DeepSpeed 0.19 itself defaults to 10 minutes (``DEEPSPEED_TIMEOUT``)."""
+    import datetime
+    import inspect
+
+    from torch.distributed.constants import default_pg_timeout
+
+    from engine.dist.env import init_distributed
+
+    ours = train_mod.parse_args(["--config", "c.json", "--steps", "1"], speak=False).timeout
+    assert ours == inspect.signature(init_distributed).parameters["timeout_s"].default == 1800.0
+    assert datetime.timedelta(seconds=ours) == default_pg_timeout
