@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from engine.dist.spawn import SpawnError, spawn  # noqa: E402
 from engine.pipeline.executor import PipelineExecutor  # noqa: E402
 from engine.pipeline.schedule import SCHEDULES, build_all  # noqa: E402
-from engine.pipeline.simulate import bubble_formula, simulate  # noqa: E402
+from engine.pipeline.simulate import bubble_formula, cost_table, simulate  # noqa: E402
 from engine.pipeline.timeline import measured_bubble, write_chrome_trace, write_gantt_png  # noqa: E402
 
 SHAPE = (2, 4, 8)  # (micro batch, seq, hidden) of the synthetic activations
@@ -114,11 +114,11 @@ def _report(args: argparse.Namespace, records) -> dict:
     # the simulator with this benchmark's costs: zb-h1's first stage has no input path to
     # split off (its inputs are data), so its weight pass is the whole 2f backward
     f = 1.0 / v
+    first = cost_table(f, 2 * f, input_grad=1e-9 if name == "zb-h1" else None)
+    rest = cost_table(f, 2 * f)
 
     def costs(rank, a):
-        if name == "zb-h1" and rank == 0 and a.chunk == 0:
-            return {"F": f, "I": 1e-9, "W": 2 * f}[a.kind.value]
-        return {"F": f, "B": 2 * f, "I": f, "W": f}[a.kind.value]
+        return (first if rank == 0 and a.chunk == 0 else rest)[a.kind.value]
 
     simulated = simulate(build_all(name, p, m, v), m, v, costs=costs).bubble_fraction
     os.makedirs(args.out_dir, exist_ok=True)

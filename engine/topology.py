@@ -87,7 +87,7 @@ class Topology:
 
     # ------------------------------------------------------- rank <-> coords
     def _check_rank(self, rank: int) -> None:
-        check_int("rank", rank, minimum=0, maximum=self.world_size - 1, error=TopologyError,
+        check_int("rank", rank, minimum=0, maximum=self.dp * self.tp * self.pp - 1, error=TopologyError,
                   fix=f"it is outside this topology's {self.world_size} ranks")
 
     def coord(self, rank: int) -> Coord:

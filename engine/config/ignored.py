@@ -87,7 +87,7 @@ _ALIASES: Mapping[str, str] = {
 
 def ignored_keys_in(raw: Mapping[str, Any]) -> tuple[str, ...]:
     """The listed keys that the JSON object ``raw`` sets (to any value but null), in table order."""
-    present = set()
+    present: set[str] = set()
     for section, body in raw.items():
         if isinstance(body, Mapping):
             present.update(f"{section}.{key}" for key, v in body.items() if v is not None)

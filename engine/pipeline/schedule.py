@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from engine.errors import ConfigError
 from engine.pipeline.actions import Action, ActionKind, ScheduleError, next_hop, prev_hop, virtual_stage
+from engine.pipeline.simulate import producer, reference_times
 from engine.validate import check_int
 
 __all__ = [
@@ -33,8 +34,6 @@ __all__ = [
     "zb_h1",
     "compute_order",
     "place_comms",
-    "reference_times",
-    "PLACEMENT_COSTS",
     "check_schedule_args",
     "format_table",
     "schedule_table",
@@ -72,59 +71,12 @@ def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches
 
 
 # ------------------------------------------------------------------ comm placement
-# Costs of the reference timeline that orders the communication (backward = 2 x forward).
-PLACEMENT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
-
-def _producer(stage: int, a: Action, p: int, v: int) -> Optional[tuple[int, str, int, int]]:
-    """(rank, "F" or "B", microbatch, chunk) of the neighbour compute whose output ``a`` consumes."""
-    if a.kind is F:
-        hop = prev_hop(stage, a.chunk, p)
-        return None if hop is None else (hop[0], "F", a.microbatch, hop[1])
-    if a.kind in (B, I):
-        hop = next_hop(stage, a.chunk, p, v)
-        return None if hop is None else (hop[0], "B", a.microbatch, hop[1])
-    return None
-
-
-def reference_times(compute: Sequence[Sequence[Action]], num_stages: int, virtual_stages: int,
-                    costs: Mapping[str, float] = PLACEMENT_COSTS) -> list[list[tuple[float, float]]]:
-    """(start, end) of every compute action when communication is free and instant.
-
-    Each rank runs its computes in order; a compute starts once the previous one on its
-    rank has ended and the neighbour compute it consumes has ended.
-    """
-    p, v = num_stages, virtual_stages
-    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    ended: dict[tuple[int, str, int, int], float] = {}
-    clock = [0.0] * p
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while len(times[s]) < len(compute[s]):
-                a = compute[s][len(times[s])]
-                dep = _producer(s, a, p, v)
-                if dep is not None and dep not in ended:
-                    break
-                start = max(clock[s], ended[dep] if dep is not None else 0.0)
-                clock[s] = start + costs[a.kind.value]
-                times[s].append((start, clock[s]))
-                if a.kind is not W:
-                    ended[(s, "F" if a.kind is F else "B", a.microbatch, a.chunk)] = clock[s]
-                progress = True
-    stuck = [s for s in range(p) if len(times[s]) < len(compute[s])]
-    if stuck:
-        raise ScheduleError("the compute orders wait on each other: "
-                            + "; ".join(f"rank {s} at {compute[s][len(times[s])]}" for s in stuck))
-    return times
-
-
 def place_comms(compute: Sequence[Sequence[Action]], num_stages: int,
                 virtual_stages: int) -> list[list[Action]]:
     """Interleave every rank's compute order with the sends and receives it needs.
 
-    Each transfer gets a time T (when its producer ends in :func:`reference_times`) and a
+    Each transfer gets a time T (when its producer ends in the simulator's free-communication
+    timeline, :func:`engine.pipeline.simulate.reference_times`, default costs) and a
     tie-break (data kind, microbatch, sender virtual stage) that both ends compute alike.
     Every rank posts its transfers in (T, tie-break) order - one global order, so FIFO
     communication streams (NCCL) never wait on each other in a cycle - and a receive is
@@ -143,7 +95,7 @@ def place_comms(compute: Sequence[Sequence[Action]], num_stages: int,
                 continue
             vs = virtual_stage(s, a.chunk, p)
             data = 0 if a.kind is F else 1
-            dep = _producer(s, a, p, v)
+            dep = producer(s, a, p, v)
             if dep is not None:  # receive: sender is the producer's virtual stage
                 sender = virtual_stage(dep[0], dep[3], p)
                 recv = ActionKind.RECV_ACT if a.kind is F else ActionKind.RECV_GRAD

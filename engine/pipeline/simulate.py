@@ -12,6 +12,13 @@
 4. counts the peak number of microbatches whose activations a rank holds, and computes
    the makespan and the bubble fraction under a per-action cost model.
 
+The one pipeline timing model and cost table of the package: :func:`cost_table` (how a
+backward splits into zb-h1's input and weight passes), :func:`per_stage_costs` (the
+planner's per-piece costs), :func:`bubble_fraction` (also the measured bubble of
+:mod:`engine.pipeline.timeline`), and :func:`reference_times`, the same dependency model
+with free communication on compute-only lists, from which
+:func:`engine.pipeline.schedule.place_comms` orders the transfers.
+
 Communication model (the executor's; see :mod:`engine.pipeline.executor`): a run of
 consecutive comm actions is one batch, posted without waiting when the rank reaches it.
 Each rank has one FIFO communication stream, as NCCL has: a batch starts once it is
@@ -29,13 +36,40 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 from engine.pipeline.actions import Action, ActionKind, ScheduleError, comm_batches, next_hop, prev_hop
 
-__all__ = ["ScheduleError", "TimedAction", "SimResult", "simulate", "check_actions",
-           "DEFAULT_COSTS", "bubble_formula", "format_timeline"]
+__all__ = ["ScheduleError", "TimedAction", "SimResult", "simulate", "check_actions", "reference_times",
+           "producer", "DEFAULT_COSTS", "CostModel", "cost_table", "per_stage_costs", "bubble_fraction",
+           "bubble_formula", "format_timeline"]
 
 K = ActionKind
-DEFAULT_COSTS: Mapping[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
 CostModel = Union[Mapping[str, float], Callable[[int, Action], float]]
+
+
+# ------------------------------------------------------------------ the cost table
+def cost_table(forward: float = 1.0, backward: float = 2.0, input_grad: Optional[float] = None) -> dict[str, float]:
+    """Time of each compute kind for one (stage, chunk): the one place that says how a
+    backward splits. ``F`` = forward, ``B`` = the full backward; zb-h1's input-grad ``I``
+    is ``input_grad`` (default half the backward) and its weight-grad ``W`` the rest."""
+    i = backward / 2 if input_grad is None else input_grad
+    return {"F": forward, "B": backward, "I": i, "W": backward - i}
+
+
+# backward = 2 x forward, split evenly: the analytic formulas', the tests' and the
+# communication placement's (engine.pipeline.schedule) cost model
+DEFAULT_COSTS: Mapping[str, float] = cost_table()
+
+
+def per_stage_costs(forward: Sequence[float], backward: Sequence[float],
+                    num_stages: int) -> Callable[[int, Action], float]:
+    """A cost model from per-virtual-stage forward and backward times (index
+    ``chunk * num_stages + rank``, the order of the model's pieces), split by :func:`cost_table`."""
+    tables = [cost_table(f, b) for f, b in zip(forward, backward)]
+    return lambda rank, a: tables[a.chunk * num_stages + rank][a.kind.value]
+
+
+def bubble_fraction(busy: Sequence[float], span: float) -> float:
+    """Idle share of ``len(busy)`` ranks over ``span``: 1 - sum(busy) / (ranks x span);
+    the simulator's, the planner's and the measured (engine.pipeline.timeline) bubble."""
+    return 1.0 - sum(busy) / (len(busy) * span) if span > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -210,6 +244,53 @@ def _check_pair_order(per_rank: Sequence[Sequence[Action]], p: int, v: int) -> N
                                 f"rank {pair[1]} posts the receives: {keys[:6]} vs {received.get(pair, [])[:6]}")
 
 
+# ------------------------------------------------------------------ free-communication timing
+def producer(stage: int, a: Action, p: int, v: int) -> Optional[tuple[int, str, int, int]]:
+    """(rank, "F" or "B", microbatch, chunk) of the neighbour compute whose output ``a`` consumes."""
+    if a.kind is K.FORWARD:
+        hop = prev_hop(stage, a.chunk, p)
+        return None if hop is None else (hop[0], "F", a.microbatch, hop[1])
+    if a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
+        hop = next_hop(stage, a.chunk, p, v)
+        return None if hop is None else (hop[0], "B", a.microbatch, hop[1])
+    return None
+
+
+def reference_times(compute: Sequence[Sequence[Action]], num_stages: int, virtual_stages: int,
+                    costs: Mapping[str, float] = DEFAULT_COSTS) -> list[list[tuple[float, float]]]:
+    """(start, end) of every compute action when communication is free and instant: the
+    simulator on compute-only lists (no sends or receives to pair yet), which
+    :func:`engine.pipeline.schedule.place_comms` uses to order the transfers.
+
+    Each rank runs its computes in order; a compute starts once the previous one on its
+    rank has ended and the neighbour compute it consumes has ended.
+    """
+    p, v = num_stages, virtual_stages
+    times: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    ended: dict[tuple[int, str, int, int], float] = {}
+    clock = [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            while len(times[s]) < len(compute[s]):
+                a = compute[s][len(times[s])]
+                dep = producer(s, a, p, v)
+                if dep is not None and dep not in ended:
+                    break
+                start = max(clock[s], ended[dep] if dep is not None else 0.0)
+                clock[s] = start + costs[a.kind.value]
+                times[s].append((start, clock[s]))
+                if a.kind is not K.BACKWARD_WEIGHT:
+                    ended[(s, "F" if a.kind is K.FORWARD else "B", a.microbatch, a.chunk)] = clock[s]
+                progress = True
+    stuck = [s for s in range(p) if len(times[s]) < len(compute[s])]
+    if stuck:
+        raise ScheduleError("the compute orders wait on each other: "
+                            + "; ".join(f"rank {s} at {compute[s][len(times[s])]}" for s in stuck))
+    return times
+
+
 # ------------------------------------------------------------------ timing
 def _cost_fn(costs: Optional[CostModel]) -> Callable[[int, Action], float]:
     if callable(costs):
@@ -329,7 +410,7 @@ def simulate(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
     run = _Run(per_rank, v, _cost_fn(costs), comm_cost)
     run.run()
     makespan = max(max(run.clock), max(run.stream_clock))
-    bubble = 1.0 - sum(run.busy) / (p * makespan) if makespan > 0 else 0.0
+    bubble = bubble_fraction(run.busy, makespan)
     timeline = tuple(tuple(sorted(t, key=lambda x: (x.start, x.end))) for t in run.timeline)
     return SimResult(makespan=makespan, bubble_fraction=bubble, busy=tuple(run.busy),
                      peak_activations=tuple(run.peak), timeline=timeline)

@@ -18,6 +18,8 @@ import struct
 import zlib
 from typing import Any, Optional, Sequence
 
+from engine.pipeline.simulate import bubble_fraction
+
 __all__ = ["COMPUTE_KINDS", "measured_bubble", "step_span", "chrome_trace", "write_chrome_trace",
            "write_gantt_png", "write_png"]
 
@@ -44,9 +46,9 @@ def step_span(per_rank: Sequence[Sequence[Any]]) -> tuple[float, float]:
 def measured_bubble(per_rank: Sequence[Sequence[Any]]) -> float:
     """1 - (compute time summed over ranks) / (ranks x step span)."""
     t0, t1 = step_span(per_rank)
-    busy = sum(_attr(r, "end") - _attr(r, "start") for recs in per_rank for r in recs
-               if _attr(r, "kind") in COMPUTE_KINDS)
-    return 1.0 - busy / (len(per_rank) * (t1 - t0))
+    busy = [sum(_attr(r, "end") - _attr(r, "start") for r in recs if _attr(r, "kind") in COMPUTE_KINDS)
+            for recs in per_rank]
+    return bubble_fraction(busy, t1 - t0)
 
 
 def chrome_trace(per_rank: Sequence[Sequence[Any]], title: str = "pipeline step") -> dict:

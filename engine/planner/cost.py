@@ -45,7 +45,7 @@ from engine.models import flops_per_token
 from engine.models.config import ModelConfig
 from engine.pipeline.partition import partition_layers
 from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args
-from engine.pipeline.simulate import simulate
+from engine.pipeline.simulate import bubble_fraction, per_stage_costs, simulate
 from engine.pipeline.stages import reference_layer_params
 from engine.planner.cluster import Cluster
 from engine.zero.memory import zero_memory_formula
@@ -293,15 +293,7 @@ def _sim_length(schedule: str, p: int, m: int, v: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _sim_cached(schedule: str, p: int, m: int, v: int, fwd: tuple, bwd: tuple, comm: float):
-    def cost(rank: int, a) -> float:
-        k = a.chunk * p + rank
-        kind = a.kind.value
-        if kind == "F":
-            return fwd[k]
-        if kind == "B":
-            return bwd[k]
-        return bwd[k] / 2  # zb-h1: input grad and weight grad, half each
-    return simulate(build_all(schedule, p, m, v), m, v, costs=cost, comm_cost=comm)
+    return simulate(build_all(schedule, p, m, v), m, v, costs=per_stage_costs(fwd, bwd, p), comm_cost=comm)
 
 
 def _round(x: float) -> float:
@@ -363,7 +355,7 @@ def pipeline_makespan(model: ModelConfig, layout: Layout, cluster: Cluster, para
     pace = (res2.makespan - res.makespan) / (n2 - n)
     makespan = res2.makespan + (m - n2) * pace
     busy = tuple(b / n * m for b in res.busy)
-    return makespan, max(0.0, 1.0 - sum(busy) / (len(busy) * makespan)), busy
+    return makespan, max(0.0, bubble_fraction(busy, makespan)), busy
 
 
 def time_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0

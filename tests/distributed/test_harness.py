@@ -57,3 +57,33 @@ def _return_tensor(rank, world_size):
 def test_tensors_come_back():
     out = run_ranks(_return_tensor, 2)
     assert torch.equal(out[1]["t"], torch.full((3,), 1.0))
+
+
+# ------------------------------------------------------------------ the benchmarks' "env" mode
+def _env_rank(scale):
+    """A benchmark-style rank: brings its group up from the torchrun-style environment."""
+    from engine.dist.env import current_launch, init_distributed, shutdown
+
+    info = current_launch()
+    env = init_distributed(timeout_s=60, backend="gloo", device="cpu")
+    t = torch.tensor([float(env.rank) * scale])
+    dist.all_reduce(t)
+    shutdown()
+    return info.launcher, info.rank, info.agent_store, t.item()
+
+
+def _env_raise(_):
+    from engine.dist.env import current_launch
+
+    if current_launch().rank == 1:
+        raise ValueError("benchmark rank one broke")
+    return 0
+
+
+def test_env_mode_ranks_rendezvous_on_the_parents_store():
+    from engine.dist.spawn import spawn
+
+    out = spawn(_env_rank, 2, (2.0,), rendezvous="env", timeout=120)
+    assert out == [("torchrun", r, True, 2.0) for r in range(2)]
+    with pytest.raises(RankFailure, match="rank 1 failed:(.|\n)*benchmark rank one broke"):
+        spawn(_env_raise, 2, (None,), rendezvous="env", timeout=60)
