@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from engine.checkpoint.layout import module_names
 from engine.config import Config
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
@@ -363,9 +364,7 @@ class Engine(nn.Module):
     def training_state(self) -> TrainingState:
         """Counters, RNG states, LR schedule, loss scaler, data position and FP8 scaling
         state as one ``state_dict`` / ``load_state_dict`` value (engine.training_state)."""
-        from engine.checkpoint.layout import module_names  # the checkpoint's global layer names
-
-        names = module_names(self.module)
+        names = module_names(self.module)  # global layer names, as the checkpoint names parameters
         fp8: dict[str, Fp8LinearState] = {}
         for m in self.module.modules():
             st = getattr(m, "fp8_state", None)
