@@ -8,8 +8,11 @@ Protocol (collective over the default group; every rank calls it):
    pid), removing leftovers of crashed saves: its own, those whose writer no longer runs,
    or all of them when this process holds the directory's lock (:mod:`engine.dist.lock`);
    another live job's save in progress is never touched.
-2. Each rank that owns optimizer state writes its shard file (safetensors, hashed while
-   written, fsynced) and sends rank 0 its fragment table, RNG states and file digest.
+2. Each rank reads what it holds through ZeRO's shard view (pieces, ownership, master
+   shards, element-wise and scalar optimizer state) and the engine's training state
+   (:mod:`engine.checkpoint.target`); each rank that owns optimizer state writes its shard
+   file (safetensors, hashed while written, fsynced) and sends rank 0 its fragment table,
+   RNG states, FP8 scaling state and file digest.
 3. Rank 0 writes ``metadata.json`` and the client state, checks every shard file is
    there with its recorded size, renames the directory to ``<save_dir>/<tag>`` (an
    existing tag is moved aside first and deleted after), then rewrites ``latest``
@@ -423,7 +426,9 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Optional[str] = 
     try:
         training = engine.training_state().state_dict()
         local: Any = _write_local(engine, engine.optimizer.shard_view(), tmp_dir)
-        local.update(rng=training["rng"], fp8=training["fp8"])
+        # FP8 scaling state is MAX-reduced over TP x DP: one (tp, dp) = (0, 0) rank per stage sends it
+        coord = _parallel_groups(engine).coord
+        local.update(rng=training["rng"], fp8=training["fp8"] if coord.tp == 0 and coord.dp == 0 else None)
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         local = f"rank {rank}: {type(exc).__name__}: {exc}"
     parts: Optional[list[Any]] = [None] * dist.get_world_size() if rank == 0 else None
