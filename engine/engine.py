@@ -29,14 +29,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from engine.checkpoint.layout import module_names
 from engine.config import Config
 from engine.data.device import move_to_device
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
-from engine.precision.fp8 import fp8_states, update_fp8_scales
+from engine.precision.fp8 import Fp8LinearState, fp8_states, update_fp8_scales
 from engine.timers import PhaseTimers
+from engine.training_state import TrainingState
 from engine.zero import ZeroOptimizer
 
 __all__ = ["Engine", "split_microbatch"]
@@ -359,6 +361,18 @@ class Engine(nn.Module):
         self._dp_group = None
 
     # ------------------------------------------------------------------ checkpoints
+    def training_state(self) -> TrainingState:
+        """Counters, RNG states, LR schedule, loss scaler, data position and FP8 scaling
+        state as one ``state_dict`` / ``load_state_dict`` value (engine.training_state)."""
+        names = module_names(self.module)  # global layer names, as the checkpoint names parameters
+        fp8: dict[str, Fp8LinearState] = {}
+        for m in self.module.modules():
+            st = getattr(m, "fp8_state", None)
+            if isinstance(st, Fp8LinearState):
+                fp8.setdefault(names[id(m)], st)
+        return TrainingState(self, self.optimizer, self.lr_scheduler,
+                             [g.param_group for g in self.optimizer.shard_view().groups], fp8, self.device)
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True) -> str:
         """DeepSpeed's ``save_checkpoint``: sharded, atomic, loadable at any layout

@@ -35,8 +35,8 @@ from engine.checkpoint.format import (
     METADATA_FILE,
     CheckpointError,
     SafetensorsWriter,
+    load_metadata,
     read_latest,
-    read_metadata,
     resolve_checkpoint_dir,
 )
 from engine.checkpoint.reader import iter_full_params
@@ -66,11 +66,11 @@ def consolidate(checkpoint: str, out_dir: str, *, tag: Optional[str] = None, ver
                 write_torch: bool = True, write_safetensors: bool = True) -> dict[str, str]:
     """Write the consolidated fp32 model of ``checkpoint`` into ``out_dir``; returns the paths."""
     path = resolve_checkpoint(checkpoint, tag)
-    meta = read_metadata(path)
+    meta = load_metadata(path)
     os.makedirs(out_dir, exist_ok=True)
-    names = list(meta["params"])
-    shapes = {n: tuple(int(s) for s in meta["params"][n]["shape"]) for n in names}
-    aliases = {a: s for a, s in meta.get("aliases", {}).items() if s in shapes}
+    names = list(meta.params)
+    shapes = {n: meta.params[n].shape for n in names}
+    aliases = {a: s for a, s in meta.aliases.items() if s in shapes}
     out: dict[str, str] = {}
     st = tw = None
     try:

@@ -22,23 +22,29 @@ Loading into any layout maps those elements to full-tensor indices and back
 
 Every file is data (JSON, safetensors, or a weights-only torch file), and every file
 carries a sha256 in the metadata.
+
+``metadata.json`` is :class:`CheckpointMetadata` as JSON. Versions: 1 (the first format)
+and 2 (adds ``fp8``: the FP8 scaling state by layer name; a version-1 checkpoint loads
+with ``fp8 = None`` and FP8 layers keep their fresh state). Both are read.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "METADATA_FILE", "LATEST_FILE", "CLIENT_STATE_FILE", "CheckpointError",
+from engine.training_state import decode_bytes, encode_bytes
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "CheckpointMetadata", "SavedTopology", "OptimizerRecord",
+           "ParamRecord", "FileRecord", "load_metadata", "METADATA_FILE", "LATEST_FILE", "CLIENT_STATE_FILE", "CheckpointError",
            "TPSlice", "Fragment", "shard_file_name", "tensor_key", "sha256_file", "fsync_dir", "seal_metadata",
            "write_metadata", "read_metadata", "read_latest", "write_latest", "tag_step", "check_tag",
            "resolve_checkpoint_dir", "SafetensorsWriter", "encode_bytes", "decode_bytes", "DTYPE_NAMES",
@@ -47,7 +53,8 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "METADATA_FILE", "LATEST_FILE", "CLIENT_S
 logger = logging.getLogger(__name__)
 
 FORMAT = "engine-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no FP8 scaling state
 METADATA_FILE = "metadata.json"
 LATEST_FILE = "latest"
 CLIENT_STATE_FILE = "client_state.pt"
@@ -125,6 +132,156 @@ class Fragment:
                    TPSlice.from_json(tp))
 
 
+# ---------------------------------------------------------------------------- metadata
+def _need(d: Any, key: str, where: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise CheckpointError(f"{where}: the metadata has no {key!r} entry: the file is not a complete checkpoint "
+                              f"metadata (edited or written by another tool)")
+    return d[key]
+
+
+@dataclass(frozen=True)
+class SavedTopology:
+    """The layout a checkpoint was saved at."""
+
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+    zero_stage: int
+    virtual_stages: int = 1
+
+    def to_json(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "world_size": self.world_size,
+                "zero_stage": self.zero_stage, "virtual_stages": self.virtual_stages}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> "SavedTopology":
+        dp, tp, pp, world, zero = (int(_need(d, k, where)) for k in ("dp", "tp", "pp", "world_size", "zero_stage"))
+        return cls(dp, tp, pp, world, zero, int(d.get("virtual_stages") or 1))
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A file of the checkpoint: its sha256 and size, the rank that wrote it and (shard
+    files) that rank's coordinates ``{"pp", "tp", "dp"}``."""
+
+    sha256: str
+    bytes: int
+    rank: int
+    coord: Optional[dict[str, int]] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "bytes": self.bytes, "rank": self.rank, "coord": self.coord}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> "FileRecord":
+        return cls(str(_need(d, "sha256", where)), int(_need(d, "bytes", where)), int(_need(d, "rank", where)),
+                   d.get("coord"))
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One parameter of the unsharded model: its full shape and the fragments that hold it."""
+
+    shape: tuple[int, ...]
+    fragments: tuple[Fragment, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "fragments": [f.to_json() for f in self.fragments]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> "ParamRecord":
+        return cls(tuple(int(x) for x in _need(d, "shape", where)),
+                   tuple(Fragment.from_json(f) for f in _need(d, "fragments", where)))
+
+
+@dataclass(frozen=True)
+class OptimizerRecord:
+    """The optimizer: its class, each user param group's hyper-parameters (by the group's
+    index as a string), the element-wise states stored in the shard files (all, and per user
+    param group when they differ: Muon), and each user param group's scalar states as
+    ``{name: {"value": v, "dtype": torch dtype name or None for a Python number}}``."""
+
+    cls: str
+    param_groups: dict[str, dict[str, Any]]
+    elementwise_state: list[str]
+    scalar_state: dict[str, dict[str, dict[str, Any]]]
+    elementwise_by_group: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"class": self.cls, "param_groups": self.param_groups, "elementwise_state": self.elementwise_state,
+                "scalar_state": self.scalar_state, "elementwise_by_group": self.elementwise_by_group}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> "OptimizerRecord":
+        return cls(str(_need(d, "class", where)), dict(_need(d, "param_groups", where)),
+                   list(_need(d, "elementwise_state", where)), dict(_need(d, "scalar_state", where)),
+                   dict(d.get("elementwise_by_group") or {}))
+
+
+@dataclass
+class CheckpointMetadata:
+    """Everything in a checkpoint but the tensors (``metadata.json``, see the module
+    docstring). ``params``: in model order; ``aliases``: another name of a parameter ->
+    its stored name; ``rng``: by global rank; ``training``: rank 0's training state
+    (:class:`engine.training_state.TrainingState`: ``counters``, ``data_position``,
+    ``lr_scheduler``, ``lr_scheduler_groups``, ``loss_scaler``), stored flat as before;
+    ``fp8``: FP8 scaling state by layer name (version 2; None: no FP8 layers, or version 1);
+    ``client_state``: the client-state file's name, if any."""
+
+    tag: str
+    topology: SavedTopology
+    config: dict[str, Any]
+    training: dict[str, Any]
+    optimizer: OptimizerRecord
+    params: dict[str, ParamRecord]
+    aliases: dict[str, str]
+    files: dict[str, FileRecord]
+    rng: dict[str, Any]
+    fp8: Optional[dict[str, Any]] = None
+    client_state: Optional[str] = None
+    engine_version: str = ""
+    torch_version: str = ""
+    time: float = 0.0
+    format_version: int = FORMAT_VERSION
+
+    TRAINING_KEYS = ("counters", "data_position", "lr_scheduler", "lr_scheduler_groups", "loss_scaler")
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.training["counters"]["global_steps"])
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": FORMAT, "format_version": self.format_version, "engine_version": self.engine_version,
+            "torch_version": self.torch_version, "tag": self.tag, "time": self.time,
+            "topology": self.topology.to_json(), "config": self.config}
+        out.update({k: self.training.get(k) for k in self.TRAINING_KEYS})
+        out.update({"optimizer": self.optimizer.to_json(),
+                    "params": {n: p.to_json() for n, p in self.params.items()}, "aliases": self.aliases,
+                    "files": {n: f.to_json() for n, f in self.files.items()}, "rng": self.rng,
+                    "client_state": self.client_state})
+        if self.format_version >= 2:
+            out["fp8"] = self.fp8
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str = METADATA_FILE) -> "CheckpointMetadata":
+        training = {k: d.get(k) for k in cls.TRAINING_KEYS}
+        for k in ("counters", "loss_scaler"):
+            _need(d, k, where)
+        return cls(tag=str(_need(d, "tag", where)), topology=SavedTopology.from_json(_need(d, "topology", where), where),
+                   config=dict(d.get("config") or {}), training=training,
+                   optimizer=OptimizerRecord.from_json(_need(d, "optimizer", where), where),
+                   params={n: ParamRecord.from_json(p, where) for n, p in _need(d, "params", where).items()},
+                   aliases=dict(d.get("aliases") or {}),
+                   files={n: FileRecord.from_json(f, where) for n, f in _need(d, "files", where).items()},
+                   rng=dict(d.get("rng") or {}), fp8=d.get("fp8"), client_state=d.get("client_state"),
+                   engine_version=str(d.get("engine_version", "")), torch_version=str(d.get("torch_version", "")),
+                   time=float(d.get("time", 0.0)), format_version=int(d["format_version"]))
+
+
 def shard_file_name(pp: int, tp: int, dp: int) -> str:
     """The shard file of the rank at pipeline stage ``pp``, TP rank ``tp``, DP rank ``dp``."""
     return f"shard_pp{pp:03d}_tp{tp:03d}_dp{dp:04d}.safetensors"
@@ -135,12 +292,6 @@ def tensor_key(group: int, state: str) -> str:
     return f"g{group}.{state}"
 
 
-def encode_bytes(b: bytes) -> str:
-    return base64.b64encode(b).decode("ascii")
-
-
-def decode_bytes(s: str) -> bytes:
-    return base64.b64decode(s.encode("ascii"))
 
 
 def unpickling_error(exc: BaseException) -> str:
@@ -220,15 +371,20 @@ def read_metadata(directory: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not the metadata of an {FORMAT} checkpoint (format field "
                               f"{meta.get('format') if isinstance(meta, dict) else None!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: format version {meta.get('format_version')!r} is not supported by this "
-                              f"engine (it reads version {FORMAT_VERSION})")
+                              f"engine (it reads versions {list(READABLE_VERSIONS)})")
     want = meta.get("checksum")
     got = hashlib.sha256(_canonical(meta)).hexdigest()
     if want != got:
         raise CheckpointError(f"{path}: checksum mismatch (content sha256 {got}, recorded {want}): the metadata "
                               f"file was modified or corrupted")
     return meta
+
+
+def load_metadata(directory: str) -> CheckpointMetadata:
+    """:func:`read_metadata`, typed."""
+    return CheckpointMetadata.from_json(read_metadata(directory), os.path.join(directory, METADATA_FILE))
 
 
 # ---------------------------------------------------------------------------- tags

@@ -19,45 +19,44 @@ ZeRO-3 is refused by both (parameters are DP-partitioned there): save with
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from engine.checkpoint.format import SafetensorsWriter
-from engine.checkpoint.layout import local_pieces, parameter_names
+from engine.checkpoint.layout import LocalPiece, local_pieces, parameter_names
+from engine.checkpoint.target import Checkpointable
 from engine.dist.groups import ParallelGroups
-from engine.engine import Engine
 from engine.tensor_parallel.hf_load import LoadReport, SourceArg, full_shape_of, load_sharded_weights
 from engine.tensor_parallel.layers import gather_full_tensor
 
 __all__ = ["load_hf_weights", "export_hf"]
 
 
-def _refuse_zero3(engine: Engine, what: str) -> None:
+def _refuse_zero3(engine: Checkpointable, what: str) -> None:
     if engine.config.zero.stage == 3:
         raise ValueError(f"{what} at ZeRO stage 3 is not supported (parameters are partitioned over DP): use "
                          f"ZeRO 0-2, or engine.save_checkpoint + engine.checkpoint.consolidate")
 
 
-def _groups(engine: Engine) -> ParallelGroups:
+def _groups(engine: Checkpointable) -> ParallelGroups:
     if engine.groups is None:
         raise RuntimeError("the engine has no process groups (destroyed?): build it with engine.initialize")
     return engine.groups
 
 
 @torch.no_grad()
-def load_hf_weights(engine: Engine, source: SourceArg, *, strict: bool = True) -> LoadReport:
+def load_hf_weights(engine: Checkpointable, source: SourceArg, *, strict: bool = True) -> LoadReport:
     """See the module docstring. Returns what this rank read."""
     _refuse_zero3(engine, "load_hf_weights")
     groups = _groups(engine)
-    opt = engine.optimizer
+    view = engine.optimizer.shard_view()
     names, _ = parameter_names(engine.module)
-    pieces: dict[int, list[Any]] = {}
-    for pc in local_pieces(opt, names, groups.tp_rank, groups.tp_size):
+    pieces: dict[int, list[LocalPiece]] = {}
+    for pc in local_pieces(view, names):
         pieces.setdefault(id(pc.param), []).append(pc)
-    sd = opt.state_dict()
-    masters = sd["master"]  # live views of this rank's fp32 master shards
+    masters = view.masters()  # live (shard,) fp32 views
 
     def sink(name: str, param: torch.nn.Parameter, local: torch.Tensor) -> None:
         flat = local.reshape(-1)
@@ -67,11 +66,11 @@ def load_hf_weights(engine: Engine, source: SourceArg, *, strict: bool = True) -
             param.copy_(local)
 
     report = load_sharded_weights(engine.module, source, groups.tp_rank, groups.tp_size, strict=strict, sink=sink)
-    opt.load_state_dict(sd)   # publishes the masters into the parameters (all-gather over DP)
+    view.load(masters)   # publishes the masters into the parameters (all-gather over DP); state kept
     return report
 
 
-def export_hf(engine: Engine, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+def export_hf(engine: Checkpointable, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """See the module docstring. ``dtype``: of the saved tensors (default: the
     parameters'). Returns the safetensors path on rank 0, None elsewhere."""
     _refuse_zero3(engine, "export_hf")

@@ -1,5 +1,6 @@
-"""What this rank holds, read off an Engine: global parameter names and, for every flat
-ZeRO group, which fragment of which parameter sits where in the fp32 master shard.
+"""What this rank holds: global parameter names (from the model) and, for every flat ZeRO
+group, which fragment of which parameter sits where in the fp32 master shard (from
+ZeRO's shard view, :mod:`engine.zero.shard_view`).
 
 Names are those of the single-process reference model: with stage chunks (the reference
 GPT or a layer list) a parameter of layer ``j`` of a chunk starting at layer ``s`` is
@@ -20,9 +21,10 @@ import torch.nn as nn
 
 from engine.checkpoint.format import TPSlice
 from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded, tp_partition_dim
+from engine.zero.shard_view import ShardView
 
-__all__ = ["LocalPiece", "stage_chunks", "parameter_names", "tp_slice_of", "local_pieces", "owns_group",
-           "tied_names"]
+__all__ = ["LocalPiece", "stage_chunks", "parameter_names", "tp_slice_of", "local_pieces", "tied_names",
+           "module_names"]
 
 
 @dataclass(frozen=True)
@@ -90,48 +92,47 @@ def tp_slice_of(param: torch.Tensor, tp_rank: int, tp_world: int) -> Optional[TP
                    None if unpadded is None else int(unpadded))
 
 
-def local_pieces(optimizer: Any, names: dict[int, str], tp_rank: int, tp_world: int) -> list[LocalPiece]:
-    """Every parameter fragment in this rank's master shards, group by group, in flat order."""
+def local_pieces(view: ShardView, names: dict[int, str]) -> list[LocalPiece]:
+    """Every parameter fragment in this rank's master shards (ZeRO's shard view), group by
+    group, in flat order, with its global name and TP slice."""
     out = []
-    for gi, g in enumerate(optimizer.groups):
-        base = 0
-        for b in g.buckets:
-            for piece in b.layout.pieces(b.shard_index):
-                p = b.params[piece.param_index]
-                if id(p) not in names:
-                    raise ValueError(f"an optimized parameter of shape {tuple(b.shapes[piece.param_index])} is not a "
-                                     f"parameter of the engine's module, so it has no name to save it under")
-                out.append(LocalPiece(gi, base + piece.shard_start, piece.numel, piece.param_start,
-                                      tuple(int(s) for s in b.shapes[piece.param_index]),
-                                      tp_slice_of(p, tp_rank, tp_world), names[id(p)], p))
-            base += b.layout.shard_numel
+    for pc in view.pieces():
+        if id(pc.param) not in names:
+            raise ValueError(f"an optimized parameter of shape {pc.shape} is not a parameter of the engine's "
+                             f"module, so it has no name to save it under")
+        out.append(LocalPiece(pc.group, pc.offset, pc.numel, pc.start, pc.shape,
+                              tp_slice_of(pc.param, view.tp_rank, view.tp_size), names[id(pc.param)], pc.param))
     return out
 
 
-def owns_group(optimizer: Any, group: Any, dp_rank: int, tp_rank: int) -> bool:
-    """Whether this rank writes the group: each element of the model is written once
-    (ZeRO-0 replicas: DP rank 0; TP-replicated parameters: TP rank 0; a pipeline copy of
-    a tied weight never, its original is written)."""
-    if group.key.tied_copy:
-        return False
-    if not optimizer.shards_optimizer_state and dp_rank != 0:
-        return False
-    if not group.key.tp_sharded and tp_rank != 0:
-        return False
-    return True
-
-
-def tied_names(optimizer: Any, names: dict[int, str]) -> tuple[dict[int, str], dict[str, int]]:
+def tied_names(view: ShardView, names: dict[int, str]) -> tuple[dict[int, str], dict[str, int]]:
     """``({tied_index: name of the original}, {name of a pipeline copy: tied_index})``."""
     originals: dict[int, str] = {}
     copies: dict[str, int] = {}
-    for g in optimizer.groups:
-        if g.key.tied_index < 0:
+    for g in view.groups:
+        if g.tied_index < 0:
             continue
         for b in g.buckets:
-            for p in b.params:
-                if is_tied_copy(p):
-                    copies[names[id(p)]] = g.key.tied_index
+            for s in b.params:
+                if is_tied_copy(s.param):
+                    copies[names[id(s.param)]] = g.tied_index
                 else:
-                    originals[g.key.tied_index] = names[id(p)]
+                    originals[g.tied_index] = names[id(s.param)]
     return originals, copies
+
+
+def module_names(module: nn.Module) -> dict[int, str]:
+    """``{id(submodule): name}``, named as :func:`parameter_names` names parameters
+    (``layers.{i}.…`` with stage chunks), first name wins."""
+    out: dict[int, str] = {}
+    chunks = stage_chunks(module)
+    if chunks is None:
+        for n, m in module.named_modules():
+            out.setdefault(id(m), n)
+        return out
+    for chunk in chunks:
+        ch: Any = chunk  # a StageChunk: its first layer index ``start`` and its ``layers``
+        for j, layer in enumerate(ch.layers):
+            for n, m in layer.named_modules():
+                out.setdefault(id(m), f"layers.{ch.start + j}" + (f".{n}" if n else ""))
+    return out

@@ -14,20 +14,29 @@ Errors are detected on every rank before any collective that changes state (the 
 exchange their status first), so a bad checkpoint is a :class:`CheckpointError` on every
 rank, never a hang or a half-loaded model.
 
+What is loaded goes through two typed values and nothing else: ZeRO's shard view
+(:meth:`~engine.zero.shard_view.ShardView.load`: masters, optimizer state, publish) and
+the engine's training state (:class:`~engine.training_state.TrainingState`).
+
 RNG states: restored per rank when the checkpoint was saved at the same (dp, tp, pp);
 at another layout there is no 1:1 map between ranks, so they are left as they are (the
 reference model has no dropout and the data order depends only on the step, so nothing
 the engine computes depends on them).
+
+FP8 scaling state (scales and amax histories, by global layer name): restored at any
+layout. The amaxes are MAX-reduced over TP x DP before they enter the history, and the
+max over TP shards is the amax of the full tensor, so the state does not depend on the
+layout and a layer keeps its state under another (dp, tp, pp); a checkpoint without it
+(format version 1, or saved without FP8) leaves the layers' fresh state (a warning);
+a checkpoint whose FP8 layers do not cover this model's is an error on every rank.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,10 +44,9 @@ from engine.checkpoint.format import (
     LATEST_FILE,
     METADATA_FILE,
     CheckpointError,
-    Fragment,
-    decode_bytes,
+    CheckpointMetadata,
+    load_metadata,
     read_latest,
-    read_metadata,
     resolve_checkpoint_dir,
     unpickling_error,
 )
@@ -46,7 +54,11 @@ from engine.checkpoint.layout import local_pieces, parameter_names
 from engine.checkpoint.reader import ShardReader
 from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed_mask, numel_of, take_local
 from engine.checkpoint.save import agree_on_tag
+from engine.checkpoint.target import Checkpointable
+from engine.config import Config
 from engine.tensor_parallel.attrs import is_tied_copy
+from engine.training_state import TrainingState, restore_rng
+from engine.zero.shard_view import GroupState, Scalar, ShardView
 
 __all__ = ["load_checkpoint", "restore_rng", "checkpoint_location"]
 
@@ -54,122 +66,98 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- local reading
-def _canonical(name: str, p: Any, meta: dict[str, Any]) -> str:
-    aliases = meta.get("aliases", {})
-    if name in aliases:
-        return aliases[name]
-    if is_tied_copy(p) and name not in meta["params"]:
+def _canonical(name: str, p: Any, meta: CheckpointMetadata) -> str:
+    if name in meta.aliases:
+        return meta.aliases[name]
+    if is_tied_copy(p) and name not in meta.params:
         raise CheckpointError(f"parameter {name} is a pipeline copy of a tied weight, but the checkpoint records no "
                               f"weight it is tied to")
     return name
 
 
-def _model_diff(meta: dict[str, Any], engine: Any) -> str:
-    saved = meta.get("config", {}).get("model", {})
-    mine = engine.config.model.to_dict() if engine.config.model is not None else {}
+def _model_diff(meta: CheckpointMetadata, cfg: Config) -> str:
+    saved = meta.config.get("model", {}) or {}
+    mine = cfg.model.to_dict() if cfg.model is not None else {}
     diff = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {mine.get(k)!r}"
             for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
     return "; ".join(diff)
 
 
-def _group_states(meta: dict[str, Any], pg: int, states: list[str], with_state: bool) -> list[str]:
+def _group_states(meta: CheckpointMetadata, pg: int, states: list[str], with_state: bool) -> list[str]:
     """The states to read for user param group ``pg``: all of ``states``, or, when the
     checkpoint records them per group (Muon: momentum for matrices, AdamW moments for the
     rest), that group's."""
-    by_group = meta["optimizer"].get("elementwise_by_group")
+    by_group = meta.optimizer.elementwise_by_group
     if not with_state or not by_group:
         return states
     return ["master"] + [s for s in by_group.get(str(pg), []) if s in states]
 
 
-def _read_masters(engine: Any, path: str, meta: dict[str, Any], states: list[str], reader: ShardReader,
-                  with_state: bool = True) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
+def _read_masters(view: ShardView, names: dict[int, str], cfg: Config, path: str, meta: CheckpointMetadata,
+                  states: list[str], reader: ShardReader, with_state: bool = True
+                  ) -> tuple[list[dict[str, torch.Tensor]], set[str]]:
     """This rank's flat tensors of every optimizer group, for ``states``, and the names read."""
-    opt = engine.optimizer
-    names, _ = parameter_names(engine.module)
-    pieces = local_pieces(opt, names, engine.groups.tp_rank, engine.config.tp)
-    out: list[dict[str, torch.Tensor]] = [{} for _ in opt.groups]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in view.groups]
     used: set[str] = set()
     where = f"{os.path.join(path, METADATA_FILE)}: "
-    for pc in pieces:
+    for pc in local_pieces(view, names):
         cname = _canonical(pc.name, pc.param, meta)
         used.add(cname)
-        entry = meta["params"].get(cname)
+        entry = meta.params.get(cname)
         shape = pc.tp.full_shape(pc.local_shape) if pc.tp is not None else pc.local_shape
         if entry is None:
-            diff = _model_diff(meta, engine)
+            diff = _model_diff(meta, cfg)
             raise CheckpointError(f"{where}the checkpoint has no parameter {cname} (shape {list(shape)}): it was "
                                   f"saved from a different model{' (' + diff + ')' if diff else ''}")
-        if tuple(entry["shape"]) != tuple(shape):
-            diff = _model_diff(meta, engine)
-            raise CheckpointError(f"{where}parameter {cname} has shape {entry['shape']} in the checkpoint and "
+        if tuple(entry.shape) != tuple(shape):
+            diff = _model_diff(meta, cfg)
+            raise CheckpointError(f"{where}parameter {cname} has shape {list(entry.shape)} in the checkpoint and "
                                   f"{list(shape)} in this model: the checkpoint is for a different model"
                                   f"{' (' + diff + ')' if diff else ''}")
         index = local_to_full_index(pc.local_shape, pc.tp)[pc.start:pc.start + pc.numel]
-        frags = [Fragment.from_json(f) for f in entry["fragments"]]
-        g = opt.groups[pc.group]
-        mine = _group_states(meta, g.key.param_group, states, with_state)
-        full = assemble_full(cname, shape, frags, mine, reader.read, needed_mask(numel_of(shape), index), where)
+        g = view.groups[pc.group]
+        assert g.master is not None
+        mine = _group_states(meta, g.param_group, states, with_state)
+        full = assemble_full(cname, shape, entry.fragments, mine, reader.read, needed_mask(numel_of(shape), index),
+                             where)
         for s in mine:
             flat = out[pc.group].get(s)
             if flat is None:
                 flat = out[pc.group][s] = torch.zeros(g.master.numel(), dtype=full[s].dtype)
             flat[pc.offset:pc.offset + pc.numel] = take_local(full[s], index)
-    for gi, g in enumerate(opt.groups):  # groups with no element here (all padding) still get tensors
-        for s in _group_states(meta, g.key.param_group, states, with_state):
+    for gi, g in enumerate(view.groups):  # groups with no element here (all padding) still get tensors
+        assert g.master is not None
+        for s in _group_states(meta, g.param_group, states, with_state):
             out[gi].setdefault(s, torch.zeros(g.master.numel(), dtype=torch.float32))
     return out, used
 
 
-def _remap_per_group(value: Any, saved_pgs: list[int], new_pgs: list[int]) -> Any:
-    """A per-inner-group list of the saved layout -> the new layout's groups (matched by the
-    user param group each inner group belongs to)."""
-    if not isinstance(value, list) or len(value) != len(saved_pgs) or saved_pgs == new_pgs:
-        return value
-    by_pg = {pg: value[i] for i, pg in enumerate(saved_pgs)}
-    return [by_pg[pg] for pg in new_pgs]
+def _scalar(sc: dict[str, Any]) -> Scalar:
+    return sc["value"] if sc["dtype"] is None else torch.tensor(sc["value"], dtype=getattr(torch, sc["dtype"]))
 
 
-def _optimizer_state_dict(engine: Any, path: str, meta: dict[str, Any], flats: list[dict[str, torch.Tensor]],
-                          with_state: bool) -> dict[str, Any]:
-    """The ZeroOptimizer.load_state_dict argument for this rank."""
-    opt = engine.optimizer
-    inner = opt.optimizer.state_dict()
-    saved = meta["optimizer"]
-    groups, state = [], {}
-    for gi, (g, cur) in enumerate(zip(opt.groups, inner["param_groups"])):
-        pg = str(g.key.param_group)
-        opts = dict(cur)
-        if with_state:
-            if pg not in saved["param_groups"]:
-                raise CheckpointError(f"{path}: the checkpoint has no optimizer param group {pg} (it has "
-                                      f"{sorted(saved['param_groups'])}): the optimizer's param groups changed")
-            for k, v in saved["param_groups"][pg].items():
-                opts[k] = tuple(v) if isinstance(opts.get(k), tuple) and isinstance(v, list) else v
-            opts["params"] = cur["params"]
-            if saved["elementwise_state"]:
-                keys = _group_states(meta, g.key.param_group, list(saved["elementwise_state"]), True)[1:]
-                entry: dict[str, Any] = {k: flats[gi][k] for k in keys}
-                for k, sc in saved["scalar_state"].get(pg, {}).items():
-                    entry[k] = (sc["value"] if sc["dtype"] is None
-                                else torch.tensor(sc["value"], dtype=getattr(torch, sc["dtype"])))
-                state[cur["params"][0]] = entry
-        groups.append(opts)
-    return {"stage": opt.stage, "dp_size": opt.dp_size, "dp_rank": opt.dp_rank,
-            "master": [flats[gi]["master"] for gi in range(len(opt.groups))],
-            "optimizer": {"state": state if with_state else inner["state"], "param_groups": groups},
-            "loss_scaler": opt.loss_scaler.state_dict(), "skipped_steps": opt.skipped_steps}
-
-
-def restore_rng(rng: dict[str, Any], device: torch.device) -> None:
-    version, state, gauss = rng["python"]
-    random.setstate((version, tuple(state), gauss))
-    name, keys, pos, has_gauss, cached = rng["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.frombuffer(bytearray(decode_bytes(rng["torch_cpu"])), dtype=torch.uint8))
-    if device.type == "cuda" and rng.get("torch_cuda"):
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(decode_bytes(rng["torch_cuda"])), dtype=torch.uint8),
-                                 device)
+def _group_loads(view: ShardView, path: str, meta: CheckpointMetadata,
+                 flats: list[dict[str, torch.Tensor]]) -> list[GroupState]:
+    """What :meth:`ShardView.load` installs in each flat group: the saved hyper-parameters of
+    its user param group, its element-wise states and scalars."""
+    saved = meta.optimizer
+    out = []
+    for gi, g in enumerate(view.groups):
+        pg = str(g.param_group)
+        if pg not in saved.param_groups:
+            raise CheckpointError(f"{path}: the checkpoint has no optimizer param group {pg} (it has "
+                                  f"{sorted(saved.param_groups)}): the optimizer's param groups changed")
+        cur = view.group_state(gi).options
+        opts = {k: tuple(v) if isinstance(cur.get(k), tuple) and isinstance(v, list) else v
+                for k, v in saved.param_groups[pg].items()}
+        elementwise: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Scalar] = {}
+        if saved.elementwise_state:
+            keys = _group_states(meta, g.param_group, list(saved.elementwise_state), True)[1:]
+            elementwise = {k: flats[gi][k] for k in keys}
+            scalars = {k: _scalar(sc) for k, sc in saved.scalar_state.get(pg, {}).items()}
+        out.append(GroupState(flats[gi]["master"], elementwise, scalars, opts))
+    return out
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -185,48 +173,73 @@ def checkpoint_location(path: str) -> Optional[tuple[str, Optional[str]]]:
     return None
 
 
-def _read_local(engine: Any, path: str, meta: dict[str, Any], load_optimizer_states: bool,
-                verify: bool) -> tuple[dict[str, Any], set[str], Optional[dict[str, Any]]]:
+class _Local:
+    """What this rank read: masters, the optimizer state to install (None: keep), the names
+    of the parameters it needed, the client state."""
+
+    def __init__(self, masters: list[torch.Tensor], states: Optional[list[GroupState]], used: set[str],
+                 client: Optional[dict[str, Any]]) -> None:
+        self.masters, self.states, self.used, self.client = masters, states, used, client
+
+
+def _read_local(engine: Checkpointable, view: ShardView, path: str, meta: CheckpointMetadata,
+                load_optimizer_states: bool, verify: bool) -> _Local:
     reader = ShardReader(path, meta, verify)
     try:
-        states = ["master"] + (list(meta["optimizer"]["elementwise_state"]) if load_optimizer_states else [])
-        flats, used = _read_masters(engine, path, meta, states, reader, load_optimizer_states)
-        sd = _optimizer_state_dict(engine, path, meta, flats, load_optimizer_states)
+        states = ["master"] + (list(meta.optimizer.elementwise_state) if load_optimizer_states else [])
+        names, _ = parameter_names(engine.module)
+        flats, used = _read_masters(view, names, engine.config, path, meta, states, reader, load_optimizer_states)
+        loads = _group_loads(view, path, meta, flats) if load_optimizer_states else None
         client = None
-        if meta.get("client_state"):
-            full = reader.check_file(meta["client_state"])
+        if meta.client_state:
+            full = reader.check_file(meta.client_state)
             try:
                 client = torch.load(full, weights_only=True, map_location="cpu")
             except Exception as exc:  # noqa: BLE001 - unpickling errors of every kind
                 raise CheckpointError(f"{full} cannot be loaded as data (torch.load with weights_only=True refuses "
                                       f"it: {unpickling_error(exc)})") from None
-        return sd, used, client
+        return _Local([f["master"] for f in flats], loads, used, client)
     finally:
         reader.close()
 
 
-def _check_compatible(engine: Any, path: str, meta: dict[str, Any], load_optimizer_states: bool) -> None:
-    saved_type = meta.get("config", {}).get("optimizer", {}).get("type") or meta["optimizer"].get("class")
+def _check_compatible(cfg: Config, view: ShardView, path: str, meta: CheckpointMetadata,
+                      load_optimizer_states: bool) -> None:
+    saved_type = (meta.config.get("optimizer") or {}).get("type") or meta.optimizer.cls
     # a client optimizer (no optimizer section): its class name (AdamW, Adam, ...)
-    mine = engine.config.optimizer.type if engine.config.optimizer is not None \
-        else type(engine.optimizer.optimizer).__name__
+    mine = cfg.optimizer.type if cfg.optimizer is not None else view.optimizer_class
     adam = {"Adam", "AdamW"}
-    if load_optimizer_states and meta["optimizer"]["elementwise_state"] and saved_type != mine \
+    if load_optimizer_states and meta.optimizer.elementwise_state and saved_type != mine \
             and not (saved_type in adam and mine in adam):
         raise CheckpointError(f"{path}: optimizer state was saved for {saved_type}, this run uses {mine}: pass "
                               f"load_optimizer_states=False to load only the weights")
 
 
-def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, *, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    verify_checksums: bool = True, load_rng_states: bool = True) -> tuple[Optional[str], Optional[dict[str, Any]]]:
+def _check_fp8(state: TrainingState, path: str, meta: CheckpointMetadata) -> None:
+    """Before any collective: every FP8 layer of this rank has saved scaling state, or the
+    checkpoint has none at all (version 1, or saved without FP8: the layers keep their
+    fresh state, see docs/checkpoints.md)."""
+    if meta.fp8 is None or not state.fp8:
+        return
+    missing = state.fp8_names_missing(meta.fp8)
+    if missing:
+        raise CheckpointError(f"{path}: the checkpoint's FP8 scaling state has no entry for the FP8 layers "
+                              f"{missing[:8]} of this model (it has {sorted(meta.fp8)[:8]}...): the model's FP8 "
+                              f"layers differ from the saved run's; pass load_module_only=True to load the weights "
+                              f"and start FP8 scaling afresh")
+
+
+def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = None, *,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, verify_checksums: bool = True,
+                    load_rng_states: bool = True) -> tuple[Optional[str], Optional[dict[str, Any]]]:
     """Load ``<load_dir>/<tag>`` (default: the tag ``<load_dir>/latest`` names) into ``engine``,
     whatever (dp, tp, pp, ZeRO stage) it was saved at. Returns ``(path, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no ``latest`` (as DeepSpeed).
 
     Collective. ``load_optimizer_states=False``: fp32 weights only (optimizer moments stay
     as they are); ``load_module_only=True``: weights only, no counters, LR schedule, loss
-    scale or RNG states either. ``verify_checksums``: sha256 of every file read.
+    scale, RNG or FP8 scaling states either. ``verify_checksums``: sha256 of every file read.
     ``load_rng_states=False``: keep this process's RNG states.
     """
     if not dist.is_initialized():
@@ -251,70 +264,67 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Optional[str] = None, *, lo
     tag = agree_on_tag(tag, engine.config.checkpoint.tag_validation, "load_checkpoint")
     if load_module_only:
         load_optimizer_states, load_lr_scheduler_states = False, False
-    path, meta, status, sd, used, client = None, None, None, None, set(), None
+    path: Optional[str] = None
+    meta: Optional[CheckpointMetadata] = None
+    local: Optional[_Local] = None
+    status = None
+    view: Optional[ShardView] = None
+    state: Optional[TrainingState] = None
     try:
+        view, state = engine.optimizer.shard_view(), engine.training_state()
         path = resolve_checkpoint_dir(load_dir, tag)
-        meta = read_metadata(path)
-        _check_compatible(engine, path, meta, load_optimizer_states)
-        sd, used, client = _read_local(engine, path, meta, load_optimizer_states, verify_checksums)
+        meta = load_metadata(path)
+        _check_compatible(engine.config, view, path, meta, load_optimizer_states)
+        if not load_module_only:
+            _check_fp8(state, path, meta)
+        local = _read_local(engine, view, path, meta, load_optimizer_states, verify_checksums)
     except Exception as exc:  # noqa: BLE001 - exchanged below so that every rank raises
         status = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (status, sorted(used)))
+    dist.all_gather_object(everyone, (status, sorted(local.used) if local is not None else []))
     failed = [(r, s) for r, (s, _) in enumerate(everyone) if s is not None]
     if failed:
         r, s = failed[0]
         raise CheckpointError(f"load_checkpoint({load_dir!r}, tag={tag!r}) failed on rank {r}"
                               f"{f' (and {len(failed) - 1} other ranks)' if len(failed) > 1 else ''}: {s}")
-    extra = sorted(set(meta["params"]) - {n for _, names in everyone for n in names})
+    assert meta is not None and local is not None and path is not None and view is not None and state is not None
+    extra = sorted(set(meta.params) - {n for _, names in everyone for n in names})
     if extra:
-        diff = _model_diff(meta, engine)
+        diff = _model_diff(meta, engine.config)
         raise CheckpointError(f"{path}: the checkpoint has parameters this model does not have ({extra[:8]}"
                               f"{' ...' if len(extra) > 8 else ''}): it is for a different model"
                               f"{' (' + diff + ')' if diff else ''}")
-    _apply(engine, meta, sd, load_optimizer_states, load_lr_scheduler_states, load_module_only, load_rng_states)
-    logger.info("loaded checkpoint %s (saved at dp=%d tp=%d pp=%d ZeRO-%d, step %d)", path,
-                meta["topology"]["dp"], meta["topology"]["tp"], meta["topology"]["pp"],
-                meta["topology"]["zero_stage"], meta["counters"]["global_steps"])
-    return path, client
-
-
-def _apply(engine: Any, meta: dict[str, Any], sd: dict[str, Any], load_optimizer_states: bool,
-           load_lr_scheduler_states: bool, load_module_only: bool, load_rng_states: bool = True) -> None:
-    """Install what was read (collective: the optimizer publishes the weights)."""
-    opt = engine.optimizer
+    view.load(local.masters, local.states)  # collective over DP: publishes the weights
     if not load_module_only:
-        sd["skipped_steps"] = int(meta["counters"]["skipped_steps"])
-        cur = opt.loss_scaler.state_dict()
-        if set(cur) == set(meta["loss_scaler"]):
-            sd["loss_scaler"] = meta["loss_scaler"]
-        else:
-            logger.warning("the checkpoint's loss scaler (%s) does not match this run's (%s): keeping this run's",
-                           sorted(meta["loss_scaler"]), sorted(cur))
-    opt.load_state_dict(sd)
-    if load_module_only:
-        return
-    c = meta["counters"]
-    engine.global_steps = int(c["global_steps"])
-    engine.global_samples = int(c["global_samples"])
-    engine.micro_steps = int(c["micro_steps"])
-    sched = engine.lr_scheduler
-    if load_lr_scheduler_states and sched is not None and meta.get("lr_scheduler") is not None:
-        saved_pgs = meta.get("lr_scheduler_groups") or []
-        new_pgs = [g.key.param_group for g in opt.groups]
-        state = {k: _remap_per_group(v, saved_pgs, new_pgs) for k, v in meta["lr_scheduler"].items()}
-        sched.load_state_dict(state)
-        if hasattr(sched, "get_last_lr"):  # the lr the next step uses, also when moments were not loaded
-            for group, lr in zip(opt.optimizer.param_groups, sched.get_last_lr()):
-                group["lr"] = lr
-    topo, cfg = meta["topology"], engine.config
-    if not load_rng_states:
-        return
-    if (topo["dp"], topo["tp"], topo["pp"]) == (cfg.dp, cfg.tp, cfg.pp):
-        rng = meta["rng"].get(str(engine.groups.rank))
+        state.load_state_dict(_training_state_dict(engine, meta, state, load_lr_scheduler_states, load_rng_states))
+    topo = meta.topology
+    logger.info("loaded checkpoint %s (saved at dp=%d tp=%d pp=%d ZeRO-%d, step %d)", path, topo.dp, topo.tp,
+                topo.pp, topo.zero_stage, meta.global_steps)
+    return path, local.client
+
+
+def _training_state_dict(engine: Checkpointable, meta: CheckpointMetadata, state: TrainingState,
+                         load_lr_scheduler_states: bool, load_rng_states: bool) -> dict[str, Any]:
+    """The part of the saved training state to restore (TrainingState restores the keys
+    present): RNG states only at the saving (dp, tp, pp), where rank r is the same rank."""
+    sd: dict[str, Any] = {k: meta.training[k] for k in ("counters", "loss_scaler", "lr_scheduler_groups")}
+    if load_lr_scheduler_states:
+        sd["lr_scheduler"] = meta.training["lr_scheduler"]
+    rank0 = engine.groups is not None and engine.groups.rank == 0
+    if state.fp8 and meta.fp8 is None and rank0:
+        logger.warning("the checkpoint has no FP8 scaling state (format version %d, or saved without FP8 layers): "
+                       "this run's FP8 layers start from fresh scales and an empty amax history",
+                       meta.format_version)
+    sd["fp8"] = meta.fp8
+    topo, cfg = meta.topology, engine.config
+    if not load_rng_states or engine.groups is None:
+        return sd
+    if (topo.dp, topo.tp, topo.pp) == (cfg.dp, cfg.tp, cfg.pp):
+        rng = meta.rng.get(str(engine.groups.rank))
         if rng is not None:
-            restore_rng(rng, engine.device)
-    elif engine.groups.rank == 0:
+            sd["rng"] = rng
+    elif rank0:
         logger.info("RNG states not restored: the checkpoint was saved at dp=%d tp=%d pp=%d, this run is dp=%d "
-                    "tp=%d pp=%d (no rank-to-rank correspondence)", topo["dp"], topo["tp"], topo["pp"],
-                    cfg.dp, cfg.tp, cfg.pp)
+                    "tp=%d pp=%d (no rank-to-rank correspondence)", topo.dp, topo.tp, topo.pp, cfg.dp, cfg.tp,
+                    cfg.pp)
+    return sd

@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.target import Checkpointable
 from engine.dist import comm
 
 __all__ = ["PreemptionHandler", "PREEMPTION_SIGNALS", "Checkpointer", "StopTraining"]
@@ -91,7 +92,7 @@ class Checkpointer:
     installs no signal handler (a signal then ends the process as usual).
     Use as a context manager around the loop (it installs the signal handlers)."""
 
-    def __init__(self, engine: Any, save_dir: Optional[str], interval: int = 0,
+    def __init__(self, engine: Checkpointable, save_dir: Optional[str], interval: int = 0,
                  keep_last: Optional[int] = None) -> None:
         if interval < 0:
             raise ValueError(f"the save interval must be >= 0 steps (0: only at the end), got {interval}")

@@ -9,7 +9,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from engine.checkpoint.format import CheckpointError, Fragment, read_metadata, sha256_file, tensor_key
+from engine.checkpoint.format import (
+    CheckpointError,
+    CheckpointMetadata,
+    Fragment,
+    load_metadata,
+    sha256_file,
+    tensor_key,
+)
 from engine.checkpoint.reshape import assemble_full
 
 __all__ = ["ShardReader", "iter_full_params"]
@@ -19,27 +26,27 @@ class ShardReader:
     """Reads fragments from a checkpoint's shard files; each file is checked (present,
     recorded size, sha256 unless ``verify=False``) the first time it is opened."""
 
-    def __init__(self, path: str, meta: dict[str, Any], verify: bool = True) -> None:
+    def __init__(self, path: str, meta: CheckpointMetadata, verify: bool = True) -> None:
         self.path, self.meta, self.verify = path, meta, verify
         self._open: dict[str, Any] = {}
 
     def check_file(self, name: str) -> str:
-        info = self.meta["files"].get(name)
+        info = self.meta.files.get(name)
         full = os.path.join(self.path, name)
         if info is None:
             raise CheckpointError(f"{full} is referenced but not listed in {self.path}/metadata.json: the metadata "
                                   f"is inconsistent")
         if not os.path.isfile(full):
-            raise CheckpointError(f"{full} is missing (written by rank {info['rank']}): the checkpoint is incomplete")
+            raise CheckpointError(f"{full} is missing (written by rank {info.rank}): the checkpoint is incomplete")
         size = os.path.getsize(full)
-        if size != info["bytes"]:
-            raise CheckpointError(f"{full} has {size} bytes but {info['bytes']} were written: the file is truncated "
+        if size != info.bytes:
+            raise CheckpointError(f"{full} has {size} bytes but {info.bytes} were written: the file is truncated "
                                   f"or was replaced")
         if self.verify:
             digest = sha256_file(full)
-            if digest != info["sha256"]:
+            if digest != info.sha256:
                 raise CheckpointError(f"{full}: checksum mismatch (sha256 {digest}, metadata records "
-                                      f"{info['sha256']}): the file is corrupted")
+                                      f"{info.sha256}): the file is corrupted")
         return full
 
     def _handle(self, name: str) -> Any:
@@ -79,18 +86,18 @@ def iter_full_params(path: str, states: Sequence[str] = ("master",), verify: boo
     An optimizer state that a parameter's group does not have (Muon: matrices have a
     ``momentum_buffer``, the AdamW parameters ``exp_avg`` / ``exp_avg_sq``) is left out of
     that parameter's dict."""
-    meta = read_metadata(path)
-    missing = [s for s in states if s != "master" and s not in meta["optimizer"]["elementwise_state"]]
+    meta = load_metadata(path)
+    missing = [s for s in states if s != "master" and s not in meta.optimizer.elementwise_state]
     if missing:
         raise CheckpointError(f"{path}: the checkpoint has no optimizer state {missing} (it has "
-                              f"{meta['optimizer']['elementwise_state']})")
+                              f"{meta.optimizer.elementwise_state})")
     reader = ShardReader(path, meta, verify)
     try:
-        for name, entry in meta["params"].items():
-            shape = tuple(int(s) for s in entry["shape"])
-            frags = [Fragment.from_json(f) for f in entry["fragments"]]
+        for name, entry in meta.params.items():
+            shape = entry.shape
+            frags = entry.fragments
             mine = list(states)
-            if meta["optimizer"].get("elementwise_by_group"):
+            if meta.optimizer.elementwise_by_group:
                 mine = [s for s in states if s == "master" or all(reader.has(f, s) for f in frags)]
             full = assemble_full(name, shape, frags, mine, reader.read, None, f"{path}: ")
             yield name, shape, {s: t.view(shape) for s, t in full.items()}

@@ -8,8 +8,11 @@ Protocol (collective over the default group; every rank calls it):
    pid), removing leftovers of crashed saves: its own, those whose writer no longer runs,
    or all of them when this process holds the directory's lock (:mod:`engine.dist.lock`);
    another live job's save in progress is never touched.
-2. Each rank that owns optimizer state writes its shard file (safetensors, hashed while
-   written, fsynced) and sends rank 0 its fragment table, RNG states and file digest.
+2. Each rank reads what it holds through ZeRO's shard view (pieces, ownership, master
+   shards, element-wise and scalar optimizer state) and the engine's training state
+   (:mod:`engine.checkpoint.target`); each rank that owns optimizer state writes its shard
+   file (safetensors, hashed while written, fsynced) and sends rank 0 its fragment table,
+   RNG states, FP8 scaling state and file digest.
 3. Rank 0 writes ``metadata.json`` and the client state, checks every shard file is
    there with its recorded size, renames the directory to ``<save_dir>/<tag>`` (an
    existing tag is moved aside first and deleted after), then rewrites ``latest``
@@ -26,7 +29,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import random
 import re
 import shutil
 import socket
@@ -34,7 +36,6 @@ import time
 import uuid
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,15 +43,18 @@ import engine as _engine_pkg
 from engine.checkpoint.format import (
     CLIENT_STATE_FILE,
     FORMAT,
-    FORMAT_VERSION,
     LATEST_FILE,
     OLD_PREFIX,
     TMP_PREFIX,
     CheckpointError,
+    CheckpointMetadata,
+    FileRecord,
     Fragment,
+    OptimizerRecord,
+    ParamRecord,
     SafetensorsWriter,
+    SavedTopology,
     check_tag,
-    encode_bytes,
     fsync_dir,
     read_latest,
     shard_file_name,
@@ -60,8 +64,13 @@ from engine.checkpoint.format import (
     write_latest,
     write_metadata,
 )
-from engine.checkpoint.layout import local_pieces, owns_group, parameter_names, stage_chunks, tied_names
+from engine.checkpoint.layout import local_pieces, parameter_names, stage_chunks, tied_names
+from engine.checkpoint.target import Checkpointable
+from engine.config import Config
+from engine.dist.groups import ParallelGroups
 from engine.dist.lock import held_here, pid_running
+from engine.training_state import capture_rng
+from engine.zero.shard_view import Scalar, ShardView
 
 __all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
 
@@ -100,42 +109,26 @@ def agree_on_tag(tag: str, policy: str, what: str) -> str:
 
 
 # ---------------------------------------------------------------------------- local state
-def capture_rng(device: torch.device) -> dict[str, Any]:
-    """This process's RNG states as JSON values: Python, NumPy, torch CPU (and CUDA)."""
-    version, state, gauss = random.getstate()
-    np_state = np.random.get_state()
-    out: dict[str, Any] = {
-        "python": [version, list(state), gauss],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch_cpu": encode_bytes(torch.get_rng_state().numpy().tobytes()),
-        "torch_cuda": None,
-    }
-    if device.type == "cuda":
-        out["torch_cuda"] = encode_bytes(torch.cuda.get_rng_state(device).numpy().tobytes())
-    return out
+def _parallel_groups(engine: Checkpointable) -> ParallelGroups:
+    if engine.groups is None:
+        raise RuntimeError("the engine has no process groups (destroyed?): checkpoints need a built engine")
+    return engine.groups
 
 
-def _split_state(state: dict[str, Any], master: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An inner-optimizer state entry -> (element-wise tensors, scalars as JSON)."""
-    elementwise, scalars = {}, {}
-    for k, v in state.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == master.numel():
-            elementwise[k] = v.detach().reshape(-1)
-        elif isinstance(v, torch.Tensor) and v.numel() == 1:
-            scalars[k] = {"value": v.item(), "dtype": str(v.dtype).replace("torch.", "")}
-        elif isinstance(v, (int, float, bool)):
-            scalars[k] = {"value": v, "dtype": None}
+def _json_scalars(scalars: dict[str, Scalar]) -> dict[str, Any]:
+    """Scalar optimizer state as JSON: ``{"value", "dtype"}`` (dtype None: a Python number)."""
+    out: dict[str, Any] = {}
+    for k, v in scalars.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = {"value": v.item(), "dtype": str(v.dtype).replace("torch.", "")}
         else:
-            raise CheckpointError(f"optimizer state entry {k!r} ({type(v).__name__}) is neither element-wise nor a "
-                                  f"scalar: this optimizer's state cannot be checkpointed")
-    return elementwise, scalars
+            out[k] = {"value": v, "dtype": None}
+    return out
 
 
 def _group_options(group: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in group.items():
-        if k in ("params", "param_names"):
-            continue
         if isinstance(v, torch.Tensor):
             v = v.item()
         out[k] = list(v) if isinstance(v, tuple) else v
@@ -144,25 +137,25 @@ def _group_options(group: dict[str, Any]) -> dict[str, Any]:
 
 def _unsaved_tensors(module: torch.nn.Module) -> list[str]:
     """Module state outside the optimizer (persistent buffers, frozen parameters): not in
-    the checkpoint, which holds what the optimizer trains."""
+    the checkpoint, which holds what the optimizer trains (and the FP8 scaling state, which
+    the training state exports)."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     buffers = [k for k in module.state_dict(keep_vars=True) if k not in params]
     frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-    fp8 = [n for n, m in module.named_modules() if getattr(m, "fp8_state", None) is not None]  # amax histories
-    return sorted(buffers + frozen) + [f"{n}.fp8_state" for n in fp8]
+    return sorted(buffers + frozen)
 
 
-def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
+def _write_local(engine: Checkpointable, view: ShardView, tmp_dir: str) -> dict[str, Any]:
     """Write this rank's shard file; returns what rank 0 needs for the metadata."""
-    opt, groups = engine.optimizer, engine.groups
+    groups = _parallel_groups(engine)
     unsaved = _unsaved_tensors(engine.module)
     if unsaved:
         logger.warning("rank %d: module state outside the optimizer is not saved (buffers or frozen parameters "
                        "are rebuilt from the config on load): %s", groups.rank, unsaved[:8])
     coord = groups.coord
     names, aliases = parameter_names(engine.module)
-    originals, copies = tied_names(opt, names)
-    pieces = local_pieces(opt, names, groups.tp_rank, engine.config.tp)
+    originals, copies = tied_names(view, names)
+    pieces = local_pieces(view, names)
     fname = shard_file_name(coord.pp, coord.tp, coord.dp)
     tensors: list[tuple[str, torch.Tensor]] = []
     scalar_state: dict[str, dict[str, Any]] = {}
@@ -170,30 +163,30 @@ def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
     elementwise_keys: list[str] = []
     by_group: dict[str, list[str]] = {}  # user param group -> its element-wise states (Muon: they differ)
     owned = set()
-    for gi, g in enumerate(opt.groups):
-        pg = str(g.key.param_group)
-        param_groups.setdefault(pg, _group_options(opt.optimizer.param_groups[gi]))
-        elementwise, scalars = _split_state(opt.optimizer.state.get(g.master, {}), g.master)
-        if scalars:
-            scalar_state.setdefault(pg, scalars)
-        if elementwise:
-            by_group.setdefault(pg, list(elementwise))
-        if not owns_group(opt, g, groups.dp_rank, groups.tp_rank):
+    for gi, g in enumerate(view.groups):
+        pg = str(g.param_group)
+        st = view.group_state(gi)
+        param_groups.setdefault(pg, _group_options(st.options))
+        if st.scalars:
+            scalar_state.setdefault(pg, _json_scalars(st.scalars))
+        if st.elementwise:
+            by_group.setdefault(pg, list(st.elementwise))
+        if not g.owner:
             continue
         owned.add(gi)
-        tensors.append((tensor_key(gi, "master"), g.master.detach()))
-        for k, v in elementwise.items():
+        tensors.append((tensor_key(gi, "master"), st.master))
+        for k, v in st.elementwise.items():
             tensors.append((tensor_key(gi, k), v))
             if k not in elementwise_keys:
                 elementwise_keys.append(k)
     order = {name: i for i, name in enumerate(names.values())}   # model order, not flat-group order
-    fragments: dict[str, list[list[Any]]] = {}
+    fragments: dict[str, list[Fragment]] = {}
     shapes: dict[str, list[int]] = {}
     for pc in sorted(pieces, key=lambda pc: order[pc.name]):
         if pc.group not in owned:
             continue
         frag = Fragment(fname, pc.group, pc.offset, pc.numel, pc.start, pc.local_shape, pc.tp)
-        fragments.setdefault(pc.name, []).append(frag.to_json())
+        fragments.setdefault(pc.name, []).append(frag)
         shapes[pc.name] = list(frag.full_shape())
     file_info = None
     if tensors:
@@ -206,13 +199,12 @@ def _write_local(engine: Any, tmp_dir: str) -> dict[str, Any]:
         except BaseException:
             writer.abort()
             raise
-        file_info = {"name": fname, "sha256": digest, "bytes": writer.bytes, "rank": groups.rank,
-                     "coord": {"pp": coord.pp, "tp": coord.tp, "dp": coord.dp}}
+        file_info = (fname, FileRecord(digest, writer.bytes, groups.rank,
+                                       {"pp": coord.pp, "tp": coord.tp, "dp": coord.dp}))
     return {"rank": groups.rank, "file": file_info, "fragments": fragments, "shapes": shapes, "aliases": aliases,
             "tied_originals": originals, "tied_copies": copies, "scalar_state": scalar_state,
             "param_groups": param_groups, "elementwise_keys": elementwise_keys, "elementwise_by_group": by_group,
-            "order": {name: order[name] for name in fragments},
-            "optimizer_class": type(opt.optimizer).__name__, "rng": capture_rng(engine.device)}
+            "order": {name: order[name] for name in fragments}, "optimizer_class": view.optimizer_class}
 
 
 # ---------------------------------------------------------------------------- metadata (rank 0)
@@ -231,16 +223,17 @@ def _layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    cfg = engine.config
+def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str, Any]]) -> CheckpointMetadata:
+    """The metadata from every rank's part (rank order) and rank 0's training state."""
     params: dict[str, dict[str, Any]] = {}
     aliases: dict[str, str] = {}
     originals: dict[int, str] = {}
-    files: dict[str, Any] = {}
+    files: dict[str, FileRecord] = {}
     elementwise: list[str] = []
     by_group: dict[str, list[str]] = {}
     scalar_state: dict[str, Any] = {}
     param_groups: dict[str, Any] = {}
+    fp8: dict[str, Any] = {}
     for part in parts:  # rank order: pipeline stage 0 first, so names come in model order
         for name, frags in part["fragments"].items():
             entry = params.setdefault(name, {"shape": part["shapes"][name], "fragments": []})
@@ -248,7 +241,7 @@ def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]
         aliases.update(part["aliases"])
         originals.update({int(k): v for k, v in part["tied_originals"].items()})
         if part["file"] is not None:
-            files[part["file"]["name"]] = {k: v for k, v in part["file"].items() if k != "name"}
+            files[part["file"][0]] = part["file"][1]
         elementwise += [k for k in part["elementwise_keys"] if k not in elementwise]
         for pg, sc in part["scalar_state"].items():
             scalar_state.setdefault(pg, sc)
@@ -256,6 +249,8 @@ def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]
             by_group.setdefault(pg, keys)
         for pg, opts in part["param_groups"].items():
             param_groups.setdefault(pg, opts)
+        for name, st in (part["fp8"] or {}).items():  # TP and DP replicas hold the same (MAX-reduced) state
+            fp8.setdefault(name, st)
     # model order: by layer, then as the module lists them (any rank holding a layer agrees on that)
     position: dict[str, int] = {}
     for part in parts:
@@ -267,31 +262,20 @@ def _merge(engine: Any, tag: str, parts: list[dict[str, Any]]) -> dict[str, Any]
             if int(idx) not in originals:
                 raise CheckpointError(f"tied parameter {copy_name} has no original on any pipeline stage")
             aliases[copy_name] = originals[int(idx)]
-    sched = engine.lr_scheduler
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "engine_version": _engine_pkg.__version__,
-        "torch_version": torch.__version__, "tag": tag, "time": time.time(),
-        "topology": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "world_size": cfg.world_size,
-                     "zero_stage": cfg.zero.stage, "virtual_stages": cfg.pipeline.virtual_stages},
-        "config": cfg.to_dict(),
-        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                     "micro_steps": engine.micro_steps, "skipped_steps": engine.optimizer.skipped_steps},
-        # the data sampler is a pure function of (seed, step): the step is the data position
-        "data_position": {"global_steps": engine.global_steps, "consumed_samples": engine.global_samples},
-        "lr_scheduler": None if sched is None else _json_state(sched.state_dict(), "LR scheduler"),
-        # per-group lists in the scheduler state follow rank 0's inner groups: their user param groups
-        "lr_scheduler_groups": [g.key.param_group for g in engine.optimizer.groups],
-        "loss_scaler": _json_state(engine.optimizer.loss_scaler.state_dict(), "loss scaler"),
-        "optimizer": {"class": parts[0]["optimizer_class"], "param_groups": param_groups,
-                      "elementwise_state": elementwise, "scalar_state": scalar_state,
-                      "elementwise_by_group": by_group},
-        "params": params, "aliases": aliases, "files": files,
-        "rng": {str(p["rank"]): p["rng"] for p in parts},
-        "client_state": None,
-    }
+    _json_state(training["lr_scheduler"], "LR scheduler")
+    _json_state(training["loss_scaler"], "loss scaler")
+    # per-group lists in the scheduler state follow rank 0's inner groups: their user param groups
+    return CheckpointMetadata(
+        tag=tag, engine_version=_engine_pkg.__version__, torch_version=torch.__version__, time=time.time(),
+        topology=SavedTopology(cfg.dp, cfg.tp, cfg.pp, cfg.world_size, cfg.zero.stage,
+                               cfg.pipeline.virtual_stages),
+        config=cfg.to_dict(), training={k: training[k] for k in CheckpointMetadata.TRAINING_KEYS},
+        optimizer=OptimizerRecord(parts[0]["optimizer_class"], param_groups, elementwise, scalar_state, by_group),
+        params={n: ParamRecord(tuple(e["shape"]), tuple(e["fragments"])) for n, e in params.items()},
+        aliases=aliases, files=files, rng={str(p["rank"]): p["rng"] for p in parts}, fp8=fp8 or None)
 
 
-def _write_client_state(tmp_dir: str, client_state: dict[str, Any]) -> dict[str, Any]:
+def _write_client_state(tmp_dir: str, client_state: dict[str, Any]) -> FileRecord:
     """torch.save of the client state, refused unless it loads back with weights_only=True
     (checkpoints are data: a class instance in it would need code to load)."""
     buf = io.BytesIO()
@@ -310,18 +294,18 @@ def _write_client_state(tmp_dir: str, client_state: dict[str, Any]) -> dict[str,
         os.fsync(f.fileno())
     import hashlib
 
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rank": 0, "coord": None}
+    return FileRecord(hashlib.sha256(data).hexdigest(), len(data), 0, None)
 
 
 # ---------------------------------------------------------------------------- publish (rank 0)
-def _check_files(tmp_dir: str, files: dict[str, Any]) -> None:
+def _check_files(tmp_dir: str, files: dict[str, FileRecord]) -> None:
     for name, info in files.items():
         path = os.path.join(tmp_dir, name)
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path} was not written (rank {info['rank']}): the checkpoint is incomplete")
+            raise CheckpointError(f"{path} was not written (rank {info.rank}): the checkpoint is incomplete")
         size = os.path.getsize(path)
-        if size != info["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, rank {info['rank']} wrote {info['bytes']}")
+        if size != info.bytes:
+            raise CheckpointError(f"{path} has {size} bytes, rank {info.rank} wrote {info.bytes}")
 
 
 def _publish(save_dir: str, tmp_dir: str, tag: str, nonce: str, update_latest: bool) -> str:
@@ -399,7 +383,7 @@ def _clean_leftovers(save_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------- entry point
-def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
+def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Optional[str] = None,
                     client_state: Optional[dict[str, Any]] = None, *, keep_last: Optional[int] = None,
                     save_latest: bool = True) -> str:
     """Save ``engine`` (model shards, fp32 master weights, optimizer state, LR schedule, loss
@@ -438,15 +422,21 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
         raise CheckpointError(err)
 
     t0 = time.perf_counter()
+    training: dict[str, Any] = {}
     try:
-        local: Any = _write_local(engine, tmp_dir)
+        training = engine.training_state().state_dict()
+        local: Any = _write_local(engine, engine.optimizer.shard_view(), tmp_dir)
+        # FP8 scaling state is MAX-reduced over TP x DP: one (tp, dp) = (0, 0) rank per stage sends it
+        coord = _parallel_groups(engine).coord
+        local.update(rng=training["rng"], fp8=training["fp8"] if coord.tp == 0 and coord.dp == 0 else None)
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         local = f"rank {rank}: {type(exc).__name__}: {exc}"
     parts: Optional[list[Any]] = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(local, parts, dst=0)
     status = None
     if rank == 0:
-        status = _finish(engine, save_dir, tmp_dir, tag, nonce, parts, client_state, keep_last, save_latest)
+        status = _finish(engine.config, training, save_dir, tmp_dir, tag, nonce, parts, client_state, keep_last,
+                         save_latest)
     status = _broadcast(status)
     if status["error"] is not None:
         raise CheckpointError(f"save_checkpoint({tag!r}) failed, nothing was published: {status['error']}")
@@ -454,19 +444,20 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Optional[str] = None,
     return status["path"]
 
 
-def _finish(engine: Any, save_dir: str, tmp_dir: str, tag: str, nonce: str, parts: list[Any],
-            client_state: Optional[dict[str, Any]], keep_last: Optional[int], save_latest: bool) -> dict[str, Any]:
+def _finish(cfg: Config, training: dict[str, Any], save_dir: str, tmp_dir: str, tag: str, nonce: str,
+            parts: list[Any], client_state: Optional[dict[str, Any]], keep_last: Optional[int],
+            save_latest: bool) -> dict[str, Any]:
     """Rank 0: metadata, checks, publish, prune. Returns ``{"path", "error"}``."""
     failed = [p for p in parts if isinstance(p, str)]
     try:
         if failed:
             raise CheckpointError("; ".join(failed))
-        meta = _merge(engine, tag, parts)
+        meta = _merge(cfg, training, tag, parts)
         if client_state is not None:
-            meta["files"][CLIENT_STATE_FILE] = _write_client_state(tmp_dir, client_state)
-            meta["client_state"] = CLIENT_STATE_FILE
-        _check_files(tmp_dir, meta["files"])
-        write_metadata(tmp_dir, meta)
+            meta.files[CLIENT_STATE_FILE] = _write_client_state(tmp_dir, client_state)
+            meta.client_state = CLIENT_STATE_FILE
+        _check_files(tmp_dir, meta.files)
+        write_metadata(tmp_dir, meta.to_json())
         os.remove(os.path.join(tmp_dir, OWNER_FILE))
         fsync_dir(tmp_dir)
         path = _publish(save_dir, tmp_dir, tag, nonce, save_latest)

@@ -168,6 +168,30 @@ class Fp8LinearState:
             m.to(torch.device(device))
         return self
 
+    _ROLES = ("input", "weight", "grad_output")
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """The scaling state as plain values (JSON-able, exact: fp32 values are exact as
+        Python floats): ``{role: {"scale": float, "amax_history": [float] * L}}`` per role
+        (input, weight, grad_output); ``amax_history[i]`` is the amax of i steps ago."""
+        return {role: {"scale": float(m.scale.item()), "amax_history": [float(v) for v in m.amax_history.tolist()]}
+                for role, m in zip(self._ROLES, self.metas())}
+
+    def load_state_dict(self, sd: dict[str, dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict` values onto this state's device. A history of another
+        length (``fp8.amax_history_len`` changed) keeps its most recent ``min(old, new)``
+        entries and pads with zeros (no amax recorded), as the roll would."""
+        missing = [r for r in self._ROLES if r not in sd]
+        if missing:
+            raise ValueError(f"FP8 scaling state lacks the roles {missing} (it has {sorted(sd)})")
+        for role, m in zip(self._ROLES, self.metas()):
+            hist = torch.zeros(m.history_len, dtype=torch.float32)
+            saved = torch.tensor(sd[role]["amax_history"], dtype=torch.float32).reshape(-1)
+            n = min(m.history_len, saved.numel())
+            hist[:n] = saved[:n]
+            m.amax_history = hist.to(m.device)
+            m.scale = torch.tensor(float(sd[role]["scale"]), dtype=torch.float32, device=m.device)
+
 
 _WARNED_SHAPES: set = set()
 

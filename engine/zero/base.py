@@ -202,9 +202,11 @@ class ZeroOptimizer:
         self._hooks.clear()
 
     def shard_view(self) -> ShardView:
-        """Where each parameter's elements lie in this rank's master shards (engine.zero.shard_view)."""
+        """Where each parameter's elements lie in this rank's master shards, their optimizer
+        state and the way to load it back (engine.zero.shard_view: the checkpoint boundary)."""
         return build_shard_view(self.groups, self.shards_optimizer_state, self.dp_group, self.dp_size,
-                                self.dp_rank, self.tp_group)
+                                self.dp_rank, self.tp_group, stage=self.stage, optimizer=self.optimizer,
+                                publish=self._publish)
 
     # ------------------------------------------------------------------ micro-steps
     def set_boundary(self, is_boundary: bool) -> None:
