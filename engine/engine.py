@@ -23,7 +23,7 @@ that were taken.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,58 +31,96 @@ import torch.nn as nn
 
 from engine.checkpoint.layout import module_names
 from engine.config import Config
-from engine.data.device import move_to_device
+from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
 from engine.dist import comm
+from engine.dist.env import DistEnv
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
+from engine.parts import LossFn, ModelParts
 from engine.precision.fp8 import Fp8LinearState, fp8_states, update_fp8_scales
 from engine.timers import PhaseTimers
 from engine.training_state import TrainingState
+from engine.weights16 import save_16bit_model
 from engine.zero import ZeroOptimizer
 
-__all__ = ["Engine", "split_microbatch"]
+__all__ = ["Engine", "LRScheduler", "LossFn", "Pipeline", "split_microbatch"]
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+class Pipeline(Protocol):
+    """This rank's pipeline runner (:class:`engine.runtime.pipe.PipelineRunner`): the losses
+    of a step's micro-batches on the last stage, None on the others."""
+
+    def prepare(self, microbatches: Sequence[MicroBatch]) -> None: ...
+
+    def train(self, microbatches: Sequence[MicroBatch]) -> Optional[list[torch.Tensor]]: ...
+
+    def evaluate(self, microbatches: Sequence[MicroBatch]) -> Optional[list[torch.Tensor]]: ...
 
 
-def split_microbatch(mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)`` of a micro-batch: an ``engine.data.Batch`` (``.inputs``,
-    ``.targets``), a pair, or a dict with ``input_ids`` and ``labels``."""
-    if hasattr(mb, "inputs") and hasattr(mb, "targets"):
-        return mb.inputs, mb.targets
-    if isinstance(mb, (tuple, list)) and len(mb) == 2:
-        return mb[0], mb[1]
-    if isinstance(mb, dict) and "input_ids" in mb and "labels" in mb:
-        return mb["input_ids"], mb["labels"]
-    raise TypeError(f"a micro-batch must be an engine.data.Batch, an (inputs, targets) pair or a dict with "
-                    f"input_ids and labels; got {type(mb).__name__}")
+class LRScheduler(Protocol):
+    """An LR schedule the engine advances once per optimizer step taken."""
+
+    def step(self) -> Any: ...
 
 
 class Engine(nn.Module):
-    """See the module docstring. ``module`` is the whole model (``pp == 1``) or this rank's
-    stage chunks (an ``nn.ModuleList`` driven by ``pipeline``)."""
+    """See the module docstring. Built by :func:`engine.build.assemble.assemble_engine` from
+    the typed collaborators: the model's :class:`~engine.parts.ModelParts` (``module`` is the
+    whole model, ``pp == 1``, or this rank's stage chunks, an ``nn.ModuleList`` driven by
+    ``pipeline``), the ZeRO optimizer, the LR schedule and the pipeline runner.
 
-    def __init__(self, config: Config, module: nn.Module, optimizer: ZeroOptimizer, *,
-                 device: torch.device, groups: Optional[ParallelGroups] = None, lr_scheduler: Any = None,
-                 pipeline: Any = None, loss_fn: Optional[LossFn] = None, dist_env: Any = None,
+    Every attribute an engine has is declared here (a test checks that no other is
+    attached to it after construction)."""
+
+    config: Config
+    parts: ModelParts
+    module: nn.Module
+    optimizer: ZeroOptimizer
+    lr_scheduler: Optional[LRScheduler]
+    groups: Optional[ParallelGroups]  # None only after destroy()
+    pipeline: Optional[Pipeline]
+    loss_fn: Optional[LossFn]
+    dist_env: Optional[DistEnv]
+    device: torch.device
+    training_dataloader: Optional[Iterable[Any]]
+    monitor: Optional[Monitor]
+    global_steps: int
+    global_samples: int
+    micro_steps: int
+    timers: PhaseTimers
+    _step_losses: list[torch.Tensor]
+    _data_iter: Optional[Iterator[Any]]
+    _step_skipped: bool
+    _last_grad_norm: Optional[float]
+    _last_lr: Optional[list[float]]
+    _dp_group: Optional[dist.ProcessGroup]
+    _fp8_states: list[Any]
+    _fp8_groups: list[dist.ProcessGroup]
+    _checked_groups: list[dist.ProcessGroup]
+
+    def __init__(self, config: Config, parts: ModelParts, optimizer: ZeroOptimizer, *,
+                 device: torch.device, groups: ParallelGroups, lr_scheduler: Optional[LRScheduler] = None,
+                 pipeline: Optional[Pipeline] = None, dist_env: Optional[DistEnv] = None,
                  training_dataloader: Optional[Iterable[Any]] = None, monitor: Optional[Monitor] = None) -> None:
         super().__init__()
         self.config = config
-        self.module = module
+        self.parts = parts
+        self.module = parts.module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.groups = groups
         self.pipeline = pipeline
-        self.loss_fn = loss_fn
+        # the DeepSpeed loop's loss (pp == 1); with a pipeline the runner holds the loss
+        self.loss_fn = parts.loss_fn if pipeline is None else None
         self.dist_env = dist_env
         self.device = device
         self.training_dataloader = training_dataloader
         self.monitor = monitor  # rank 0 writes; None: no monitor section
-        self._step_losses: list[torch.Tensor] = []
-        self._data_iter: Optional[Iterator[Any]] = None
+        self._step_losses = []
+        self._data_iter = None
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -95,7 +133,7 @@ class Engine(nn.Module):
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
         # FP8 layers: amaxes MAX-reduced over TP and then DP (= over TP x DP, so scales are the
         # same on every rank and replica and do not depend on the layout), once per step.
-        self._fp8_states = fp8_states(module)
+        self._fp8_states = fp8_states(self.module)
         # With a pipeline a stage may legitimately hold no FP8 layer (embedding or head only);
         # engine.initialize checks the whole model on every rank before any collective.
         if config.fp8.enabled and not self._fp8_states and pipeline is None:
@@ -246,7 +284,7 @@ class Engine(nn.Module):
             logger.info("step %d time (ms): %s", self.global_steps, self.timers.summary())
 
     # ------------------------------------------------------------------ whole steps
-    def _next_microbatches(self, data_iter: Optional[Iterator[Any]], n: int) -> list[Any]:
+    def _next_microbatches(self, data_iter: Optional[Iterator[Any]], n: int) -> list[MicroBatch]:
         if data_iter is None:
             if self.training_dataloader is None:
                 raise ValueError("train_batch/eval_batch need a data_iter (or training_data given to initialize)")
@@ -256,30 +294,24 @@ class Engine(nn.Module):
         out = []
         for _ in range(n):
             try:
-                out.append(next(data_iter))
+                out.append(to_microbatch(next(data_iter)))  # the data boundary: one type from here on
             except StopIteration:
                 raise ValueError(f"the data iterator ran out after {len(out)} of the {n} micro-batches "
                                  "this step needs (gradient_accumulation_steps)") from None
         return out
 
-    def _micro_loss(self, mb: Any) -> torch.Tensor:
-        """Loss of one micro-batch without pipeline parallelism. Every tensor of the
-        micro-batch (tensor, tuple, dict, ``engine.data.Batch``, nested) is moved to the
-        engine's device first. Document ids of a packed ``engine.data.Batch``
-        (``data.document_masking``) go to the module as ``doc_ids=``."""
-        mb = move_to_device(mb, self.device)
-        doc_ids = getattr(mb, "input_doc_ids", None)
-        extra = {} if doc_ids is None else {"doc_ids": doc_ids}
+    def _micro_loss(self, mb: MicroBatch) -> torch.Tensor:
+        """Loss of one micro-batch without pipeline parallelism: ``module(*args, **kwargs)``
+        (an ``engine.data.Batch``: ``module(inputs, targets, doc_ids=)``), or with a
+        ``loss_fn`` ``loss_fn(module(inputs, doc_ids=), targets)``; the document ids
+        (``data.document_masking``) only where the micro-batch has them. Every tensor is
+        moved to the engine's device first."""
+        mb = mb.to(self.device)
         if self.loss_fn is not None:
-            inputs, targets = split_microbatch(mb)
+            inputs, targets = mb.split()
+            extra = {} if mb.doc_ids is None else {"doc_ids": mb.doc_ids}
             return self.loss_fn(self.module(inputs, **extra), targets)
-        if hasattr(mb, "inputs") and hasattr(mb, "targets"):
-            return self.module(mb.inputs, mb.targets, **extra)
-        if isinstance(mb, dict):
-            return self.module(**mb)
-        if isinstance(mb, (tuple, list)):
-            return self.module(*mb)
-        return self.module(mb)
+        return self.module(*mb.args, **mb.kwargs)
 
     def train_batch(self, data_iter: Optional[Iterator[Any]] = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from
@@ -397,9 +429,7 @@ class Engine(nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's: the model's weights in the training dtype, one file (see
-        :mod:`engine.compat.model16`). Every rank must call it."""
-        from engine.compat.model16 import save_16bit_model
-
+        :mod:`engine.weights16`). Every rank must call it."""
         return save_16bit_model(self.config, self.module, self.optimizer, save_dir, save_filename,
                                 exclude_frozen_parameters)
 

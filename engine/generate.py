@@ -15,12 +15,13 @@ gets a model.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.engine import Engine
 from engine.models import GPT
 from engine.pipeline.partition import layers_of
 from engine.pipeline.stages import reference_layer_params, stage_bounds
@@ -39,20 +40,23 @@ def _local_full_params(chunks, tp_group) -> Iterator[tuple[int, str, torch.Tenso
 
 
 @torch.no_grad()
-def gather_reference_model(engine) -> Optional[GPT]:
+def gather_reference_model(engine: Engine) -> Optional[GPT]:
     """The trained reference model, unsharded, fp32, on CPU on global rank 0 (None elsewhere).
 
-    ``engine.module`` must be the reference model's chunks (built by :func:`engine.initialize`
-    with ``model=None`` or a GPT). Collective over the whole world.
+    The engine's :class:`~engine.parts.ModelParts` must be the reference model's (built by
+    :func:`engine.initialize` with ``model=None`` or a GPT). Collective over the whole world.
     """
     cfg, groups = engine.config, engine.groups
-    chunks = getattr(engine, "reference_chunks", None)
-    if chunks is None:
+    chunks = engine.parts.chunks if engine.parts.reference else None
+    if chunks is None or cfg.model is None:
         raise ValueError("gather_reference_model needs an engine built on the reference model "
                          "(engine.initialize with model=None or an engine.models.GPT)")
+    if groups is None:
+        raise RuntimeError("gather_reference_model: the engine was destroyed")
     tp_group = groups.tp_group if cfg.tp > 1 else None
     holder = groups.dp_rank == 0 and groups.tp_rank == 0  # sends (or, on rank 0, keeps) full tensors
-    gathered = engine.optimizer.gathered_params() if cfg.zero.stage == 3 else contextlib.nullcontext()
+    opt: Any = engine.optimizer  # ZeRO-3's gathered_params(): the full parameters for the block
+    gathered = opt.gathered_params() if cfg.zero.stage == 3 else contextlib.nullcontext()
     model = GPT(cfg.model, tp_group=None, seed=cfg.seed) if dist.get_rank() == 0 else None
     with gathered:
         for idx, name, full in _local_full_params(chunks, tp_group):

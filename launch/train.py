@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import os
@@ -142,7 +141,7 @@ def _check_inputs(args: argparse.Namespace, world_size: int):
                                   "GPT it describes; add one with vocab_size, hidden_size, num_layers, num_heads "
                                   "and seq_len (see configs/default.json)")
     try:
-        from engine.training.trainer import build_data
+        from engine.training.trainer import build_data  # torch is imported after the argument checks
 
         dataset, sampler = build_data(cfg)
     except DataError as exc:
@@ -241,59 +240,46 @@ def _report_failure(args: argparse.Namespace, env, exc: BaseException) -> None:
     print(f"error: rank {rank}: {type(exc).__name__}: {first}{where}", file=sys.stderr, flush=True)
 
 
-def _clear_failure_records(logs: str) -> None:
-    for name in os.listdir(logs) if os.path.isdir(logs) else []:
-        if name.endswith((".failed", ".stopped")):
-            os.remove(os.path.join(logs, name))
+def _options(args: argparse.Namespace):
+    """The flags as the library's TrainOptions."""
+    from engine.training.trainer import TrainOptions
+
+    return TrainOptions(steps=args.steps, output=args.output, save=args.save, load=args.load,
+                        load_if_exists=args.load_if_exists, finetune=args.finetune,
+                        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                        save_interval=args.save_interval, sample_tokens=args.sample_tokens, prompt=args.prompt,
+                        peak_tflops=args.peak_tflops)
 
 
 def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
     """Claim and check the output locations (exit 2 on a problem anywhere), then train."""
-    import uuid
+    from engine.training.trainer import Trainer
 
-    import torch.distributed as dist
-
-    from engine.training.outputs import agree_on_problems, prepare_locations
-
-    box = [uuid.uuid4().hex[:12] if env.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    run_id = box[0]  # in every metrics record and in the locks' holder lines
+    rank0 = env.rank == 0
+    trainer = Trainer(cfg, dataset, sampler, env, _options(args),
+                      notify=lambda line: print(line, file=sys.stderr, flush=True))
     with contextlib.ExitStack() as held:  # rank 0's directory locks, released at the end
-        problem, location = prepare_locations(output=args.output, save=args.save, load=args.load,
-                                              load_if_exists=args.load_if_exists, finetune=args.finetune,
-                                              rank=env.rank, run_id=run_id, stack=held)
-        if problem is None and env.rank == 0:  # the folder is ours now: a previous run's records go
-            _clear_failure_records(_logs_dir(args))
-        problem = agree_on_problems(problem)  # (collective: after it, every record is this run's)
+        problem = trainer.claim_outputs(held)
         if problem is not None:
-            if env.rank == 0:
+            if rank0:
                 print(f"argument error: {problem}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
-        import engine
-
-        _train(args, cfg, dataset, sampler, env, engine, run_id, location)
+        eng = trainer.start()
+        progress = _Progress(rank0, eng.global_steps, args.steps, cfg.steps_per_print or 10)
+        result = trainer.run(on_step=progress.update, on_loop_end=progress.close)
+    if not rank0:
+        return 0
+    if result.preempted:
+        print(f"preempted at step {result.final_step}: checkpoint {result.saved}", flush=True)
+        return 0
+    recs = result.records
+    losses = f"loss {recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f}" if recs else "nothing to train"
+    print(f"trained {len(recs)} steps to step {result.final_step} ({cfg.topology}, ZeRO-{cfg.zero.stage}, "
+          f"{cfg.precision}): {losses}; metrics in {os.path.join(args.output, 'metrics.jsonl')}"
+          + (f"; checkpoint {result.saved}" if result.saved else ""), flush=True)
+    if result.sample is not None:
+        print("sample (greedy):\n" + result.sample, flush=True)
     return 0
-
-
-def _load(args: argparse.Namespace, eng, location, rank0: bool) -> None:
-    """Load the checkpoint at ``location`` as the --finetune / --no-load-* flags say."""
-    from engine.checkpoint import load_checkpoint, read_metadata
-
-    load_dir, tag = location
-    path, _ = load_checkpoint(eng, load_dir, tag, load_optimizer_states=not (args.no_load_optim or args.finetune),
-                              load_module_only=args.finetune, load_rng_states=not args.no_load_rng)
-    if path is None:  # 'latest' vanished since the check (another process removed it)
-        raise RuntimeError(f"no checkpoint to load in {load_dir}: its 'latest' file is gone")
-    if rank0:
-        saved = read_metadata(path)["config"].get("train_batch_size")
-        if saved is not None and saved != eng.config.train_batch_size and not args.finetune:
-            logging.getLogger("train").warning(
-                "the checkpoint %s was trained with a global batch of %s sequences (train_batch_size), this run "
-                "uses %s: from step %d on every step reads a batch of the new size, so the data stream does not "
-                "continue where the checkpoint's run would have", path, saved, eng.config.train_batch_size,
-                eng.global_steps)
-        what = "weights only (--finetune)" if args.finetune else "resuming"
-        print(f"loaded {path}: {what} at step {eng.global_steps}", file=sys.stderr, flush=True)
 
 
 class _Progress:
@@ -320,84 +306,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _checkpoint_bytes(eng) -> int:
-    """About one checkpoint: the optimizer state (fp32 masters and moments) of every rank,
-    counted once per DP replica under ZeRO-0 (one replica writes it). Collective."""
-    import torch
-    import torch.distributed as dist
-
-    # on the engine's device: NCCL takes no CPU tensors
-    mine = torch.tensor([float(eng.memory_breakdown()["optimizer_state"])], dtype=torch.float64, device=eng.device)
-    dist.all_reduce(mine)
-    return int(mine.item() / (eng.config.dp if eng.config.zero.stage == 0 else 1))
-
-
-def _train(args: argparse.Namespace, cfg, dataset, sampler, env, engine, run_id: str, location) -> None:
-    from engine.checkpoint.preempt import Checkpointer, StopTraining
-    from engine.generate import gather_reference_model, greedy_generate
-    from engine.training.outputs import warn_if_low_space
-    from engine.training.trainer import train, write_memory_report, write_resolved_config
-
-    rank0 = env.rank == 0
-    eng, *_ = engine.initialize(config=cfg, dist_env=env)
-    if location is not None:
-        _load(args, eng, location, rank0)
-    elif args.load is not None and rank0:
-        print(f"nothing to resume in {args.load} (--load-if-exists): starting at step 0", file=sys.stderr, flush=True)
-    need = _checkpoint_bytes(eng) if args.save is not None else 0
-    if rank0:
-        write_resolved_config(cfg, args.output)
-        _keep_metrics_up_to(os.path.join(args.output, "metrics.jsonl"), eng.global_steps)  # under the lock
-        if args.save is not None:
-            warn_if_low_space([(args.save, "--save")], need)
-    progress = _Progress(rank0, eng.global_steps, args.steps, cfg.steps_per_print or 10)
-    records: list = []
-    interval = cfg.checkpoint.save_interval if args.save_interval is None else args.save_interval
-    with Checkpointer(eng, args.save, interval) as ckpt:
-        def on_step(rec: dict) -> None:
-            records.append(rec)
-            progress.update(rec)
-            if ckpt.after_step():
-                raise StopTraining
-
-        try:
-            train(eng, sampler, max(0, args.steps - eng.global_steps), output_dir=args.output,
-                  peak_tflops=args.peak_tflops, on_step=on_step, run_id=run_id)
-        except StopTraining:
-            pass
-        progress.close()
-        saved = ckpt.finish()
-    if ckpt.preempted:
-        if rank0:
-            print(f"preempted at step {eng.global_steps}: checkpoint {saved}", flush=True)
-        eng.destroy()
-        return
-    write_memory_report(eng, args.output)
-    # ---- end-of-run sample (one call site; rank 0 prints it)
-    model = gather_reference_model(eng) if args.sample_tokens > 0 else None
-    if rank0:
-        losses = f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}" if records else "nothing to train"
-        print(f"trained {len(records)} steps to step {eng.global_steps} ({cfg.topology}, ZeRO-{cfg.zero.stage}, "
-              f"{cfg.precision}): {losses}; metrics in {os.path.join(args.output, 'metrics.jsonl')}"
-              + (f"; checkpoint {saved}" if saved else ""), flush=True)
-        if model is not None:
-            tok = dataset.tokenizer
-            ids = greedy_generate(model, tok.encode(args.prompt), args.sample_tokens)
-            print("sample (greedy):\n" + tok.decode(ids), flush=True)
-    eng.destroy()  # let the process groups go before shutdown() tears them down
-
-
-def _keep_metrics_up_to(path: str, step: int) -> None:
-    """A fresh run starts a new metrics file; a resumed one keeps the records up to its step
-    (a crashed run may have logged steps after its last checkpoint)."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(keep)
 
 
 def _shutdown() -> None:

@@ -4,13 +4,14 @@
     engine, opt, _, _ = engine.initialize(model=hf_model, model_parameters=hf_model.parameters(),
                                           config=cfg)   # or optimizer=AdamW(hf_model.parameters())
 
-Steps (:func:`build_autotp_engine`):
+Steps (:func:`autotp_parts`; the assembly then broadcasts from DP rank 0 and builds the
+optimizer, :mod:`engine.build.assemble`):
 
 1. TP ranks start from TP rank 0's weights (the whole model is broadcast over the TP group,
    parameter by parameter; skipped for a meta-device model, whose weights are loaded later
    with :func:`engine.checkpoint.hf.load_hf_weights`);
 2. :func:`engine.tensor_parallel.auto.autotp` swaps the projections for their shards;
-3. the model goes to the engine's device and dtype; DP replicas start from DP rank 0's;
+3. the model goes to the engine's device and dtype (DP replicas start from DP rank 0's);
 4. the optimizer: the config's, or the client's (an instance built over the *unsharded*
    parameters, or a callable called with the sharded ones), over the sharded parameters,
    as at TP = 1 (:mod:`engine.optim.client`): its param groups and per-group
@@ -39,21 +40,19 @@ import torch.nn as nn
 from engine.config import Config
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
-from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
-from engine.monitor import Monitor
 from engine.optim.build import (
-    build_engine_optimizer,
-    build_scheduler,
+    OptimizerInputs,
     client_optimizer_factory,
     optimizer_factory,
     precision_policy,
 )
 from engine.optim.client import param_groups_from_client, resolve_client_optimizer
+from engine.parts import LossFn, ModelParts
 from engine.tensor_parallel.auto import autotp
 from engine.tensor_parallel.auto_rules import LayerSpec, parse_layer_specs, specs_for
 
-__all__ = ["build_autotp_engine", "map_param_groups", "layer_specs_of", "TPBatchBroadcast"]
+__all__ = ["autotp_parts", "map_param_groups", "layer_specs_of", "TPBatchBroadcast"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +95,7 @@ def map_param_groups(params: Any, param_map: dict[int, nn.Parameter], model: nn.
 def _optimizer_inputs(cfg: Config, model: nn.Module, client: Any, model_parameters: Optional[list[Any]],
                       param_map: dict[int, nn.Parameter]) -> tuple[Any, Any, Optional[torch.optim.Optimizer]]:
     """``(params or groups, factory, client optimizer)`` for build_engine_optimizer and
-    build_scheduler: what _module_engine does at TP = 1 (:func:`resolve_client_optimizer`,
+    build_scheduler: what :func:`engine.build.builders.module_parts` does at TP = 1 (:func:`resolve_client_optimizer`,
     :func:`param_groups_from_client`, :func:`client_optimizer_factory`), with every original
     parameter mapped onto its shard by ``param_map``."""
     given = (list(model.parameters()) if model_parameters is None
@@ -190,9 +189,9 @@ def _broadcast_module(module: nn.Module, src: int, group: dist.ProcessGroup) -> 
         comm.broadcast(t.data, src, group)
 
 
-def build_autotp_engine(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Optional[Iterable[Any]],
-                        client_sched: Any, groups: ParallelGroups, device: torch.device, dist_env: Any,
-                        loss_fn: Optional[LossFn], monitor: Optional[Monitor] = None) -> Engine:
+def autotp_parts(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Optional[Iterable[Any]],
+                 groups: ParallelGroups, device: torch.device,
+                 loss_fn: Optional[LossFn]) -> tuple[ModelParts, OptimizerInputs]:
     """See the module docstring."""
     if cfg.pp > 1:
         raise ConfigError("AutoTP (a Hugging Face or other user model with tensor_parallel.autotp_size > 1) does "
@@ -220,14 +219,10 @@ def build_autotp_engine(cfg: Config, model: nn.Module, client_opt: Any, model_pa
     dtype = precision_policy(cfg).compute_dtype
     if dtype != torch.float32:
         model.to(dtype=dtype)
-    if groups.dp_size > 1:
-        _broadcast_module(model, groups.dp_ranks[0], groups.dp_group)
     params, factory, client = _optimizer_inputs(cfg, model, client_opt, params_in, result.param_map)
-    opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, tp_group=groups.tp_group,
-                                 module=model)
-    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
     bcast = TPBatchBroadcast(groups.tp_group, tp_src, device)
     model.register_forward_pre_hook(bcast, with_kwargs=True)
     logger.info("AutoTP: %d layers split over %d ranks", len(result.replaced), cfg.tp)
-    return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched,
-                  loss_fn=loss_fn or _hf_train_batch_loss(model, bcast), dist_env=dist_env, monitor=monitor)
+    # the DP broadcast (every replica starts from DP rank 0's weights) is the assembly's
+    return (ModelParts(model, loss_fn=loss_fn or _hf_train_batch_loss(model, bcast), dtype=dtype),
+            OptimizerInputs(params, factory, client))

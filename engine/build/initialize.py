@@ -10,6 +10,12 @@ unsharded :class:`engine.models.GPT` is sharded onto this rank) or, with TP = 1,
 layers cut into pipeline stages; ``engine.train_batch(data_iter)`` runs a whole step.
 Any other ``nn.Module`` (a Hugging Face decoder) with ``tensor_parallel.autotp_size > 1``
 is split by AutoTP (:mod:`engine.build.autotp`, docs/autotp.md).
+
+Assembly is explicit: one builder per kind of model (:mod:`engine.build.builders`,
+:func:`engine.build.autotp.autotp_parts`, :func:`engine.pipe.build.pipeline_module_parts`)
+makes the rank's :class:`~engine.parts.ModelParts`, and
+:func:`engine.build.assemble.assemble_engine` builds the optimizer, the pipeline runner and
+the engine over them.
 """
 
 from __future__ import annotations
@@ -21,35 +27,25 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from engine.build.assemble import assemble_engine
+from engine.build.autotp import autotp_parts
+from engine.build.builders import layer_list_parts, module_parts, reference_parts
 from engine.config import Config, load_config
 from engine.config.ignored import log_ignored_keys
-from engine.dist import comm
+from engine.dist.env import DistEnv, device_for_initialised_group, init_distributed
 from engine.dist.groups import ParallelGroups
-from engine.engine import Engine, LossFn
+from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.models import GPT
-from engine.monitor import Monitor, build_monitor
-from engine.optim.build import (
-    build_engine_optimizer,
-    build_scheduler,
-    client_optimizer_factory,
-    optimizer_factory,
-    precision_policy,
-)
-from engine.optim.client import (
-    agree_on_error,
-    check_client_objects,
-    mpu_mismatch,
-    param_groups_from_client,
-    resolve_client_optimizer,
-)
-from engine.pipe.build import build_pipeline_engine, pipeline_config
+from engine.monitor import build_monitor
+from engine.optim.build import OptimizerInputs
+from engine.optim.client import agree_on_error, check_client_objects, mpu_mismatch
+from engine.parts import LossFn, ModelParts
+from engine.pipe.build import pipeline_config, pipeline_module_parts
 from engine.pipe.module import PipelineModule
-from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
-from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from engine.zero.init import Init as zero_init
-from engine.zero.init import is_partitioned
+from engine.precision.fp8 import fp8_states
 
 __all__ = ["initialize"]
 
@@ -78,8 +74,6 @@ def _config_source(args: Any, config: ConfigArg, config_params: ConfigArg) -> Un
 def _device_of_default_group() -> torch.device:
     """The device collectives of an already-initialised default group work on (see
     :func:`engine.dist.env.device_for_initialised_group`); NCCL: also made current."""
-    from engine.dist.env import device_for_initialised_group
-
     backend = dist.get_backend()
     if backend != "nccl":
         return torch.device("cpu")
@@ -91,23 +85,11 @@ def _device_of_default_group() -> torch.device:
     return dev
 
 
-def _broadcast_from_first_replica(module: nn.Module, groups: ParallelGroups) -> None:
-    """Every DP replica starts from DP rank 0's weights and buffers (as DeepSpeed does)."""
-    if groups.dp_size == 1:
-        return
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            if not is_partitioned(t):  # built under engine.zero.Init: already equal slices
-                comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
-
-
 def _check_fp8_model(cfg: Config, model: Any) -> None:
     """``fp8.enabled`` needs an FP8 layer somewhere in the model. Decided from the whole model,
     which every rank has (the config for the reference GPT, the full layer list, the module),
     so all ranks raise together: a check on one pipeline stage's chunk alone would raise on a
     stage holding only the embedding or the head and leave its peers in a collective."""
-    from engine.precision.fp8 import fp8_states
-
     if not cfg.fp8.enabled or model is None or isinstance(model, GPT):
         return  # the reference model's blocks get FP8 layers from the config
     whole = nn.ModuleList(list(model)) if _is_layer_list(model) else model
@@ -125,9 +107,7 @@ def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Opti
     """DeepSpeed's ``deepspeed_io``: micro-batches of ``train_micro_batch_size_per_gpu``,
     each DP rank reading its own shard of the dataset (``DistributedSampler``). On a GPU the
     batches are pinned, so the engine's non-blocking copy to the device overlaps compute."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    if not isinstance(data, torch.utils.data.Dataset):
+    if not isinstance(data, Dataset):
         raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(data).__name__}")
     sampler = DistributedSampler(data, num_replicas=groups.dp_size, rank=groups.dp_rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
@@ -139,7 +119,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
                optimizer: Any = None, model_parameters: Optional[Iterable[Any]] = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: Optional[int] = None,
                mpu: Any = None, dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable] = None,
-               config: ConfigArg = None, config_params: ConfigArg = None, *, dist_env: Any = None,
+               config: ConfigArg = None, config_params: ConfigArg = None, *, dist_env: Optional[DistEnv] = None,
                loss_fn: Optional[LossFn] = None, timeout_s: float = 1800.0) -> tuple[Engine, Any, Any, Any]:
     """Build the engine. Returns ``(engine, optimizer, dataloader, lr_scheduler)`` as DeepSpeed.
 
@@ -160,8 +140,6 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     if not dist.is_initialized():
         if dist_init_required is False:
             raise RuntimeError("dist_init_required=False but torch.distributed is not initialised")
-        from engine.dist.env import init_distributed
-
         dist_env = init_distributed(timeout_s=timeout_s)
     world = dist.get_world_size()
     if isinstance(model, PipelineModule):  # DeepSpeed's pipeline API: the module gives the depth
@@ -179,23 +157,9 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     monitor = build_monitor(cfg.monitor, is_writer=dist.get_rank() == 0)  # checks the packages on every rank
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
-    if isinstance(model, PipelineModule):
-        engine = build_pipeline_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
-                                       dist_env, monitor)
-    elif model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
-        engine = _module_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
-                                dist_env, loss_fn, monitor)
-    elif isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
-        from engine.build.autotp import build_autotp_engine  # AutoTP: a model we did not write
-
-        engine = build_autotp_engine(cfg, model, optimizer, model_parameters, lr_scheduler, groups, device,
-                                     dist_env, loss_fn, monitor)
-    else:
-        if optimizer is not None or model_parameters is not None:
-            raise ValueError("with tensor or pipeline parallelism (or model=None) the engine builds the "
-                             "optimizer from the config over its own parameter shards: pass optimizer=None "
-                             "and model_parameters=None")
-        engine = _parallel_engine(cfg, model, lr_scheduler, groups, device, dist_env, loss_fn, monitor)
+    parts, opt_inputs = _build_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn)
+    engine = assemble_engine(cfg, parts, opt_inputs, lr_scheduler, groups, device, dist_env=dist_env,
+                             monitor=monitor)
     if training_data is not None:
         engine.training_dataloader = _dataloader(training_data, cfg, groups, collate_fn, device)
     logger.info("engine: %s, ZeRO-%d, %s, %s", cfg.topology, cfg.zero.stage, cfg.precision,
@@ -203,98 +167,24 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _module_engine(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Any, client_sched: Any,
-                   groups: ParallelGroups, device: torch.device, dist_env: Any, loss_fn: Optional[LossFn],
-                   monitor: Optional[Monitor] = None) -> Engine:
-    """DP (ZeRO 0-3) around any module."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module (or a list of layers), got {type(model).__name__}")
-    dtype = precision_policy(cfg).compute_dtype
-    model.to(device=device)
-    if dtype != torch.float32:
-        model.to(dtype=dtype)  # as DeepSpeed's module.half() / .bfloat16(); masters stay fp32
-    _broadcast_from_first_replica(model, groups)
-    # model_parameters: parameters or torch-style group dicts (DeepSpeed takes both)
-    given = list(model.parameters() if model_parameters is None else model_parameters)
-    client = None if client_opt is None else resolve_client_optimizer(client_opt, given)
-    if client is None:
-        factory, params = optimizer_factory(cfg.optimizer), given
-    else:  # the client's class and groups, re-created over the master shards
-        flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
-        factory, params = client_optimizer_factory(client), param_groups_from_client(client, flat)
-    opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, module=model)
-    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
-    return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
-                  dist_env=dist_env, monitor=monitor)
-
-
-def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: ParallelGroups, device: torch.device,
-                     dist_env: Any, loss_fn: Optional[LossFn], monitor: Optional[Monitor] = None) -> Engine:
-    """The reference model (or a layer list) over DP x TP x PP."""
-    dtype = precision_policy(cfg).compute_dtype
-    tp_group = groups.tp_group if cfg.tp > 1 else None
-    reference = model is None or isinstance(model, GPT)
-    if cfg.model is None and (reference or cfg.pp > 1):
-        raise ConfigError(
-            "the config has no \"model\" section, which "
-            + ("the reference GPT needs (model=None builds it from the section; an engine.models.GPT must match "
-               "it)" if reference else
-               "pipeline parallelism needs (model.seq_len and model.hidden_size give the shape of the activations "
-               "sent between stages)")
-            + ": add a model section with vocab_size, hidden_size, num_layers, num_heads and seq_len")
-    if reference:
-        if isinstance(model, GPT) and cfg.model is not None and model.cfg != cfg.model:
-            raise ConfigError("the GPT given to engine.initialize was built from a different model config than "
-                              "the config's model section: make them equal")
-        # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
-        sharded_build = cfg.zero.stage == 3 and model is None
-        with zero_init(data_parallel_group=groups.dp_group, enabled=sharded_build):
-            chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype)
-        if isinstance(model, GPT):
-            load_full_weights(chunks, model, tp_group)
-        tied = []
-        if cfg.pp > 1 and cfg.model.tie_embeddings:
-            if groups.is_first_stage:
-                tied.append(chunks[0].layers[0].weight)
-            if groups.is_last_stage:
-                tied.append(chunks[-1].layers[-1].weight)
-        loss = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp_group))
-    elif _is_layer_list(model):
-        if cfg.tp > 1:
-            raise ConfigError("a list of layers can be trained with pipeline and data parallelism only: with "
-                              "tensor_parallel.autotp_size > 1 pass model=None (the reference GPT from the "
-                              "config) or an engine.models.GPT")
-        chunks, tied = chunks_from_layers(list(model), cfg, groups.pp_rank)
-        for ch in chunks:
-            ch.to(device=device, dtype=dtype)
-        loss = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, None))
-    else:
-        raise TypeError(f"with tensor or pipeline parallelism (tp={cfg.tp}, pp={cfg.pp}) engine.initialize takes "
-                        f"model=None (the reference GPT from the config), an engine.models.GPT or a list of "
-                        f"layers; got {type(model).__name__}")
-
-    pipeline = None
-    if cfg.pp > 1:
-        module: nn.Module = nn.ModuleList(chunks)
-    elif reference and loss_fn is None:
-        module = ReferenceModel(chunks[0], tp_group)
-    else:
-        module = chunks[0]
-    _broadcast_from_first_replica(module, groups)
-    factory = optimizer_factory(cfg.optimizer)
-    opt = build_engine_optimizer(cfg, module, factory, dp_group=groups.dp_group, tp_group=tp_group,
-                                 pp_group=groups.pp_group if cfg.pp > 1 else None,
-                                 embedding_group=groups.embedding_group if tied else None, tied_params=tied,
-                                 module=module)
-    if cfg.pp > 1:
-        from engine.runtime.pipe import PipelineRunner
-
-        pipeline = PipelineRunner(chunks, cfg, groups, loss, device=device, dtype=dtype,
-                                  loss_scale=lambda: opt.loss_scale)
-    sched = build_scheduler(cfg, opt, client_sched)
-    engine_loss = None if (cfg.pp > 1 or isinstance(module, ReferenceModel)) else loss
-    engine = Engine(cfg, module, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
-                    loss_fn=engine_loss, dist_env=dist_env, monitor=monitor)
-    if reference:
-        engine.reference_chunks = list(chunks)  # for gather_reference_model (sampling, export)
-    return engine
+def _build_parts(cfg: Config, model: Union[nn.Module, Sequence[nn.Module], None], optimizer: Any,
+                 model_parameters: Optional[Iterable[Any]], groups: ParallelGroups, device: torch.device,
+                 loss_fn: Optional[LossFn]) -> tuple[ModelParts, OptimizerInputs]:
+    """The builder for this kind of model (see the module docstring)."""
+    if isinstance(model, PipelineModule):
+        return pipeline_module_parts(cfg, model, optimizer, model_parameters, groups, device)
+    if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
+        return module_parts(cfg, model, optimizer, model_parameters, device, loss_fn)  # type: ignore[arg-type]
+    if isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
+        return autotp_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn)  # a model we did not write
+    if optimizer is not None or model_parameters is not None:
+        raise ValueError("with tensor or pipeline parallelism (or model=None) the engine builds the "
+                         "optimizer from the config over its own parameter shards: pass optimizer=None "
+                         "and model_parameters=None")
+    if model is None or isinstance(model, GPT):
+        return reference_parts(cfg, model, groups, device, loss_fn)
+    if _is_layer_list(model):
+        return layer_list_parts(cfg, list(model), groups, device, loss_fn)  # type: ignore[arg-type]
+    raise TypeError(f"with tensor or pipeline parallelism (tp={cfg.tp}, pp={cfg.pp}) engine.initialize takes "
+                    f"model=None (the reference GPT from the config), an engine.models.GPT or a list of "
+                    f"layers; got {type(model).__name__}")

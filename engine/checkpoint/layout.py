@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from engine.checkpoint.format import TPSlice
+from engine.pipeline.stages import ReferenceModel, StageChunk
 from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded, tp_partition_dim
 from engine.zero.shard_view import ShardView
 
@@ -45,8 +46,6 @@ class LocalPiece:
 def stage_chunks(module: nn.Module) -> Optional[list[nn.Module]]:
     """The StageChunks behind an engine's module (pipeline list, ReferenceModel or one
     chunk), or None for a plain module."""
-    from engine.pipeline.stages import ReferenceModel, StageChunk
-
     if isinstance(module, StageChunk):
         return [module]
     if isinstance(module, ReferenceModel):

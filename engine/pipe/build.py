@@ -3,35 +3,33 @@ depth, the layers are cut with the module's ``partition_method`` into this rank'
 (:func:`engine.pipeline.stages.chunks_from_layers`: the tied embedding/head weight becomes a
 marked copy on the last stage, its gradient summed over the embedding group), and the
 engine runs them with the configured schedule, ZeRO 0-3 and ``train_batch``.
+:func:`pipeline_module_parts` is the builder (:class:`engine.parts.ModelParts`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
 
 from engine.config import Config, load_config
 from engine.config.reader import read_json_file
-from engine.dist import comm
 from engine.dist.groups import ParallelGroups
-from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.optim.build import (
-    build_engine_optimizer,
-    build_scheduler,
+    OptimizerInputs,
     client_optimizer_factory,
     optimizer_factory,
     precision_policy,
 )
 from engine.optim.client import param_groups_from_client, resolve_client_optimizer
+from engine.parts import LossFn, ModelParts
 from engine.pipe.module import PipelineModule
-from engine.pipe.runner import LazyPipelineRunner
 from engine.pipeline.stages import chunks_from_layers
 
-__all__ = ["pipeline_config", "build_pipeline_engine"]
+__all__ = ["pipeline_config", "pipeline_module_parts"]
 
 
 def pipeline_config(source: Union[str, "os.PathLike[str]", dict, Config], module: PipelineModule,
@@ -58,15 +56,15 @@ def _param_slots(module: nn.Module) -> dict[tuple[int, str], nn.Parameter]:
     return {(id(m), name): p for m in module.modules() for name, p in m._parameters.items() if p is not None}
 
 
-def _loss_fn(module: PipelineModule) -> Any:
+def _loss_fn(module: PipelineModule) -> LossFn:
     if module.loss_fn is not None:
         return module.loss_fn
     return lambda outputs, labels: outputs  # DeepSpeed: without loss_fn the last layer's output is the loss
 
 
-def build_pipeline_engine(cfg: Config, module: PipelineModule, client_opt: Any, model_parameters: Any,
-                          client_sched: Any, groups: ParallelGroups, device: torch.device, dist_env: Any,
-                          monitor: Any) -> Engine:
+def pipeline_module_parts(cfg: Config, module: PipelineModule, client_opt: Any, model_parameters: Any,
+                          groups: ParallelGroups, device: torch.device) -> tuple[ModelParts, OptimizerInputs]:
+    """This rank's stage(s) of ``module`` (see the module docstring)."""
     if cfg.tp > 1:
         raise ConfigError("a PipelineModule is trained with pipeline and data parallelism only: set "
                           "tensor_parallel.autotp_size to 1")
@@ -87,26 +85,14 @@ def build_pipeline_engine(cfg: Config, module: PipelineModule, client_opt: Any, 
     for ch in chunks:
         ch.to(device=device, dtype=dtype)
     stage: nn.Module = nn.ModuleList(chunks) if cfg.pp > 1 else chunks[0]
-    if groups.dp_size > 1:  # every replica starts from DP rank 0's weights, as DeepSpeed
-        with torch.no_grad():
-            for t in list(stage.parameters()) + list(stage.buffers()):
-                comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
     trainable = [p for p in stage.parameters() if p.requires_grad]
-    client: Optional[torch.optim.Optimizer] = None
-    params: Any  # parameters, or the client's group dicts
     if client_opt is None:
-        factory, params = optimizer_factory(cfg.optimizer), trainable
+        inputs = OptimizerInputs(trainable, optimizer_factory(cfg.optimizer))
     else:  # this stage's share of the client's groups (the tied copy on the last stage included)
         client = resolve_client_optimizer(client_opt, trainable)
-        factory, params = client_optimizer_factory(client), param_groups_from_client(client, trainable, replaced)
-    opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group,
-                                 pp_group=groups.pp_group if cfg.pp > 1 else None,
-                                 embedding_group=groups.embedding_group if tied else None, tied_params=tied,
-                                 module=stage)
-    loss = _loss_fn(module)
-    pipeline = None
-    if cfg.pp > 1:
-        pipeline = LazyPipelineRunner(chunks, cfg, groups, loss, device=device, loss_scale=lambda: opt.loss_scale)
-    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
-    return Engine(cfg, stage, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
-                  loss_fn=None if cfg.pp > 1 else loss, dist_env=dist_env, monitor=monitor)
+        inputs = OptimizerInputs(param_groups_from_client(client, trainable, replaced),
+                                 client_optimizer_factory(client), client)
+    # the DP broadcast, the optimizer and the (lazy: the boundary shape is measured on the
+    # first micro-batch) pipeline runner are the assembly's (engine.build.assemble)
+    parts = ModelParts(stage, tuple(chunks), tuple(tied), _loss_fn(module), dtype, measure_boundary=True)
+    return parts, inputs

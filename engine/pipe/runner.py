@@ -21,9 +21,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
+from engine.data.microbatch import split_microbatch
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.pipeline.actions import next_hop, prev_hop
+from engine.runtime.pipe import PipelineRunner
 
 __all__ = ["probe_boundary", "LazyPipelineRunner"]
 
@@ -90,8 +92,6 @@ class LazyPipelineRunner:
 
     def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: Callable,
                  *, device: torch.device, loss_scale: Callable[[], float]) -> None:
-        from engine.engine import split_microbatch  # the engine module imports this one lazily
-
         self._split = split_microbatch
         self.chunks, self.cfg, self.groups, self.loss_fn = list(chunks), cfg, groups, loss_fn
         self.device, self.loss_scale = device, loss_scale
@@ -99,8 +99,6 @@ class LazyPipelineRunner:
 
     def _ready(self, microbatches: Sequence[Any]) -> Any:
         if self._runner is None:
-            from engine.runtime.pipe import PipelineRunner
-
             inputs, _ = self._split(microbatches[0])
             shape, dtype = probe_boundary(self.chunks, inputs, self.groups, self.cfg.pp, self.device)
             self._runner = PipelineRunner(self.chunks, self.cfg, self.groups, self.loss_fn, device=self.device,

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from engine.config import Config
 from engine.data.device import move_to_device
+from engine.data.microbatch import split_microbatch, to_microbatch
 from engine.dist import comm
 from engine.dist.groups import ParallelGroups
 from engine.pipeline.actions import next_hop, prev_hop
@@ -49,9 +50,7 @@ def activation_shape(cfg: Config) -> tuple[int, int, int]:
 def microbatch_doc_ids(mb: Any) -> Optional[torch.Tensor]:
     """The input document ids (B, S) of a micro-batch: ``engine.data.Batch.input_doc_ids``
     or a dict's ``"doc_ids"``; None when it has none."""
-    if isinstance(mb, dict):
-        return mb.get("doc_ids")
-    return getattr(mb, "input_doc_ids", None)
+    return to_microbatch(mb).doc_ids
 
 
 class PipelineRunner:
@@ -63,8 +62,6 @@ class PipelineRunner:
                  boundary_shape: Optional[Sequence[int]] = None) -> None:
         """``boundary_shape`` / ``dtype``: what crosses the stage boundaries; the shape
         defaults to the config's model (:func:`activation_shape`)."""
-        from engine.engine import split_microbatch  # the engine module imports this one lazily
-
         self._split = split_microbatch
         self.chunks = list(chunks)
         self.cfg, self.groups, self.loss_fn = cfg, groups, loss_fn

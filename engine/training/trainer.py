@@ -1,4 +1,11 @@
-"""The training loop of the entry point (launch/train.py), as library calls.
+"""The training loop of the entry point (launch/train.py), as a library :class:`Trainer`.
+
+``launch/train.py`` is a thin CLI over it (arguments, launch environment, exit codes,
+progress display); the :class:`Trainer` does the job: it claims the output folders
+(:meth:`Trainer.claim_outputs`), builds the engine and loads the checkpoint
+(:meth:`Trainer.start`), trains with periodic and preemption checkpoints, writes
+``config.json``, ``metrics.jsonl`` and ``memory.json`` and takes the end-of-run greedy
+sample (:meth:`Trainer.run`). Its notices go through a callback, never to a stream.
 
 - :func:`build_data`: the dataset and sampler of the config's ``data`` section (call it on
   every rank BEFORE any collective: it raises :class:`~engine.data.DataError` on bad
@@ -13,19 +20,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
+from engine.build.initialize import initialize
+from engine.checkpoint import load_checkpoint, read_metadata
+from engine.checkpoint.preempt import Checkpointer, StopTraining
 from engine.config import Config
 from engine.data import GlobalBatchSampler, PackedDataset, build_dataset
+from engine.dist.env import DistEnv
+from engine.engine import Engine
+from engine.generate import gather_reference_model, greedy_generate
 from engine.metrics import MetricsWriter, StepTimer, device_peak_flops, mfu, peak_memory_bytes
 from engine.models import flops_per_token
+from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
 
-__all__ = ["build_data", "train", "write_memory_report", "write_resolved_config", "step_record"]
+__all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "write_memory_report",
+           "write_resolved_config", "step_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +65,7 @@ def write_resolved_config(cfg: Config, output_dir: str) -> None:
         f.write("\n")
 
 
-def step_record(engine: Any, loss: float, seconds: float, loss_scale: float,
+def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
                 peak_flops_total: Optional[float]) -> dict[str, Any]:
     """The metrics of the optimizer step just taken."""
     cfg: Config = engine.config
@@ -68,7 +87,7 @@ def step_record(engine: Any, loss: float, seconds: float, loss_scale: float,
     }
 
 
-def train(engine: Any, sampler: GlobalBatchSampler, steps: int, *, output_dir: Optional[str],
+def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir: Optional[str],
           peak_tflops: Optional[float] = None,
           on_step: Optional[Callable[[dict[str, Any]], None]] = None,
           run_id: Optional[str] = None) -> list[dict[str, Any]]:
@@ -108,7 +127,7 @@ def train(engine: Any, sampler: GlobalBatchSampler, steps: int, *, output_dir: O
     return records
 
 
-def write_memory_report(engine: Any, output_dir: str) -> Optional[dict[str, Any]]:
+def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, Any]]:
     """Gather each rank's bytes to rank 0 and write ``memory.json`` there (collective)."""
     mem = engine.memory_breakdown()
     coord = engine.groups.coord
@@ -129,3 +148,172 @@ def write_memory_report(engine: Any, output_dir: str) -> Optional[dict[str, Any]
         json.dump(report, f, indent=2)
         f.write("\n")
     return report
+
+
+def keep_metrics_up_to(path: str, step: int) -> None:
+    """A fresh run starts a new metrics file; a resumed one keeps the records up to its step
+    (a crashed run may have logged steps after its last checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+
+
+def _clear_failure_records(logs: str) -> None:
+    for name in os.listdir(logs) if os.path.isdir(logs) else []:
+        if name.endswith((".failed", ".stopped")):
+            os.remove(os.path.join(logs, name))
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What a training job is asked to do (launch/train.py's flags, same names)."""
+
+    steps: int                          # total optimizer steps to reach
+    output: str                         # metrics.jsonl, memory.json, config.json, logs/
+    save: Optional[str] = None          # checkpoint directory
+    load: Optional[str] = None          # save directory or tag directory to resume from
+    load_if_exists: bool = False
+    finetune: bool = False              # weights only
+    load_optim: bool = True
+    load_rng: bool = True
+    save_interval: Optional[int] = None  # None: the config's checkpoint.save_interval
+    sample_tokens: int = 48             # greedy tokens of the end-of-run sample (0: none)
+    prompt: str = "    def __init__(self"
+    peak_tflops: Optional[float] = None
+
+    @property
+    def logs_dir(self) -> str:
+        """Per-rank tracebacks and failure records."""
+        return os.path.join(self.output, "logs")
+
+
+@dataclass
+class TrainResult:
+    """What a :meth:`Trainer.run` did (``sample``: rank 0's decoded greedy sample)."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    final_step: int = 0
+    saved: Optional[str] = None
+    preempted: bool = False
+    sample: Optional[str] = None
+
+
+class Trainer:
+    """The reference GPT of ``cfg`` trained on ``dataset`` / ``sampler`` (:func:`build_data`)
+    as ``options`` say. Collective: every rank makes one and calls the same methods in order
+    (:meth:`claim_outputs`, :meth:`start`, :meth:`run`). ``notify``: rank 0's notices
+    (resuming, nothing to resume), one line each."""
+
+    def __init__(self, cfg: Config, dataset: PackedDataset, sampler: GlobalBatchSampler, env: DistEnv,
+                 options: TrainOptions, *, notify: Callable[[str], None] = lambda line: None) -> None:
+        self.cfg, self.dataset, self.sampler, self.env, self.options = cfg, dataset, sampler, env, options
+        self.notify = notify
+        self.rank0 = env.rank == 0
+        self.run_id = ""
+        self.location: Optional[Location] = None
+        self._engine: Optional[Engine] = None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("Trainer.start() builds the engine: call it first")
+        return self._engine
+
+    def claim_outputs(self, held: contextlib.ExitStack) -> Optional[str]:
+        """Rank 0 locks the output and save folders (released when ``held`` closes); every
+        rank checks them and the load path. Returns the first problem of any rank (the same
+        on every rank), None when all is well. Collective."""
+        o = self.options
+        box = [uuid.uuid4().hex[:12] if self.rank0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.run_id = str(box[0])  # in every metrics record and in the locks' holder lines
+        problem, self.location = prepare_locations(output=o.output, save=o.save, load=o.load,
+                                                   load_if_exists=o.load_if_exists, finetune=o.finetune,
+                                                   rank=self.env.rank, run_id=self.run_id, stack=held)
+        if problem is None and self.rank0:  # the folder is ours now: a previous run's records go
+            _clear_failure_records(o.logs_dir)
+        return agree_on_problems(problem)  # (collective: after it, every record is this run's)
+
+    def start(self) -> Engine:
+        """Build the engine, load the checkpoint, write ``config.json`` (collective)."""
+        o = self.options
+        eng, *_ = initialize(config=self.cfg, dist_env=self.env)
+        self._engine = eng
+        if self.location is not None:
+            self._load(self.location)
+        elif o.load is not None and self.rank0:
+            self.notify(f"nothing to resume in {o.load} (--load-if-exists): starting at step 0")
+        need = self._checkpoint_bytes() if o.save is not None else 0
+        if self.rank0:
+            write_resolved_config(self.cfg, o.output)
+            keep_metrics_up_to(os.path.join(o.output, "metrics.jsonl"), eng.global_steps)  # under the lock
+            if o.save is not None:
+                warn_if_low_space([(o.save, "--save")], need)
+        return eng
+
+    def _load(self, location: Location) -> None:
+        """Load the checkpoint at ``location`` as the finetune / load_* options say."""
+        o, eng = self.options, self.engine
+        load_dir, tag = location
+        path, _ = load_checkpoint(eng, load_dir, tag, load_optimizer_states=o.load_optim and not o.finetune,
+                                  load_module_only=o.finetune, load_rng_states=o.load_rng)
+        if path is None:  # 'latest' vanished since the check (another process removed it)
+            raise RuntimeError(f"no checkpoint to load in {load_dir}: its 'latest' file is gone")
+        if self.rank0:
+            saved = read_metadata(path)["config"].get("train_batch_size")
+            if saved is not None and saved != eng.config.train_batch_size and not o.finetune:
+                logger.warning(
+                    "the checkpoint %s was trained with a global batch of %s sequences (train_batch_size), this run "
+                    "uses %s: from step %d on every step reads a batch of the new size, so the data stream does not "
+                    "continue where the checkpoint's run would have", path, saved, eng.config.train_batch_size,
+                    eng.global_steps)
+            what = "weights only (--finetune)" if o.finetune else "resuming"
+            self.notify(f"loaded {path}: {what} at step {eng.global_steps}")
+
+    def _checkpoint_bytes(self) -> int:
+        """About one checkpoint: the optimizer state (fp32 masters and moments) of every rank,
+        counted once per DP replica under ZeRO-0 (one replica writes it). Collective."""
+        eng = self.engine
+        # on the engine's device: NCCL takes no CPU tensors
+        mine = torch.tensor([float(eng.memory_breakdown()["optimizer_state"])], dtype=torch.float64,
+                            device=eng.device)
+        dist.all_reduce(mine)
+        return int(mine.item() / (eng.config.dp if eng.config.zero.stage == 0 else 1))
+
+    def run(self, on_step: Optional[Callable[[dict[str, Any]], None]] = None,
+            on_loop_end: Optional[Callable[[], None]] = None) -> TrainResult:
+        """Train up to ``options.steps`` (checkpoints every ``save_interval`` steps, at the end
+        and on SIGTERM/SIGUSR1, after which it stops cleanly), then write ``memory.json`` and
+        take the greedy sample. ``on_step(record)`` after each step; ``on_loop_end()`` after
+        the last, before the final save. The engine is destroyed at the end. Collective."""
+        o, eng = self.options, self.engine
+        result = TrainResult()
+        interval = self.cfg.checkpoint.save_interval if o.save_interval is None else o.save_interval
+        with Checkpointer(eng, o.save, interval) as ckpt:
+            def step_done(rec: dict[str, Any]) -> None:
+                result.records.append(rec)
+                if on_step is not None:
+                    on_step(rec)
+                if ckpt.after_step():
+                    raise StopTraining
+
+            try:
+                train(eng, self.sampler, max(0, o.steps - eng.global_steps), output_dir=o.output,
+                      peak_tflops=o.peak_tflops, on_step=step_done, run_id=self.run_id)
+            except StopTraining:
+                pass
+            if on_loop_end is not None:
+                on_loop_end()
+            result.saved = ckpt.finish()
+        result.final_step, result.preempted = eng.global_steps, ckpt.preempted
+        if not ckpt.preempted:
+            write_memory_report(eng, o.output)
+            model = gather_reference_model(eng) if o.sample_tokens > 0 else None  # collective
+            if model is not None:
+                tok = self.dataset.tokenizer
+                result.sample = tok.decode(greedy_generate(model, tok.encode(o.prompt), o.sample_tokens))
+        eng.destroy()  # let the process groups go before shutdown() tears them down
+        return result

@@ -161,7 +161,7 @@ def _engine_runs(rank, world):
         losses = [eng.train_batch(iter(_language(s))).item() for s in range(ENG_STEPS)]
         info = {"losses": losses}
         if fp8:
-            chunk = eng.reference_chunks[0]
+            chunk = eng.parts.chunks[0]
             layers = chunk.layers
             info["fp8_in_blocks"] = all(len(fp8_states(b)) == 4 for b in layers[1:-1])
             info["no_fp8_in_embedding_or_head"] = not fp8_states(layers[0]) and not fp8_states(layers[-1])

@@ -1,0 +1,73 @@
+"""From :class:`engine.parts.ModelParts` to the engine, explicitly and once.
+
+:func:`assemble_engine` is the one place every builder's output goes through: every DP
+replica starts from DP rank 0's weights, the ZeRO optimizer is built over the builder's
+:class:`~engine.optim.build.OptimizerInputs` (with the TP group when the model is TP-sharded,
+the pipeline and embedding groups when it is cut into stages with tied weights), the
+pipeline runner over the stage chunks (``pp > 1``), the LR schedule, and the engine from
+those typed collaborators.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from engine.config import Config
+from engine.dist import comm
+from engine.dist.env import DistEnv
+from engine.dist.groups import ParallelGroups
+from engine.engine import Engine, Pipeline
+from engine.monitor import Monitor
+from engine.optim.build import OptimizerInputs, build_engine_optimizer, build_scheduler
+from engine.parts import ModelParts
+from engine.pipe.runner import LazyPipelineRunner
+from engine.runtime.pipe import PipelineRunner
+from engine.zero import ZeroOptimizer
+from engine.zero.init import is_partitioned
+
+__all__ = ["assemble_engine", "broadcast_from_first_replica"]
+
+
+def broadcast_from_first_replica(module: nn.Module, groups: ParallelGroups) -> None:
+    """Every DP replica starts from DP rank 0's weights and buffers (as DeepSpeed does)."""
+    if groups.dp_size == 1:
+        return
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            if not is_partitioned(t):  # built under engine.zero.Init: already equal slices
+                comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
+
+
+def _pipeline(cfg: Config, parts: ModelParts, groups: ParallelGroups, device: torch.device,
+              opt: ZeroOptimizer) -> Optional[Pipeline]:
+    """The schedule runner over this rank's chunks (``pp > 1``); None without a pipeline."""
+    if cfg.pp == 1:
+        return None
+    if parts.loss_fn is None:
+        raise ValueError("ModelParts for a pipeline need a loss_fn (the last stage's loss)")
+    chunks = list(parts.chunks)
+    if parts.measure_boundary:
+        return LazyPipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device,
+                                  loss_scale=lambda: opt.loss_scale)
+    return PipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device, dtype=parts.dtype,
+                          loss_scale=lambda: opt.loss_scale)
+
+
+def assemble_engine(cfg: Config, parts: ModelParts, opt_inputs: OptimizerInputs, client_sched: Any,
+                    groups: ParallelGroups, device: torch.device, *, dist_env: Optional[DistEnv],
+                    monitor: Optional[Monitor]) -> Engine:
+    """The engine over ``parts`` (see the module docstring). ``client_sched``: DeepSpeed's
+    ``lr_scheduler`` argument (a scheduler, a callable ``optimizer -> scheduler`` or None)."""
+    broadcast_from_first_replica(parts.module, groups)
+    opt = build_engine_optimizer(cfg, opt_inputs.params, opt_inputs.factory, dp_group=groups.dp_group,
+                                 tp_group=groups.tp_group if cfg.tp > 1 else None,
+                                 pp_group=groups.pp_group if cfg.pp > 1 else None,
+                                 embedding_group=groups.embedding_group if parts.tied else None,
+                                 tied_params=list(parts.tied), module=parts.module)
+    pipeline = _pipeline(cfg, parts, groups, device, opt)
+    sched = build_scheduler(cfg, opt, client_sched, client_optimizer=opt_inputs.client)
+    return Engine(cfg, parts, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
+                  dist_env=dist_env, monitor=monitor)
