@@ -200,7 +200,7 @@ def table(rows: list[dict]) -> str:
             "DeepSpeed RSS peak | ours / DS (tensor) | formula peak | planner | states (paper) |")
     out = [head, "|" + "---|" * 11]
     for r in rows:
-        def cell(sys_: str, k: str, r: dict = r) -> str:
+        def cell(sys_: str, k: str) -> str:
             d = r.get(sys_, {})
             return "n/a" if k not in d else f"{max(d[k]) / MiB:.0f}"
 

@@ -14,7 +14,7 @@ import os
 import resource
 import statistics
 import time
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 import torch
 
@@ -168,9 +168,9 @@ class MetricsWriter:
 
     def __init__(self, output_dir: Optional[str], is_writer: bool, tensorboard: bool = True):
         self.is_writer = bool(is_writer and output_dir)
-        self._file = None
-        self._tb = None
-        if not self.is_writer:
+        self._file: Optional[IO[str]] = None
+        self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter when available
+        if not self.is_writer or output_dir is None:
             return
         os.makedirs(output_dir, exist_ok=True)
         self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
@@ -178,13 +178,14 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
             except Exception:  # noqa: BLE001 - TensorBoard is optional
-                SummaryWriter = None
-            if SummaryWriter is not None:
+                pass
+            else:
                 self._tb = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.is_writer:
             return
+        assert self._file is not None, "MetricsWriter.write after close()"
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean, sort_keys=False) + "\n")
         self._file.flush()

@@ -119,7 +119,7 @@ class Topology:
         axis = Axis.parse(axis)
         seen: set[int] = set()
         out = []
-        for r in range(self.world_size):
+        for r in range(self.dp * self.tp * self.pp):  # == world_size (checked at construction)
             if r not in seen:
                 g = self.ranks_along(axis, r)
                 seen.update(g)

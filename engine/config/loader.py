@@ -184,9 +184,10 @@ def resolve_batch_sizes(train_batch: Any, micro: Any, gas: Any, topology: Topolo
                            f"data-parallel size {dp}")
         mb = tb // (ga * dp)
     else:
+        assert mb is not None  # tb and mb both None raised above
         ga = 1 if ga is None else ga
         tb = mb * ga * dp
-    return mb, ga, tb  # type: ignore[return-value]
+    return mb, ga, tb
 
 
 def _or_unset(v: Optional[int]) -> str:

@@ -166,6 +166,7 @@ def _warmup_lr_fields(p: Section, optimizer_lr: Optional[float], max_lr_default:
     max_lr = optimizer_lr if p.is_auto("warmup_max_lr") else p.number(
         "warmup_max_lr", max_lr_default, min=0.0, min_exclusive=True)
     min_lr = p.number("warmup_min_lr", 0.0, min=0.0)
+    assert max_lr is not None  # "auto" without an optimizer lr raised above
     if min_lr > max_lr:
         raise ConfigError(f"{p.full('warmup_min_lr')} ({min_lr:g}) is greater than {p.full('warmup_max_lr')} "
                           f"({max_lr:g}): the warmup would lower the learning rate; swap or fix them")

@@ -11,6 +11,7 @@ is expected and converted; ``true``/``false`` are never numbers.
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import json
 import math
@@ -175,8 +176,8 @@ class Section:
         *,
         min: Optional[int] = None,
         max: Optional[int] = None,
-        required: bool = False,
-        nullable: bool = False,
+        required: builtins.bool = False,
+        nullable: builtins.bool = False,
         auto_hint: str = "",
     ) -> Any:
         v = self._get(key, default, required or default is _MISSING, auto_hint)
@@ -197,8 +198,8 @@ class Section:
         *,
         min: Optional[float] = None,
         max: Optional[float] = None,
-        min_exclusive: bool = False,
-        required: bool = False,
+        min_exclusive: builtins.bool = False,
+        required: builtins.bool = False,
         auto_hint: str = "",
     ) -> float:
         v = self._get(key, default, required or default is _MISSING, auto_hint)
@@ -220,8 +221,8 @@ class Section:
         choices: Sequence[str],
         default: Any = _MISSING,
         *,
-        case_insensitive: bool = False,
-        required: bool = False,
+        case_insensitive: builtins.bool = False,
+        required: builtins.bool = False,
         auto_hint: str = "",
     ) -> str:
         v = self._get(key, default, required or default is _MISSING, auto_hint)
@@ -244,7 +245,7 @@ class Section:
             raise self.error(key, f"must be a non-empty string or null, got {_type_name(v)} ({show(v)})")
         return v
 
-    def str_list(self, key: str, *, nullable: bool = True) -> Optional[tuple[str, ...]]:
+    def str_list(self, key: str, *, nullable: builtins.bool = True) -> Optional[tuple[str, ...]]:
         v = self._get(key, None, False, "")
         if v is None and nullable:
             return None

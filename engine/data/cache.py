@@ -68,7 +68,7 @@ def _lock(lock_path: str, timeout_s: float):
             time.sleep(0.05)
 
 
-def cached_build(entry_dir: str, builder: Callable[[str], None],
+def cached_build(entry_dir: str, builder: Callable[[str], object],
                  lock_timeout_s: float = 3600.0) -> Tuple[str, bool]:
     """Return ``(entry_dir, built)``, running ``builder(tmp_dir)`` only if the entry is missing.
 

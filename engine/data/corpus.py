@@ -172,7 +172,7 @@ class FileCorpus(Corpus):
 
 
 def _stdlib_files(root: str) -> List[str]:
-    out = []
+    out: List[str] = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS)
         out.extend(os.path.join(d, f) for f in sorted(files) if f.endswith(".py"))

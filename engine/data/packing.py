@@ -15,7 +15,7 @@ document for rotary embeddings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -103,7 +103,8 @@ class Batch:
         has_docs = [b.doc_ids is not None for b in batches]
         if any(has_docs) and not all(has_docs):
             raise ValueError("cannot concatenate batches with and without doc_ids")
-        return Batch(tokens, torch.cat([b.doc_ids for b in batches]) if all(has_docs) else None)
+        docs = [b.doc_ids for b in batches if b.doc_ids is not None]
+        return Batch(tokens, torch.cat(docs) if all(has_docs) else None)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
         return Batch(self.tokens.to(device, non_blocking=non_blocking),
@@ -113,7 +114,7 @@ class Batch:
     def equal(self, other: "Batch") -> bool:
         if (self.doc_ids is None) != (other.doc_ids is None):
             return False
-        same_docs = self.doc_ids is None or torch.equal(self.doc_ids, other.doc_ids)
+        same_docs = self.doc_ids is None or other.doc_ids is None or torch.equal(self.doc_ids, other.doc_ids)
         return torch.equal(self.tokens, other.tokens) and same_docs
 
 
@@ -145,7 +146,7 @@ class PackedDataset:
         start = index * self.seq_len
         return np.asarray(self.token_file.tokens[start:start + self.seq_len + 1])
 
-    def batch(self, indices: Sequence[int]) -> Batch:
+    def batch(self, indices: Union[Sequence[int], np.ndarray]) -> Batch:
         """Stack the sequences ``indices`` (in that order) into a ``Batch``."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)  # (B,)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_sequences):

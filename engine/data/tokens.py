@@ -111,8 +111,8 @@ def write_token_file(prefix: str, corpus: Corpus, tokenizer: Tokenizer,
                          vocab_size=tokenizer.vocab_size, num_tokens=int(offsets[-1]),
                          num_documents=len(offsets) - 1, tokenizer_sha256=tokenizer.sha256,
                          separator_id=sep, source=corpus.describe())
-    with open(prefix + ".json", "w") as f:
-        json.dump(asdict(meta), f, indent=1)
+    with open(prefix + ".json", "w") as meta_file:
+        json.dump(asdict(meta), meta_file, indent=1)
     return TokenFile(prefix)
 
 

@@ -18,9 +18,9 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from engine.dist.failures import PeerFailureError, failure_guard, record_failure, register_process
+from engine.dist.failures import PeerFailureError, RendezvousStore, failure_guard, record_failure, register_process
 from engine.dist.teardown import bind_world_defaults_early, gloo_worker_threads, shutdown
 
 __all__ = [
@@ -321,15 +321,19 @@ def detect_launch(environ: Mapping[str, str], argv: Sequence[str]) -> LaunchInfo
 
 
 # ------------------------------------------------------------------------- bring-up
+if TYPE_CHECKING:  # torch is imported lazily at run time, so launch detection stays torch-free
+    import torch
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """The initialised distributed context: launch info, device, backend, rendezvous store."""
 
     launch: LaunchInfo
-    device: "torch.device"  # noqa: F821 - torch imported lazily so detection stays torch-free
+    device: torch.device  # torch imported lazily (TYPE_CHECKING above) so detection stays torch-free
     backend: str
     timeout_s: float
-    store: object  # the c10d Store the default group rendezvoused through
+    store: RendezvousStore  # the c10d Store the default group rendezvoused through
 
     @property
     def rank(self) -> int:

@@ -13,7 +13,7 @@ import re
 import socket
 import time
 import traceback
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 
 from engine.dist.lock import pid_running
 from engine.dist.teardown import shutdown
@@ -21,11 +21,20 @@ from engine.dist.teardown import shutdown
 if TYPE_CHECKING:
     from engine.dist.env import DistEnv
 
-__all__ = ["PeerFailureError", "failure_guard", "record_failure", "register_process"]
+__all__ = ["PeerFailureError", "RendezvousStore", "failure_guard", "record_failure", "register_process"]
 
 logger = logging.getLogger(__name__)
 
 _KEY = "engine/{}/{}"
+
+
+class RendezvousStore(Protocol):
+    """The part of c10d's ``Store`` used here (named structurally: this module stays torch-free)."""
+
+    def set(self, key: str, value: str, /) -> None: ...
+    def get(self, key: str, /) -> bytes: ...
+    def add(self, key: str, amount: int, /) -> int: ...
+    def check(self, keys: list[str], /) -> bool: ...
 
 
 class PeerFailureError(RuntimeError):

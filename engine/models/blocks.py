@@ -72,6 +72,10 @@ class RotaryEmbedding(nn.Module):
     buffers (not parameters, not in the state dict), rebuilt if a longer sequence comes.
     One instance is shared by all blocks built together."""
 
+    inv_freq: torch.Tensor  # buffers (register_buffer)
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float, max_seq_len: int, device: Device = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -177,10 +181,10 @@ class Attention(nn.Module):
         d = cfg.head_dim
         self.head_dim = d
         self.local_heads = cfg.num_heads // world
-        self.local_kv_heads = cfg.num_kv_heads // world
+        self.local_kv_heads = cfg.kv_heads // world
         std_out = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # GPT-2/Megatron residual scaling
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], tp_group,
+            cfg.hidden_size, [cfg.num_heads * d, cfg.kv_heads * d, cfg.kv_heads * d], tp_group,
             init=NormalInit(cfg.init_std, seed, f"blocks.{layer}.attn.qkv"),
             sequence_parallel=sequence_parallel, device=device, dtype=dtype, fp8_recipe=fp8_recipe)
         self.proj = RowParallelLinear(
@@ -213,7 +217,7 @@ class SwiGLU(nn.Module):
                  seed: int, device: Device = None, dtype: Dtype = None, *,
                  fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
-        f = cfg.ffn_hidden_size
+        f = cfg.ffn_size
         std_out = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.gate_up = ColumnParallelLinear(
             cfg.hidden_size, [f, f], tp_group, init=NormalInit(cfg.init_std, seed, f"blocks.{layer}.mlp.gate_up"),

@@ -51,7 +51,7 @@ class ModelConfig:
         if (self.hidden_size // self.num_heads) % 2:
             raise ConfigError(f"model head size hidden_size/num_heads = {self.hidden_size // self.num_heads} "
                               "must be even for rotary embeddings: change model.num_heads or hidden_size")
-        if self.num_heads % self.num_kv_heads:
+        if self.num_heads % self.kv_heads:
             raise ConfigError(f"model.num_heads ({self.num_heads}) must be divisible by "
                               f"model.num_kv_heads ({self.num_kv_heads})")
         if not isinstance(self.tie_embeddings, bool):
@@ -64,6 +64,15 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    # The two fields whose None means "derive it", as the ints __post_init__ resolved them to.
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return _round_up(8 * self.hidden_size // 3, 64) if self.ffn_hidden_size is None else self.ffn_hidden_size
 
     def check_parallel(self, tp: int, pp: int) -> None:
         """Errors for a (tp, pp) this model cannot be split into, naming the key and the fix."""

@@ -26,7 +26,7 @@ the TP degree, the pipeline split and the construction order.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -127,10 +127,11 @@ def build_stage_layers(cfg: ModelConfig, tp_group: ProcessGroup = None, *, seque
                                                  init=NormalInit(cfg.init_std, seed, EMBEDDING_KEY),
                                                  sequence_parallel=sequence_parallel, device=device, dtype=dtype))
         elif i <= cfg.num_layers:
+            assert rotary is not None  # built above whenever the range holds a block
             layers.append(Block(cfg, i - 1, tp_group, sequence_parallel, seed, rotary, device, dtype,
                                 fp8_recipe=fp8_recipe))
         else:
-            tied = layers[0].weight if (cfg.tie_embeddings and start == 0) else None
+            tied = cast(VocabParallelEmbedding, layers[0]).weight if (cfg.tie_embeddings and start == 0) else None
             layers.append(FinalNormAndHead(cfg, tp_group, sequence_parallel, seed, tied, device, dtype))
     return layers
 
@@ -173,8 +174,8 @@ class GPT(nn.Module):
 def _matmul_params(cfg: ModelConfig) -> tuple[int, int]:
     """(per-block matmul weights, LM-head matmul weights)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    attn = h * cfg.num_heads * d + 2 * h * cfg.num_kv_heads * d + cfg.num_heads * d * h  # q, k, v, proj
-    mlp = 3 * h * cfg.ffn_hidden_size                                                   # gate, up, down
+    attn = h * cfg.num_heads * d + 2 * h * cfg.kv_heads * d + cfg.num_heads * d * h  # q, k, v, proj
+    mlp = 3 * h * cfg.ffn_size                                                      # gate, up, down
     return attn + mlp, cfg.vocab_size * h
 
 

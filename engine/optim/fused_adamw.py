@@ -99,6 +99,7 @@ class FusedAdamW(torch.optim.Optimizer):
         return state
 
     def _check_param(self, p: torch.Tensor) -> None:
+        assert p.grad is not None  # step() checks only parameters that have a gradient
         if p.grad.is_sparse:
             raise RuntimeError("FusedAdamW does not support sparse gradients; use torch.optim.SparseAdam")
         if p.dtype != torch.float32:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union, cast
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -134,7 +134,7 @@ def _per_group(optimizer: torch.optim.Optimizer, value: Union[Number, Sequence[N
             raise ConfigError(f"scheduler.params.{name} has {len(value)} values but the optimizer has {n} "
                               f"param groups: give one value or one per group")
         return [float(v) for v in value]
-    return [float(value)] * n
+    return [float(cast(Number, value))] * n
 
 
 # ----------------------------------------------------------------------------- schedulers
@@ -144,10 +144,10 @@ class _StepFunctionLR(LRScheduler):
     def _lr(self, group: int, step: int) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[Union[float, torch.Tensor]]:  # LRScheduler's type (floats here)
         return [self._lr(i, self.last_epoch) for i in range(len(self.optimizer.param_groups))]
 
-    def _get_closed_form_lr(self) -> list[float]:
+    def _get_closed_form_lr(self) -> list[Union[float, torch.Tensor]]:
         return self.get_lr()
 
 
@@ -293,7 +293,7 @@ def build_lr_scheduler(optimizer: Any, type: str, params: Mapping[str, Any]) -> 
         if not dataclasses.is_dataclass(params):
             raise TypeError(f"scheduler params must be a dict or a config dataclass, got {params.__class__.__name__}")
         params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "optimizer", "last_epoch"}
+    accepted = set(inspect.signature(cls).parameters) - {"self", "optimizer", "last_epoch"}
     unknown = sorted(set(params) - accepted)
     if unknown:
         raise ConfigError(f"scheduler.params for {type} has unknown keys {unknown}; accepted: {sorted(accepted)}")

@@ -14,7 +14,7 @@ start of a recorded step, so the times of different ranks on a host share
 from __future__ import annotations
 
 import time
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch
 
@@ -58,7 +58,7 @@ class DeviceClock:
     def resolve(self, marks: list[Mark]) -> list[float]:
         if not marks:
             return []
-        marks[-1].synchronize()
+        cast(torch.cuda.Event, marks[-1]).synchronize()  # this clock's marks are events
         return [self._anchor_s + self._anchor.elapsed_time(m) / 1e3 for m in marks]
 
 

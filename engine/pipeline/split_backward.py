@@ -130,7 +130,7 @@ def _groups(root: Node, input_node: Node, params: Sequence[torch.nn.Parameter]) 
 
 def full_backward(root: Root, grad: Optional[torch.Tensor]) -> None:
     """One ordinary backward from ``root`` (a tensor or the GradientEdge of a freed output)."""
-    torch.autograd.backward([root], grad_tensors=None if grad is None else [grad])
+    torch.autograd.backward(root, grad_tensors=None if grad is None else [grad])
 
 
 def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Optional[torch.Tensor],
@@ -142,6 +142,7 @@ def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Option
     if stage_input is None or not stage_input.requires_grad:
         return None, WeightGradState([], root=root, root_grad=grad)
     root_node = root.node if isinstance(root, GradientEdge) else root.grad_fn
+    assert root_node is not None  # the root depends on stage_input, which requires grad
     groups = _groups(root_node, get_gradient_edge(stage_input).node, [p for p in params if p.requires_grad])
     handles = []
     for g in groups:

@@ -161,8 +161,8 @@ def _block_matmul_params(model: ModelConfig) -> int:
 def activation_bytes_per_token(model: ModelConfig, tp: int, param_bytes: float = 2.0,
                                recompute: bool = False) -> float:
     """Saved activations of ONE block per token (see the module docstring), sharded by TP."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    kvd = model.num_kv_heads * model.head_dim
+    h, f = model.hidden_size, model.ffn_size
+    kvd = model.kv_heads * model.head_dim
     if recompute:
         return param_bytes * h / tp
     return param_bytes * (6 * h + 2 * kvd + 3 * f) / tp  # elements: 6 of size h, K and V, 3 of size f
@@ -444,8 +444,8 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
     tokens = layout.micro_batch * model.seq_len
     act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
     vh = model.vocab_size * model.hidden_size // layout.tp
-    h, f = model.hidden_size, model.ffn_hidden_size
-    largest_block_unit = max(2 * f * h, (h + 2 * model.num_kv_heads * model.head_dim) * h) // layout.tp
+    h, f = model.hidden_size, model.ffn_size
+    largest_block_unit = max(2 * f * h, (h + 2 * model.kv_heads * model.head_dim) * h) // layout.tp
     best: Optional[dict[str, float]] = None
     for rank in range(layout.pp):
         mine = [shapes[c * layout.pp + rank] for c in range(layout.virtual_stages)]

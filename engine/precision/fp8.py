@@ -392,7 +392,7 @@ class Fp8Linear(nn.Module):
 
 def fp8_states(module: nn.Module) -> list[Fp8LinearState]:
     """Every FP8 state in a module tree (modules with an ``fp8_state`` attribute)."""
-    return [m.fp8_state for m in module.modules() if isinstance(getattr(m, "fp8_state", None), Fp8LinearState)]
+    return [s for m in module.modules() if isinstance(s := getattr(m, "fp8_state", None), Fp8LinearState)]
 
 
 def update_fp8_scales(states: Iterable[Fp8LinearState],

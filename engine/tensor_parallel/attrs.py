@@ -21,8 +21,8 @@ __all__ = ["set_tp_attrs", "is_tp_sharded", "tp_partition_dim", "mark_tied_copy"
 
 
 def set_tp_attrs(param: torch.Tensor, sharded: bool, partition_dim: Optional[int] = None) -> None:
-    param.tp_sharded = bool(sharded)
-    param.tp_partition_dim = partition_dim if sharded else None
+    param.tp_sharded = bool(sharded)  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
+    param.tp_partition_dim = partition_dim if sharded else None  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
@@ -34,7 +34,7 @@ def tp_partition_dim(param: torch.Tensor) -> Optional[int]:
 
 
 def mark_tied_copy(param: torch.Tensor) -> None:
-    param.tied_copy = True
+    param.tied_copy = True  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
 
 
 def is_tied_copy(param: torch.Tensor) -> bool:

@@ -118,7 +118,7 @@ class AutoTPLinear(nn.Module):
             set_tp_attrs(self.bias, sharded=col, partition_dim=0)
             set_layout_attrs(self.bias, self.parts if col else None)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self._tag()
         return out

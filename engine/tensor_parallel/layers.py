@@ -151,8 +151,8 @@ def unshard_tensors(shards: Sequence[torch.Tensor], dim: int,
 def set_layout_attrs(param: torch.Tensor, parts: Optional[Sequence[int]] = None,
                      unpadded_size: Optional[int] = None) -> None:
     """Record a fused-parts layout and/or the unpadded size of the partition dim."""
-    param.tp_fused_parts = tuple(parts) if parts else None
-    param.tp_unpadded_size = unpadded_size
+    param.tp_fused_parts = tuple(parts) if parts else None  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
+    param.tp_unpadded_size = unpadded_size  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
 
 
 def gather_full_tensor(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -162,6 +162,7 @@ def gather_full_tensor(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup
     if not is_tp_sharded(param):
         return t
     dim = tp_partition_dim(param)
+    assert dim is not None  # set_tp_attrs records the dim of every sharded parameter
     world = tp_world_size(group)
     gathered = all_gather_along_dim(t.detach(), dim, group)
     full = unshard_tensors(gathered.chunk(world, dim=dim), dim, getattr(param, "tp_fused_parts", None))
@@ -191,6 +192,7 @@ class _Fp8Holder(nn.Module):
     """Mixin: an optional ``fp8_state`` that follows the module's device (``.to``/``.cuda``)."""
 
     fp8_state: Optional[Fp8LinearState]
+    weight: nn.Parameter  # set by the linear layer that mixes this in
 
     def _init_fp8(self, recipe: Optional[Fp8Recipe]) -> None:
         self.fp8_state = Fp8LinearState(recipe, self.weight.device) if recipe is not None else None

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ def normalize_param_groups(params: ParamsArg) -> list[dict[str, Any]]:
     holding only trainable parameters (frozen ones are left alone)."""
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
-    items = list(params)
+    items: list[Any] = list(params)
     if not items:
         raise ValueError("ZeRO optimizer got no parameters: pass the model or its trainable parameters")
     if all(isinstance(x, dict) for x in items):
@@ -140,8 +140,8 @@ class ZeroOptimizer:
         num_shards = self.dp_size if self.shards_optimizer_state else 1
         shard_index = self.dp_rank if self.shards_optimizer_state else 0
         for key, plist in keyed.items():
-            buckets = []
-            for chunk in self._plan_buckets(key, plist):
+            buckets: list[FlatBucket] = []
+            for chunk in self._plan_buckets(key, cast(list[torch.nn.Parameter], plist)):  # module parameters
                 layout = build_layout([param_numel(p) for p in chunk], num_shards, self.alignment)
                 buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
             options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
@@ -254,6 +254,7 @@ class ZeroOptimizer:
                 "a gradient arrived for a parameter whose bucket was already reduced this step: "
                 "call set_boundary(True) only before the LAST backward of the step, or run every "
                 "backward before reduce_gradients()")
+        assert p.grad is not None  # called from the parameter's gradient hook
         b.accumulate(i, p.grad, alpha=alpha)
         p.grad = None  # the fp32 accumulator holds it now
         if self._boundary and self.overlap_comm:
@@ -432,6 +433,7 @@ class ZeroOptimizer:
     def _gather_bucket(self, b: FlatBucket) -> Any:
         # a separate send buffer: the shard's slot in ``full`` is also written by the gather
         send = b.shard_master.to(b.dtype, copy=True)
+        assert b.full is not None  # stages 0-2 keep every bucket bound
         return comm.all_gather(b.full, send, self.dp_group, async_op=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

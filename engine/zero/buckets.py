@@ -44,8 +44,9 @@ class FlatBucket:
         self.shapes = [param_shape(p) for p in self.params]
         self.full: Optional[torch.Tensor] = None  # (padded,) compute dtype
         self.grad_acc: Optional[torch.Tensor] = None  # (padded,) fp32
-        self.shard_master: Optional[torch.Tensor] = None  # (shard,) fp32 view into the group master
-        self.shard_grad: Optional[torch.Tensor] = None  # (shard,) fp32 view into the group master grad
+        # set by the group (FlatGroup) right after the buckets are built:
+        self.shard_master: torch.Tensor  # (shard,) fp32 view into the group master
+        self.shard_grad: torch.Tensor  # (shard,) fp32 view into the group master grad
         self.group: Optional["FlatGroup"] = None
         # ZeRO-3 only: this rank's chunk in the compute dtype (what the all-gather sends),
         # an in-flight prefetch (full buffer, work), and whether the bucket stays whole.

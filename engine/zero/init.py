@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Protocol, TypeGuard, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,17 @@ __all__ = ["Init", "GatheredParameters", "is_partitioned", "param_numel", "param
            "gather_partitioned", "shard_range"]
 
 
-def is_partitioned(p: torch.Tensor) -> bool:
+class PartitionedParameter(Protocol):
+    """A parameter after :class:`Init` partitioned it (DeepSpeed's attribute names)."""
+
+    data: torch.Tensor  # empty placeholder between uses
+    ds_tensor: torch.Tensor  # (ceil(numel / world),) this rank's shard
+    ds_numel: int
+    ds_shape: torch.Size
+    ds_process_group: Optional[dist.ProcessGroup]
+
+
+def is_partitioned(p: torch.Tensor) -> TypeGuard[PartitionedParameter]:
     """Whether ``p`` was partitioned by :class:`Init` (its values live in ``p.ds_tensor``)."""
     return getattr(p, "ds_tensor", None) is not None
 
@@ -73,12 +83,13 @@ def _partition(p: nn.Parameter, group: Optional[dist.ProcessGroup], dtype: Optio
     shard = torch.zeros(hi - lo, dtype=flat.dtype, device=flat.device)  # (ceil(n/world),)
     if lo < n:
         shard[:min(hi, n) - lo].copy_(flat[lo:min(hi, n)])
-    p.ds_shape, p.ds_numel, p.ds_process_group = p.shape, n, group
-    p.ds_tensor = shard
+    part = cast(PartitionedParameter, p)  # it becomes one here
+    part.ds_shape, part.ds_numel, part.ds_process_group = p.shape, n, group
+    part.ds_tensor = shard
     p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)
 
 
-def gather_partitioned(p: nn.Parameter) -> torch.Tensor:
+def gather_partitioned(p: PartitionedParameter) -> torch.Tensor:
     """The whole value of a partitioned parameter, ``ds_shape`` (one all-gather)."""
     group = p.ds_process_group
     world = comm.group_size(group)
@@ -88,10 +99,12 @@ def gather_partitioned(p: nn.Parameter) -> torch.Tensor:
 
 
 def _all_subclasses(cls: type) -> list[type]:
-    out, todo = [], [cls]
+    out: list[type] = []
+    todo: list[type] = [cls]
     while todo:
         c = todo.pop()
-        for s in c.__subclasses__():
+        subclasses: list[type] = c.__subclasses__()
+        for s in subclasses:
             out.append(s)
             todo.append(s)
     return out
@@ -137,11 +150,12 @@ class Init:
         prev = nn.Module.__dict__.get("__init_subclass__")
         self._prev_subclass_hook = prev
 
-        def hook(cls: type, **kw: Any) -> None:
+        def hook(cls: type[nn.Module], **kw: Any) -> None:
             super(nn.Module, cls).__init_subclass__(**kw)
             init_obj._wrap(cls)
 
-        nn.Module.__init_subclass__ = classmethod(hook)  # type: ignore[assignment]
+        # a classmethod put on nn.Module for the block (as DeepSpeed's zero.Init does)
+        nn.Module.__init_subclass__ = classmethod(hook)  # type: ignore[method-assign, assignment]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -153,7 +167,7 @@ class Init:
         if self._prev_subclass_hook is None:
             del nn.Module.__init_subclass__
         else:
-            nn.Module.__init_subclass__ = self._prev_subclass_hook  # type: ignore[assignment]
+            nn.Module.__init_subclass__ = self._prev_subclass_hook  # type: ignore[method-assign]
 
     def _wrap(self, cls: type) -> None:
         if "__init__" not in cls.__dict__ or cls in self._saved:

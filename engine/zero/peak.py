@@ -28,6 +28,7 @@ The mode costs a Python call per operator: use it in tests and benchmarks, not i
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Iterable, Iterator, Optional
 
@@ -82,9 +83,12 @@ class LiveMemoryTracker(TorchDispatchMode):
             return
         if not add:
             return
-        ref = weakref.ref(st, lambda _r, k=key: self._free(k))
+        ref = weakref.ref(st, functools.partial(self._freed, key))
         self._live[key] = (nbytes, ref)
         self.current += nbytes
+
+    def _freed(self, key: int, _ref: Any) -> None:  # weakref callback
+        self._free(key)
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -116,7 +120,7 @@ class LiveMemoryTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Record the peak reached inside the block as ``phases[name]`` (max over uses)."""
-        entry = [name, self.current]
+        entry: list[Any] = [name, self.current]
         self._open.append(entry)
         try:
             yield

@@ -37,6 +37,7 @@ class DataParallelOptimizer(ZeroOptimizer):
 
     def _publish(self) -> None:
         for b in self.buckets:
+            assert b.full is not None  # stage 0 keeps every bucket bound
             if b.full.data_ptr() != b.shard_master.data_ptr():
                 b.full.copy_(b.shard_master)
 
@@ -49,6 +50,7 @@ class DataParallelOptimizer(ZeroOptimizer):
             super()._launch_remaining()
             return
         for g in self.groups:
+            assert g.master.grad is not None  # the group's master gradient storage (_init_grad_storage)
             work = comm.all_reduce(g.master.grad, self.dp_group, async_op=True)
             for b in g.buckets:
                 b.launched = True

@@ -40,7 +40,7 @@ from engine.zero.stage2 import Zero2Optimizer
 __all__ = ["Zero3Optimizer"]
 
 
-def _forget_partition(p: torch.Tensor) -> None:
+def _forget_partition(p: object) -> None:
     """The optimizer's buckets hold the values now: drop :class:`engine.zero.Init`'s shard."""
     for name in ("ds_tensor", "ds_numel", "ds_shape", "ds_process_group"):
         if hasattr(p, name):
@@ -167,6 +167,7 @@ class Zero3Optimizer(Zero2Optimizer):
 
     def _start_gather(self, b: FlatBucket) -> None:
         full = b.gather_buf
+        assert full is not None and b.compute_shard is not None  # set for every ZeRO-3 bucket (_init_bucket)
         _resize_storage(full, b.layout.padded_numel * full.element_size())
         work = comm.all_gather(full, b.compute_shard, self.dp_group, async_op=True)
         b.pending = (full, work)
@@ -178,6 +179,7 @@ class Zero3Optimizer(Zero2Optimizer):
             return
         if b.pending is None:
             self._start_gather(b)
+        assert b.pending is not None  # set by _start_gather
         full, work = b.pending
         if work is not None:
             work.wait()
@@ -193,6 +195,7 @@ class Zero3Optimizer(Zero2Optimizer):
         elif b.full is None:
             return
         b.unbind()
+        assert b.gather_buf is not None  # set for every ZeRO-3 bucket (_init_bucket)
         _resize_storage(b.gather_buf, 0)
         self._live_numel -= b.layout.padded_numel
 

@@ -25,24 +25,29 @@ PACKAGE = ROOT / "engine"
 # Lowest first. A module belongs to the layer of the longest prefix listed here (a prefix
 # matches itself and its submodules); the package root ``engine`` (the lazy facade in
 # engine/__init__.py) is matched exactly and sits on top. A module that matches nothing
-# fails the test: place a new package here, in the layer its imports put it.
+# fails the test: place a new package here, in the layer its imports put it. Prefixes of
+# modules that do not exist yet are harmless: the names the parallel issue-18 branches
+# introduce (engine.build, engine.training, engine.timers, engine.parts, ...) are listed.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # pure values and helpers with no engine dependencies
-    ("foundation", ("engine.errors", "engine.topology", "engine.metrics", "engine.runtime.device",
-                    "engine.runtime.timers")),
+    ("foundation", ("engine.errors", "engine.topology", "engine.metrics", "engine.validate", "engine.timers",
+                    "engine.runtime.device", "engine.runtime.timers")),
     ("dist", ("engine.dist",)),
     # typed configuration (the model's config dataclass and the AutoTP rule grammar are
     # parsed by the config loader), data, monitors, op builders
     ("config", ("engine.config", "engine.models.config", "engine.tensor_parallel.auto_rules", "engine.data",
                 "engine.monitor", "engine.ops")),
     ("layers", ("engine.precision", "engine.tensor_parallel", "engine.models")),
-    # ZeRO and the pipeline; the optimizers (Muon reads ZeRO's shard view); stage chunks
-    ("parallel", ("engine.zero", "engine.pipeline", "engine.optim", "engine.runtime.model")),
-    ("checkpoint", ("engine.checkpoint", "engine.runtime.outputs")),
+    # ZeRO and the pipeline (stage chunks included); the optimizers (Muon reads ZeRO's shard
+    # view); the values the engine is assembled from and exports
+    ("parallel", ("engine.zero", "engine.pipeline", "engine.optim", "engine.runtime.model", "engine.parts",
+                  "engine.training_state")),
+    ("checkpoint", ("engine.checkpoint", "engine.runtime.outputs", "engine.weights16")),
     ("engine", ("engine.engine", "engine.pipe", "engine.runtime.pipe", "engine.runtime.optim",
                 "engine.runtime.client")),
     # assembly, entry points and adapters on top
-    ("entry", ("engine.runtime", "engine.compat", "engine.planner", "engine")),
+    ("entry", ("engine.runtime", "engine.build", "engine.training", "engine.generate", "engine.compat",
+               "engine.planner", "engine")),
 ]
 
 # Rule (c) does not apply here: engine.compat mirrors deepspeed.comm / torch.distributed,
