@@ -10,7 +10,7 @@ those typed collaborators.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -58,7 +58,7 @@ def _pipeline(cfg: Config, parts: ModelParts, groups: ParallelGroups, device: to
 
 def assemble_engine(cfg: Config, parts: ModelParts, opt_inputs: OptimizerInputs, client_sched: Any,
                     groups: ParallelGroups, device: torch.device, *, dist_env: Optional[DistEnv],
-                    monitor: Optional[Monitor]) -> Engine:
+                    monitor: Optional[Monitor], training_dataloader: Optional[Iterable[Any]] = None) -> Engine:
     """The engine over ``parts`` (see the module docstring). ``client_sched``: DeepSpeed's
     ``lr_scheduler`` argument (a scheduler, a callable ``optimizer -> scheduler`` or None)."""
     broadcast_from_first_replica(parts.module, groups)
@@ -70,4 +70,4 @@ def assemble_engine(cfg: Config, parts: ModelParts, opt_inputs: OptimizerInputs,
     pipeline = _pipeline(cfg, parts, groups, device, opt)
     sched = build_scheduler(cfg, opt, client_sched, client_optimizer=opt_inputs.client)
     return Engine(cfg, parts, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
-                  dist_env=dist_env, monitor=monitor)
+                  dist_env=dist_env, training_dataloader=training_dataloader, monitor=monitor)

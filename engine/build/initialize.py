@@ -157,11 +157,10 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     monitor = build_monitor(cfg.monitor, is_writer=dist.get_rank() == 0)  # checks the packages on every rank
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
+    loader = None if training_data is None else _dataloader(training_data, cfg, groups, collate_fn, device)
     parts, opt_inputs = _build_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn)
     engine = assemble_engine(cfg, parts, opt_inputs, lr_scheduler, groups, device, dist_env=dist_env,
-                             monitor=monitor)
-    if training_data is not None:
-        engine.training_dataloader = _dataloader(training_data, cfg, groups, collate_fn, device)
+                             monitor=monitor, training_dataloader=loader)
     logger.info("engine: %s, ZeRO-%d, %s, %s", cfg.topology, cfg.zero.stage, cfg.precision,
                 f"pipeline {cfg.pipeline.schedule}" if cfg.pp > 1 else "no pipeline")
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

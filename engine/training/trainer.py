@@ -37,10 +37,12 @@ from engine.checkpoint.preempt import Checkpointer, StopTraining
 from engine.config import Config
 from engine.data import GlobalBatchSampler, PackedDataset, build_dataset
 from engine.dist.env import DistEnv
+from engine.dist.groups import ParallelGroups
 from engine.engine import Engine
+from engine.errors import ConfigError
 from engine.generate import gather_reference_model, greedy_generate
 from engine.metrics import MetricsWriter, StepTimer, device_peak_flops, mfu, peak_memory_bytes
-from engine.models import flops_per_token
+from engine.models import ModelConfig, flops_per_token
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "write_memory_report",
@@ -49,13 +51,26 @@ __all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "wri
 logger = logging.getLogger(__name__)
 
 
+def _model_config(cfg: Config) -> ModelConfig:
+    if cfg.model is None:
+        raise ConfigError("the trainer trains the reference GPT of the config's \"model\" section: add one with "
+                          "vocab_size, hidden_size, num_layers, num_heads and seq_len")
+    return cfg.model
+
+
+def _groups(engine: Engine) -> ParallelGroups:
+    if engine.groups is None:
+        raise RuntimeError("the engine was destroyed (engine.destroy()): build a new one to train")
+    return engine.groups
+
+
 def build_data(cfg: Config) -> tuple[PackedDataset, GlobalBatchSampler]:
     """Dataset (tokenizer included) and the step-deterministic global-batch sampler."""
-    d = cfg.data
+    d, model = cfg.data, _model_config(cfg)
     ds = build_dataset(train_files=list(d.train_files) if d.train_files is not None else None,
                        tokenizer_model=d.tokenizer_model, cache_dir=d.cache_dir,
-                       document_masking=d.document_masking, vocab_size=cfg.model.vocab_size,
-                       seq_len=cfg.model.seq_len)
+                       document_masking=d.document_masking, vocab_size=model.vocab_size,
+                       seq_len=model.seq_len)
     return ds, GlobalBatchSampler(ds, global_batch=cfg.train_batch_size, seed=cfg.seed)
 
 
@@ -69,7 +84,8 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
                 peak_flops_total: Optional[float]) -> dict[str, Any]:
     """The metrics of the optimizer step just taken."""
     cfg: Config = engine.config
-    tokens = cfg.train_batch_size * cfg.model.seq_len
+    model = _model_config(cfg)
+    tokens = cfg.train_batch_size * model.seq_len
     tps = tokens / seconds if seconds > 0 else float("inf")
     norm = engine.get_global_grad_norm()
     return {
@@ -82,7 +98,7 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
         "tokens": tokens,
         "tokens_per_s": tps,
         "step_time_ms": seconds * 1e3,
-        "mfu": mfu(flops_per_token(cfg.model), tps, peak_flops_total),
+        "mfu": mfu(flops_per_token(model), tps, peak_flops_total),
         **({"phase_ms": dict(engine.timers.last)} if cfg.wall_clock_breakdown else {}),
     }
 
@@ -95,7 +111,7 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     writes them). ``peak_tflops``: per-device peak for MFU where the device table has none;
     ``run_id``: stored in every record as ``run_id`` (which job wrote it)."""
     cfg: Config = engine.config
-    groups = engine.groups
+    groups = _groups(engine)
     is_writer = engine.global_rank == 0
     writer = MetricsWriter(output_dir, is_writer=is_writer)
     peak = device_peak_flops(engine.device, cfg.precision, peak_tflops)
@@ -130,7 +146,7 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
 def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, Any]]:
     """Gather each rank's bytes to rank 0 and write ``memory.json`` there (collective)."""
     mem = engine.memory_breakdown()
-    coord = engine.groups.coord
+    coord = _groups(engine).coord
     mine = {"rank": engine.global_rank, "dp": coord.dp, "tp": coord.tp, "pp": coord.pp,
             "params_bytes": int(mem["params"]), "grads_bytes": int(mem["grads"]),
             "optimizer_state_bytes": int(mem["optimizer_state"]),
