@@ -53,6 +53,7 @@ def main(scenario: str) -> int:
         # function defaults of torch.distributed.nn.functional (docs/launching.md)
         torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()).step()
         out["tp_sum"], out["tp_ranks"] = s.item(), list(groups.tp_ranks)
+        out["watching"] = env.watch is not None and env.watch._thread.is_alive()
         del groups, work  # no references may outlive shutdown (docs/launching.md)
         time.sleep(float(os.environ.get("SLEEP_S", "0")))  # let a failure watch poll a while
         shutdown()
