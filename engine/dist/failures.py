@@ -1,7 +1,10 @@
 """Naming the rank that failed: when a collective breaks (a peer died, hung or raised),
 :func:`failure_guard` turns the transport error into :class:`PeerFailureError` that says
 which rank and why, using the rendezvous store (each rank registers its host and pid at
-bring-up, records its own exception, and survivors check in).
+bring-up, records its own exception, and survivors check in). On NCCL a survivor's
+collective does not fail when a peer dies: the failure watch (engine.dist.watch) reads
+the recorded exception, aborts the groups so the guard gets an error to handle, and ends
+the process itself if nothing takes over.
 """
 
 from __future__ import annotations
