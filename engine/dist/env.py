@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from engine.dist.failures import PeerFailureError, RendezvousStore, failure_guard, record_failure, register_process
 from engine.dist.teardown import bind_world_defaults_early, gloo_worker_threads, shutdown
+from engine.dist.watch import FailureWatch, WatchSettings, abort_all_groups, poll_interval
 
 __all__ = [
     "LaunchError", "LaunchInfo", "detect_launch", "current_launch", "expand_hostlist",
     "DistEnv", "init_distributed", "launched_by_torch_style_launcher", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
-    "strict_comm_from_env", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
+    "strict_comm_from_env", "failure_watch_from_env", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -334,6 +335,7 @@ class DistEnv:
     backend: str
     timeout_s: float
     store: RendezvousStore  # the c10d Store the default group rendezvoused through
+    watch: Optional[FailureWatch] = None  # polls the store for a peer's failure (engine.dist.watch)
 
     @property
     def rank(self) -> int:
@@ -460,6 +462,42 @@ def strict_comm_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     return env_flag("ENGINE_STRICT_COMM", False, environ)
 
 
+def _positive_seconds(environ: Mapping[str, str], name: str) -> Optional[float]:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={raw!r} is not a positive number of seconds")
+    return value
+
+
+def failure_watch_from_env(environ: Optional[Mapping[str, str]] = None) -> WatchSettings:
+    """``ENGINE_FAILURE_WATCH`` (boolean, default on): watch the store for a peer's failure
+    and stop within seconds whatever the backend (engine.dist.watch);
+    ``ENGINE_FAILURE_WATCH_INTERVAL`` seconds between polls (default max(1, world/1000));
+    ``ENGINE_FAILURE_WATCH_GRACE`` seconds for the blocked call to return after the abort
+    before the process exits (default 5)."""
+    environ = os.environ if environ is None else environ
+    grace = _positive_seconds(environ, "ENGINE_FAILURE_WATCH_GRACE")
+    return WatchSettings(enabled=env_flag("ENGINE_FAILURE_WATCH", True, environ),
+                         interval_s=_positive_seconds(environ, "ENGINE_FAILURE_WATCH_INTERVAL"),
+                         grace_s=WatchSettings.grace_s if grace is None else grace)
+
+
+def _start_watch(settings: WatchSettings, store, info: LaunchInfo, backend: str) -> Optional[FailureWatch]:
+    if not settings.enabled or info.world_size == 1:
+        return None
+    # only NCCL's abort unblocks a collective; gloo's leaves it blocked even when the
+    # peer's sockets close (engine.dist.watch), so gloo relies on those and the exit
+    abort = abort_all_groups if backend == "nccl" else None
+    return FailureWatch(store, info.rank, info.world_size, poll_interval(info.world_size, settings.interval_s),
+                        settings.grace_s, hosts_store=info.rank == 0 and not info.agent_store, abort=abort).start()
+
+
 def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
                      device: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
                      argv: Optional[Sequence[str]] = None) -> DistEnv:
@@ -487,6 +525,7 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
         # read by ProcessGroupNCCL when it is constructed: set before init_process_group
         for name, value in nccl_env_defaults(os.environ).items():
             os.environ[name] = value
+    watch_settings = failure_watch_from_env()  # a bad value is an error before any connection
     if strict_comm_from_env():
         from engine.dist import strict
 
@@ -499,7 +538,8 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
     register_process(store, info.rank)
     logger.info("rank %d/%d (%s, local rank %d) on %s with %s, collective timeout %.0fs",
                 info.rank, info.world_size, info.launcher, info.local_rank, dev, be, timeout_s)
-    return DistEnv(launch=info, device=dev, backend=be, timeout_s=timeout_s, store=store)
+    return DistEnv(launch=info, device=dev, backend=be, timeout_s=timeout_s, store=store,
+                   watch=_start_watch(watch_settings, store, info, be))
 
 
 # ------------------------------------------------------------------ failure reporting
@@ -508,6 +548,8 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
 #                       peer on its own host is still running
 #   engine/failed/<r>   the exception a rank raised inside failure_guard
 #   engine/checkin/<r>  written by a survivor whose collective failed
+#   engine/first/failed the first rank that recorded a failure (before count/failed grows)
+#   engine/count/seen   failure watches that have read it (engine.dist.watch)
 
 
 # ---------------------------------------------------------------------- op builder

@@ -1,7 +1,10 @@
 """Naming the rank that failed: when a collective breaks (a peer died, hung or raised),
 :func:`failure_guard` turns the transport error into :class:`PeerFailureError` that says
 which rank and why, using the rendezvous store (each rank registers its host and pid at
-bring-up, records its own exception, and survivors check in).
+bring-up, records its own exception, and survivors check in). On NCCL a survivor's
+collective does not fail when a peer dies: the failure watch (engine.dist.watch) reads
+the recorded exception, aborts the groups so the guard gets an error to handle, and ends
+the process itself if nothing takes over.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 
 from engine.dist.lock import pid_running
 from engine.dist.teardown import shutdown
+from engine.dist.watch import mark_first_failure
 
 if TYPE_CHECKING:
     from engine.dist.env import DistEnv
@@ -49,9 +53,12 @@ def record_failure(env: DistEnv, exc: BaseException, record_dir: Optional[str] =
     """Leave ``exc`` in the rendezvous store (and as ``<record_dir>/rank<R>.failed``) so
     peers whose collectives fail can name us."""
     line = f"{type(exc).__name__}: {_first_line(exc, 500)}"
+    if env.watch is not None:
+        env.watch.own_failure()
     _write_record(record_dir, env.rank, "failed", line)
     try:
         env.store.set(_KEY.format("failed", env.rank), line)
+        mark_first_failure(env.store, env.rank)  # before the counter the failure watches poll
         env.store.add(_KEY.format("count", "failed"), 1)
     except Exception:  # noqa: BLE001 - the store may be gone too; the local error still stands
         logger.debug("could not record the failure in the store", exc_info=True)
@@ -267,11 +274,19 @@ def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float =
     store and took it with it; a survivor also leaves the causes it found there
     (``rank<R>.stopped``) for peers that notice only after the store has gone. Wrap whole fatal regions (the training loop).
     """
+    watch = env.watch
+    if watch is not None:
+        watch.enter_guard(what)
     try:
         yield
     except Exception as exc:
-        if not _is_comm_error(exc):
+        # the failure watch fired: a peer failed and this rank's groups were aborted, so
+        # whatever the blocked call raised now is that peer's failure, not this rank's
+        fired = watch.take_over() if watch is not None else None
+        if fired is None and not _is_comm_error(exc):
             record_failure(env, exc, record_dir)
+            if watch is not None and _hosts_store(env):
+                watch.wait_until_seen()  # the peers read the failure before the store goes
             raise
         first = _transport_summary(exc)
         # rank 0 recorded a failure: it is leaving and takes the store with it (a store call
@@ -287,7 +302,12 @@ def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float =
         if store_error is None:
             diagnosis = _diagnose(env, grace_s)
             _write_record(record_dir, env.rank, "stopped", _causes(diagnosis))  # for ranks that come later
+        elif fired is not None and not _read_records(record_dir):
+            diagnosis = fired  # the watch read it while the store was up
         else:
             diagnosis = _store_gone(env, record_dir, grace_s)
         raise PeerFailureError(f"rank {env.rank}: {what} stopped because a peer failed: {diagnosis} "
                                f"(here: {first})") from None
+    finally:
+        if watch is not None:
+            watch.exit_guard()

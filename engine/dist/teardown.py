@@ -94,6 +94,9 @@ def shutdown(drain: bool = True) -> None:
 
     import torch.distributed as dist
 
+    from engine.dist.watch import stop_all
+
+    stop_all()  # before the barriers: no peer may leave (taking the store) while a watch polls
     if not dist.is_initialized():
         return
     c10d = dist.distributed_c10d

@@ -9,7 +9,9 @@ with what it saw and exits normally, so the test also sees exit-time aborts.
 
 Scenarios: ok (init, collectives, groups, an optimizer, shutdown), user_init (the
 default group made by the caller, then torch._dynamo imported), die (victim os._exit(3)s), raise
-(victim raises inside failure_guard), hang (victim sleeps past the timeout).
+(victim raises inside failure_guard), hang (victim sleeps past the timeout), linger (victim
+raises inside failure_guard, then sleeps: its sockets stay open, so only the failure watch
+can tell the survivors).
 """
 
 import json
@@ -51,7 +53,9 @@ def main(scenario: str) -> int:
         # function defaults of torch.distributed.nn.functional (docs/launching.md)
         torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()).step()
         out["tp_sum"], out["tp_ranks"] = s.item(), list(groups.tp_ranks)
+        out["watching"] = env.watch is not None and env.watch._thread.is_alive()
         del groups, work  # no references may outlive shutdown (docs/launching.md)
+        time.sleep(float(os.environ.get("SLEEP_S", "0")))  # let a failure watch poll a while
         shutdown()
         out["initialized_after"] = dist.is_initialized()
         out["gloo_threads_after"] = gloo_worker_threads()
@@ -68,6 +72,14 @@ def main(scenario: str) -> int:
         if scenario == "raise":
             with failure_guard(env, "training step"):
                 raise ValueError("bad batch on the victim")
+        if scenario == "linger":  # fails, but its process (and sockets) stay, as a stuck NCCL rank's would
+            try:
+                with failure_guard(env, "training step"):
+                    raise ValueError("bad batch on the victim")
+            except ValueError:
+                time.sleep(600)  # the test kills us
+    if scenario == "linger":
+        print(json.dumps({"blocked_at": time.time()}), flush=True)
     start = time.monotonic()
     try:
         with failure_guard(env, "gradient all-reduce", grace_s=grace_s):
