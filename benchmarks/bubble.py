@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from engine.dist.groups import AxisGroup  # noqa: E402
 from engine.pipeline.executor import PipelineExecutor  # noqa: E402
 from engine.pipeline.schedule import SCHEDULES, build_all  # noqa: E402
 from engine.pipeline.simulate import bubble_formula, simulate  # noqa: E402
@@ -93,7 +94,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out_q) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         chunks = [SleepStage(args.forward_ms / 1e3 / v) for _ in range(v)]
-        ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=None,
+        ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=AxisGroup.world(),
                               num_microbatches=m, activation_shape=SHAPE,
                               loss_fn=lambda out, _t: out.mean(), schedule=args.schedule)
         for _ in range(args.steps):

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from engine.config import Config
 from engine.dist import comm
-from engine.dist.groups import ParallelGroups
+from engine.dist.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
 from engine.precision.fp8 import fp8_states, update_fp8_scales
@@ -64,7 +64,7 @@ class Engine(nn.Module):
     stage chunks (an ``nn.ModuleList`` driven by ``pipeline``)."""
 
     def __init__(self, config: Config, module: nn.Module, optimizer: ZeroOptimizer, *,
-                 device: torch.device, groups: Optional[ParallelGroups] = None, lr_scheduler: Any = None,
+                 device: torch.device, groups: ParallelGroups, lr_scheduler: Any = None,
                  pipeline: Any = None, loss_fn: Optional[LossFn] = None, dist_env: Any = None,
                  training_dataloader: Optional[Iterable[Any]] = None, monitor: Optional[Monitor] = None) -> None:
         super().__init__()
@@ -72,7 +72,7 @@ class Engine(nn.Module):
         self.module = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.groups = groups
+        self.groups: Optional[ParallelGroups] = groups  # None after destroy()
         self.pipeline = pipeline
         self.loss_fn = loss_fn
         self.dist_env = dist_env
@@ -87,7 +87,7 @@ class Engine(nn.Module):
         self._step_skipped = False
         self._last_grad_norm: Optional[float] = None
         self._last_lr: Optional[list[float]] = None
-        self._dp_group = groups.dp_group if groups is not None else None
+        self._dp_group: Optional[AxisGroup] = groups.dp_group  # None after destroy()
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
         # steps_per_print steps
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
@@ -99,10 +99,9 @@ class Engine(nn.Module):
         if config.fp8.enabled and not self._fp8_states and pipeline is None:
             raise ConfigError("fp8.enabled but the model has no FP8 layer (the reference model's blocks get them "
                               "from the config; a custom module needs engine.precision.fp8.Fp8Linear)")
-        self._fp8_groups = [] if groups is None else [
-            g for g, n in ((groups.tp_group, groups.tp_size), (groups.dp_group, groups.dp_size)) if n > 1]
+        self._fp8_groups = [g for g in (groups.tp_group, groups.dp_group) if g.size > 1]
         # strict NCCL-rules mode: the groups whose collective sequences are compared at each step
-        self._checked_groups = [] if groups is None else groups.all_groups()
+        self._checked_groups = groups.all_groups()
 
     # ------------------------------------------------------------------ DeepSpeed-named queries
     def train_batch_size(self) -> int:
@@ -334,7 +333,7 @@ class Engine(nn.Module):
         out = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:  # the last pipeline stage (every rank without a pipeline)
             out = torch.stack([l.float() for l in losses]).mean()
-        if self._dp_group is not None and self.config.dp > 1:
+        if self._dp_group is not None and self._dp_group.size > 1:
             comm.all_reduce(out, self._dp_group)
             out /= self.config.dp
         if self.pipeline is not None:
@@ -357,6 +356,7 @@ class Engine(nn.Module):
         self.pipeline = None
         self.groups = None
         self._dp_group = None
+        self._fp8_groups, self._checked_groups = [], []
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,

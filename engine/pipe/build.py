@@ -99,9 +99,7 @@ def build_pipeline_engine(cfg: Config, module: PipelineModule, client_opt: Any, 
     else:  # this stage's share of the client's groups (the tied copy on the last stage included)
         client = resolve_client_optimizer(client_opt, trainable)
         factory, params = client_optimizer_factory(client), param_groups_from_client(client, trainable, replaced)
-    opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group,
-                                 pp_group=groups.pp_group if cfg.pp > 1 else None,
-                                 embedding_group=groups.embedding_group if tied else None, tied_params=tied,
+    opt = build_engine_optimizer(cfg, params, factory, groups=groups, tied_params=tied,
                                  module=stage)
     loss = _loss_fn(module)
     pipeline = None

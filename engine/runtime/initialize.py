@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from engine.config import Config, load_config
 from engine.dist import comm
-from engine.dist.groups import ParallelGroups
+from engine.dist.groups import NO_TP, ParallelGroups
 from engine.engine import Engine, LossFn
 from engine.errors import ConfigError
 from engine.models import GPT
@@ -220,7 +220,7 @@ def _module_engine(cfg: Config, model: nn.Module, client_opt: Any, model_paramet
     else:  # the client's class and groups, re-created over the master shards
         flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
         factory, params = client_optimizer_factory(client), param_groups_from_client(client, flat)
-    opt = build_engine_optimizer(cfg, params, factory, dp_group=groups.dp_group, module=model)
+    opt = build_engine_optimizer(cfg, params, factory, groups=groups, module=model)
     sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
     return Engine(cfg, model, opt, device=device, groups=groups, lr_scheduler=sched, loss_fn=loss_fn,
                   dist_env=dist_env, monitor=monitor)
@@ -230,7 +230,7 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
                      dist_env: Any, loss_fn: Optional[LossFn], monitor: Optional[Monitor] = None) -> Engine:
     """The reference model (or a layer list) over DP x TP x PP."""
     dtype = precision_policy(cfg).compute_dtype
-    tp_group = groups.tp_group if cfg.tp > 1 else None
+    tp_group = groups.tp_group
     reference = model is None or isinstance(model, GPT)
     if cfg.model is None and (reference or cfg.pp > 1):
         raise ConfigError(
@@ -265,7 +265,7 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
         chunks, tied = chunks_from_layers(list(model), cfg, groups.pp_rank)
         for ch in chunks:
             ch.to(device=device, dtype=dtype)
-        loss = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, None))
+        loss = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, NO_TP))
     else:
         raise TypeError(f"with tensor or pipeline parallelism (tp={cfg.tp}, pp={cfg.pp}) engine.initialize takes "
                         f"model=None (the reference GPT from the config), an engine.models.GPT or a list of "
@@ -280,10 +280,7 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
         module = chunks[0]
     _broadcast_from_first_replica(module, groups)
     factory = optimizer_factory(cfg.optimizer)
-    opt = build_engine_optimizer(cfg, module, factory, dp_group=groups.dp_group, tp_group=tp_group,
-                                 pp_group=groups.pp_group if cfg.pp > 1 else None,
-                                 embedding_group=groups.embedding_group if tied else None, tied_params=tied,
-                                 module=module)
+    opt = build_engine_optimizer(cfg, module, factory, groups=groups, tied_params=tied, module=module)
     if cfg.pp > 1:
         from engine.runtime.pipe import PipelineRunner
 

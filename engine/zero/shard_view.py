@@ -14,10 +14,9 @@ the ZeRO optimizer calls it once, right after building the inner optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
-import torch.distributed as dist
-
+from engine.dist.groups import AxisGroup
 from engine.zero.partition import FlatLayout
 
 __all__ = ["ParamSlot", "BucketView", "GroupView", "ShardView", "build_shard_view"]
@@ -69,13 +68,13 @@ class GroupView:
 @dataclass(frozen=True)
 class ShardView:
     """Every flat group of one ZeRO optimizer, in the inner optimizer's group order, and the
-    groups it spans: ``dp_group`` (the shards), ``tp_group`` (None when there is no TP)."""
+    groups it spans: ``dp_group`` (the shards), ``tp_group`` (size 1 when there is no TP)."""
 
     groups: tuple[GroupView, ...]
-    dp_group: Optional[dist.ProcessGroup]
+    dp_group: AxisGroup
     dp_size: int
     dp_rank: int
-    tp_group: Optional[dist.ProcessGroup]
+    tp_group: AxisGroup
     tp_size: int
     tp_rank: int
 
@@ -99,8 +98,8 @@ def _bucket_view(bucket: Any, master_offset: int, sharded: bool) -> BucketView:
     return BucketView(layout, bucket.shard_index, sharded, master_offset, tuple(slots))
 
 
-def build_shard_view(groups: Sequence[Any], sharded: bool, dp_group: Optional[dist.ProcessGroup], dp_size: int,
-                     dp_rank: int, tp_group: Optional[dist.ProcessGroup]) -> ShardView:
+def build_shard_view(groups: Sequence[Any], sharded: bool, dp_group: AxisGroup, dp_size: int,
+                     dp_rank: int, tp_group: AxisGroup) -> ShardView:
     """The view of a ZeRO optimizer's flat groups (:class:`~engine.zero.buckets.FlatGroup`)."""
     out = []
     for g in groups:
@@ -111,7 +110,6 @@ def build_shard_view(groups: Sequence[Any], sharded: bool, dp_group: Optional[di
         if off != g.master.numel():
             raise RuntimeError(f"flat group of {g.master.numel()} elements does not match its buckets ({off})")
         out.append(GroupView(g.key.param_group, g.key.tp_sharded, g.key.tied_index >= 0, tuple(buckets)))
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    tp_size, tp_rank = tp_group.size, tp_group.rank
     return ShardView(tuple(out), dp_group, dp_size, dp_rank, tp_group, tp_size, tp_rank)
 
