@@ -99,9 +99,8 @@ def _mesh(groups: Union[ParallelGroups, AxisGroup],
         if tied:
             raise ValueError("tied_params are summed over the embedding group: pass the ParallelGroups, "
                              "not the DP group alone")
-        one = AxisGroup.single("tp", groups.global_rank)
-        return groups, one, AxisGroup.single("pp", groups.global_rank), AxisGroup.single("embedding",
-                                                                                           groups.global_rank)
+        me = groups.global_rank
+        return groups, AxisGroup.single("tp", me), AxisGroup.single("pp", me), AxisGroup.single("embedding", me)
     if not isinstance(groups, ParallelGroups):
         raise TypeError(f"ZeRO takes the ParallelGroups or the DP AxisGroup, got {type(groups).__name__} "
                         "(wrap a torch process group with engine.dist.groups.AxisGroup.of(group))")
