@@ -27,7 +27,7 @@ def _group_sums(rank, world_size):
             if name == "embedding" and not groups.in_embedding_group:  # middle pipeline stage
                 sums[name] = (None, list(groups.embedding_ranks))
                 try:
-                    groups.embedding_group
+                    _ = groups.embedding_group
                 except ValueError as e:  # asked for anyway: an error that says why, not None
                     sums["middle_error"] = str(e)
                 continue
