@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.dist.spawn import SpawnError, spawn  # noqa: E402
+from engine.dist.groups import AxisGroup  # noqa: E402
 from engine.pipeline.executor import PipelineExecutor  # noqa: E402
 from engine.pipeline.schedule import SCHEDULES, build_all  # noqa: E402
 from engine.pipeline.simulate import bubble_formula, cost_table, simulate  # noqa: E402
@@ -87,7 +88,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> list:
     """One pipeline stage (gloo group joined by the launcher): its action records of the last step."""
     p, m, v = args.stages, args.microbatches, args.virtual_stages
     chunks = [SleepStage(args.forward_ms / 1e3 / v) for _ in range(v)]
-    ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=None,
+    ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=AxisGroup.world(),
                           num_microbatches=m, activation_shape=SHAPE,
                           loss_fn=lambda out, _t: out.mean(), schedule=args.schedule)
     for _ in range(args.steps):

@@ -79,6 +79,7 @@ def _ds_engine(cfg: dict):
     import torch
 
     from engine.config import load_config
+    from engine.dist.groups import NO_TP
     from engine.pipeline.stages import ReferenceModel, build_reference_chunks
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -92,8 +93,8 @@ def _ds_engine(cfg: dict):
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
     ctx = deepspeed.zero.Init(config_dict_or_path=ds_cfg) if stage3 else contextlib.nullcontext()
     with ctx:
-        chunks = build_reference_chunks(conf, 0, None, device=torch.device("cpu"), dtype=torch.float32)
-        model = ReferenceModel(chunks[0], None)
+        chunks = build_reference_chunks(conf, 0, NO_TP, device=torch.device("cpu"), dtype=torch.float32)
+        model = ReferenceModel(chunks[0], NO_TP)
     eng, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=ds_cfg,
                                    dist_init_required=False)
     del dtype

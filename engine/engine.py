@@ -34,7 +34,7 @@ from engine.config import Config
 from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
 from engine.dist import comm
 from engine.dist.env import DistEnv
-from engine.dist.groups import ParallelGroups
+from engine.dist.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
 from engine.parts import LossFn, ModelParts
@@ -96,10 +96,10 @@ class Engine(nn.Module):
     _step_skipped: bool
     _last_grad_norm: Optional[float]
     _last_lr: Optional[list[float]]
-    _dp_group: Optional[dist.ProcessGroup]
+    _dp_group: Optional[AxisGroup]
     _fp8_states: list[Any]
-    _fp8_groups: list[dist.ProcessGroup]
-    _checked_groups: list[dist.ProcessGroup]
+    _fp8_groups: list[AxisGroup]
+    _checked_groups: list[AxisGroup]
 
     def __init__(self, config: Config, parts: ModelParts, optimizer: ZeroOptimizer, *,
                  device: torch.device, groups: ParallelGroups, lr_scheduler: Optional[LRScheduler] = None,
@@ -111,7 +111,7 @@ class Engine(nn.Module):
         self.module = parts.module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.groups = groups
+        self.groups: Optional[ParallelGroups] = groups  # None after destroy()
         self.pipeline = pipeline
         # the DeepSpeed loop's loss (pp == 1); with a pipeline the runner holds the loss
         self.loss_fn = parts.loss_fn if pipeline is None else None
@@ -127,7 +127,7 @@ class Engine(nn.Module):
         self._step_skipped = False
         self._last_grad_norm: Optional[float] = None
         self._last_lr: Optional[list[float]] = None
-        self._dp_group = groups.dp_group if groups is not None else None
+        self._dp_group = groups.dp_group  # None after destroy()
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
         # steps_per_print steps
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
@@ -139,10 +139,9 @@ class Engine(nn.Module):
         if config.fp8.enabled and not self._fp8_states and pipeline is None:
             raise ConfigError("fp8.enabled but the model has no FP8 layer (the reference model's blocks get them "
                               "from the config; a custom module needs engine.precision.fp8.Fp8Linear)")
-        self._fp8_groups = [] if groups is None else [
-            g for g, n in ((groups.tp_group, groups.tp_size), (groups.dp_group, groups.dp_size)) if n > 1]
+        self._fp8_groups = [g for g in (groups.tp_group, groups.dp_group) if g.size > 1]
         # strict NCCL-rules mode: the groups whose collective sequences are compared at each step
-        self._checked_groups = [] if groups is None else groups.all_groups()
+        self._checked_groups = groups.all_groups()
 
     # ------------------------------------------------------------------ DeepSpeed-named queries
     def train_batch_size(self) -> int:
@@ -368,7 +367,7 @@ class Engine(nn.Module):
         out = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:  # the last pipeline stage (every rank without a pipeline)
             out = torch.stack([l.float() for l in losses]).mean()
-        if self._dp_group is not None and self.config.dp > 1:
+        if self._dp_group is not None and self._dp_group.size > 1:
             comm.all_reduce(out, self._dp_group)
             out /= self.config.dp
         if self.pipeline is not None:
@@ -391,6 +390,7 @@ class Engine(nn.Module):
         self.pipeline = None
         self.groups = None
         self._dp_group = None
+        self._fp8_groups, self._checked_groups = [], []
 
     # ------------------------------------------------------------------ checkpoints
     def training_state(self) -> TrainingState:

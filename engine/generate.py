@@ -1,7 +1,7 @@
 """Greedy text generation from a trained engine.
 
 The model may be split over TP, PP and (ZeRO-3) DP ranks. Generation is a small demo
-step, so rank 0 runs the whole reference model on CPU with ``tp_group=None``. Its weights
+step, so rank 0 runs the whole reference model on CPU with ``tp_group=NO_TP``. Its weights
 arrive one parameter at a time: each TP group all-gathers a parameter, and the holder on
 (dp 0, tp 0) of each later pipeline stage sends it to global rank 0 over the pp group
 (point-to-point on the engine's device), which copies it into the CPU model at once. The
@@ -15,13 +15,14 @@ gets a model.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from engine.dist import comm
 from engine.engine import Engine
+from engine.dist.groups import NO_TP
 from engine.models import GPT
 from engine.pipeline.partition import layers_of
 from engine.pipeline.stages import reference_layer_params, stage_bounds
@@ -35,7 +36,7 @@ def _local_full_params(chunks, tp_group) -> Iterator[tuple[int, str, torch.Tenso
     for chunk in chunks:
         for j, layer in enumerate(chunk.layers):
             for name, p in layer.named_parameters():
-                full = gather_full_tensor(p.detach(), p, tp_group) if tp_group is not None else p.detach()
+                full = gather_full_tensor(p.detach(), p, tp_group) if tp_group.size > 1 else p.detach()
                 yield chunk.start + j, name, full
 
 
@@ -53,17 +54,16 @@ def gather_reference_model(engine: Engine) -> Optional[GPT]:
                          "(engine.initialize with model=None or an engine.models.GPT)")
     if groups is None:
         raise RuntimeError("gather_reference_model: the engine was destroyed")
-    tp_group = groups.tp_group if cfg.tp > 1 else None
+    tp_group = groups.tp_group
     holder = groups.dp_rank == 0 and groups.tp_rank == 0  # sends (or, on rank 0, keeps) full tensors
-    opt: Any = engine.optimizer  # ZeRO-3's gathered_params(): the full parameters for the block
-    gathered = opt.gathered_params() if cfg.zero.stage == 3 else contextlib.nullcontext()
-    model = GPT(cfg.model, tp_group=None, seed=cfg.seed) if dist.get_rank() == 0 else None
+    gathered = engine.optimizer.gathered_params() if cfg.zero.stage == 3 else contextlib.nullcontext()
+    model = GPT(cfg.model, tp_group=NO_TP, seed=cfg.seed) if dist.get_rank() == 0 else None
     with gathered:
         for idx, name, full in _local_full_params(chunks, tp_group):
             if model is not None:
                 model.layers[idx].get_parameter(name).copy_(full)
             elif holder:
-                op = dist.P2POp(dist.isend, full.contiguous(), groups.pp_ranks[0], groups.pp_group)
+                op = comm.p2p_op(dist.isend, full.contiguous(), groups.pp_ranks[0], groups.pp_group)
                 for work in comm.batch_isend_irecv([op]):
                     work.wait()
         if model is not None and cfg.pp > 1:
@@ -81,7 +81,7 @@ def _receive_later_stages(model: GPT, cfg, groups, dtype: torch.dtype, device: t
             for idx in layers_of(bounds, stage, cfg.pp, c):
                 for name, target in model.layers[idx].named_parameters():
                     buf = torch.empty(target.shape, dtype=dtype, device=device)
-                    op = dist.P2POp(dist.irecv, buf, groups.pp_ranks[stage], groups.pp_group)
+                    op = comm.p2p_op(dist.irecv, buf, groups.pp_ranks[stage], groups.pp_group)
                     for work in comm.batch_isend_irecv([op]):
                         work.wait()
                     target.copy_(buf)

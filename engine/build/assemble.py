@@ -62,10 +62,7 @@ def assemble_engine(cfg: Config, parts: ModelParts, opt_inputs: OptimizerInputs,
     """The engine over ``parts`` (see the module docstring). ``client_sched``: DeepSpeed's
     ``lr_scheduler`` argument (a scheduler, a callable ``optimizer -> scheduler`` or None)."""
     broadcast_from_first_replica(parts.module, groups)
-    opt = build_engine_optimizer(cfg, opt_inputs.params, opt_inputs.factory, dp_group=groups.dp_group,
-                                 tp_group=groups.tp_group if cfg.tp > 1 else None,
-                                 pp_group=groups.pp_group if cfg.pp > 1 else None,
-                                 embedding_group=groups.embedding_group if parts.tied else None,
+    opt = build_engine_optimizer(cfg, opt_inputs.params, opt_inputs.factory, groups=groups,
                                  tied_params=list(parts.tied), module=parts.module)
     pipeline = _pipeline(cfg, parts, groups, device, opt)
     sched = build_scheduler(cfg, opt, client_sched, client_optimizer=opt_inputs.client)

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from engine.config import Config
 from engine.dist import comm
-from engine.dist.groups import ParallelGroups
+from engine.dist.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.build import (
     OptimizerInputs,
@@ -116,7 +116,7 @@ class TPBatchBroadcast:
     an error on every rank, not a hang), then one broadcast per tensor. Tensors are moved
     to ``device`` first (NCCL needs them there)."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device) -> None:
+    def __init__(self, group: AxisGroup, src: int, device: torch.device) -> None:
         self.group, self.src, self.device = group, src, device
         self.is_src = dist.get_rank() == src
 
@@ -146,7 +146,7 @@ class TPBatchBroadcast:
         n = int(desc[0])
         ok[0] *= int(n == len(slots) and all(int(desc[1 + j * _SLOT]) == int(mine[1 + j * _SLOT])
                                              for j in range(min(n, _MAX_TENSORS))))
-        comm.all_reduce(ok, self.group, op=dist.ReduceOp.MIN)  # type: ignore[arg-type]
+        comm.all_reduce(ok, self.group, op=dist.ReduceOp.MIN)
         if not int(ok[0]):
             raise ValueError(f"AutoTP: the ranks of a tensor-parallel group called the model with different tensor "
                              f"arguments (or more than {_MAX_TENSORS} tensors / {_MAX_DIMS} dims, or an unsupported "
@@ -184,7 +184,7 @@ def _hf_train_batch_loss(model: nn.Module, bcast: TPBatchBroadcast) -> Optional[
 
 
 @torch.no_grad()
-def _broadcast_module(module: nn.Module, src: int, group: dist.ProcessGroup) -> None:
+def _broadcast_module(module: nn.Module, src: int, group: AxisGroup) -> None:
     for t in list(module.parameters()) + list(module.buffers()):
         comm.broadcast(t.data, src, group)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from engine.config import Config
-from engine.dist.groups import ParallelGroups
+from engine.dist.groups import NO_TP, ParallelGroups
 from engine.errors import ConfigError
 from engine.models import GPT
 from engine.optim.build import (
@@ -66,7 +66,7 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
         raise ConfigError("the GPT given to engine.initialize was built from a different model config than "
                           "the config's model section: make them equal")
     dtype = precision_policy(cfg).compute_dtype
-    tp_group = groups.tp_group if cfg.tp > 1 else None
+    tp_group = groups.tp_group
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
     with zero_init(data_parallel_group=groups.dp_group, enabled=cfg.zero.stage == 3 and model is None):
         chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype)
@@ -97,7 +97,7 @@ def layer_list_parts(cfg: Config, layers: Sequence[nn.Module], groups: ParallelG
     chunks, tied = chunks_from_layers(list(layers), cfg, groups.pp_rank)
     for ch in chunks:
         ch.to(device=device, dtype=dtype)
-    loss = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, None))
+    loss = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, NO_TP))
     module = _stage_module(cfg, chunks)
     return (ModelParts(module, tuple(chunks), tuple(tied), loss, dtype),
             OptimizerInputs(module, optimizer_factory(cfg.optimizer)))

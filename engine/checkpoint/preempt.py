@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.target import Checkpointable
 from engine.dist import comm
+from engine.dist.groups import AxisGroup
 
 __all__ = ["PreemptionHandler", "PREEMPTION_SIGNALS", "Checkpointer", "StopTraining"]
 
@@ -69,11 +70,11 @@ class PreemptionHandler:
     def __exit__(self, *exc: Any) -> None:
         self.uninstall()
 
-    def stop_requested(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
-        """Collective over ``group`` (default: the world): whether any rank got a signal."""
+    def stop_requested(self, device: torch.device) -> bool:
+        """Collective over the world: whether any rank got a signal."""
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32, device=device)
         if dist.is_initialized():
-            comm.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flag, AxisGroup.world(), op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
         if stop:
             name = signal.Signals(self.received).name if self.received is not None else "a peer's signal"

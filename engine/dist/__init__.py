@@ -6,7 +6,8 @@
 - :mod:`engine.dist.failures`: ``failure_guard`` names the rank that died, hung or raised.
 - :mod:`engine.dist.teardown`: ``shutdown`` (drain and destroy every group while Python is
   alive, so no gloo thread meets interpreter finalisation).
-- :mod:`engine.dist.groups`: ``ParallelGroups`` built once from a ``Topology``.
+- :mod:`engine.dist.groups`: ``ParallelGroups`` built once from a ``Topology``; one
+  ``AxisGroup`` per axis (``groups[Axis.TP]``), never ``None``.
 - :mod:`engine.dist.comm`: typed collective wrappers.
 
 Importing ``engine.dist`` does not import torch; ``ParallelGroups`` is loaded on first use.
@@ -20,15 +21,15 @@ from engine.dist.env import (
 )
 
 __all__ = [
-    "DistEnv", "LaunchError", "LaunchInfo", "OpBuildSettings", "PeerFailureError",
+    "AxisGroup", "DistEnv", "LaunchError", "LaunchInfo", "OpBuildSettings", "PeerFailureError",
     "ParallelGroups", "detect_launch", "failure_guard", "init_distributed",
     "op_build_settings", "record_failure", "shutdown",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ParallelGroups":
-        from engine.dist.groups import ParallelGroups
+    if name in ("ParallelGroups", "AxisGroup"):
+        from engine.dist import groups
 
-        return ParallelGroups
+        return getattr(groups, name)
     raise AttributeError(f"module 'engine.dist' has no attribute {name!r}")

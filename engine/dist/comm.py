@@ -14,42 +14,43 @@ headers, the per-group sequence of collectives).
 from __future__ import annotations
 
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from engine.dist import strict
+from engine.dist.groups import AxisGroup
 
-__all__ = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "batch_isend_irecv", "group_size",
-           "group_rank", "check_sequence", "no_host_sync"]
+__all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "broadcast", "batch_isend_irecv",
+           "p2p_op", "group_size", "group_rank", "check_sequence", "no_host_sync"]
 
-ProcessGroup = Optional[dist.ProcessGroup]
 no_host_sync = strict.no_host_sync
 
 
-def group_size(group: ProcessGroup) -> int:
-    return dist.get_world_size(group)
+def group_size(group: AxisGroup) -> int:
+    return group.size
 
 
-def group_rank(group: ProcessGroup) -> int:
-    return dist.get_rank(group)
+def group_rank(group: AxisGroup) -> int:
+    """This rank's index in ``group``."""
+    return group.rank
 
 
 def _op_code(op: dist.ReduceOp) -> int:
     return zlib.crc32(str(op).encode()) % 1000
 
 
-def all_reduce(t: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce(t: torch.Tensor, group: AxisGroup, op: dist.ReduceOp = dist.ReduceOp.SUM,
                async_op: bool = False):
     """In place; a no-op on a group of one."""
     if group_size(group) == 1:
         return None
-    strict.check_collective("all_reduce", t, group, extra=_op_code(op))
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    strict.check_collective("all_reduce", t, group.process_group, extra=_op_code(op))
+    return dist.all_reduce(t, op=op, group=group.process_group, async_op=async_op)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup,
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup,
                    op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
     """``out`` (N,) <- this rank's slice of the reduction of ``inp`` (world*N,) along dim 0."""
     world = group_size(group)
@@ -59,11 +60,11 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup,
         out.copy_(inp)
         return None
     strict.check_tensor(inp, "reduce_scatter input")
-    strict.check_collective("reduce_scatter", out, group, extra=_op_code(op))
-    return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+    strict.check_collective("reduce_scatter", out, group.process_group, extra=_op_code(op))
+    return dist.reduce_scatter_single(out, inp, op=op, group=group.process_group, async_op=async_op)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup, async_op: bool = False):
     """``out`` (world*N, ...) <- concatenation along dim 0 of every rank's ``inp`` (N, ...)."""
     world = group_size(group)
     if out.shape[0] != inp.shape[0] * world or out.shape[1:] != inp.shape[1:]:
@@ -72,16 +73,36 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup, async_
         out.copy_(inp)
         return None
     strict.check_tensor(out, "all_gather output")
-    strict.check_collective("all_gather", inp, group)
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    strict.check_collective("all_gather", inp, group.process_group)
+    return dist.all_gather_single(out, inp, group=group.process_group, async_op=async_op)
 
 
-def broadcast(t: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False):
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                      group: AxisGroup) -> None:
+    """``out`` <- the pieces every member sent this rank (``out_splits[r]`` rows from member
+    r), ``inp`` split by ``in_splits`` (rows for each member), along dim 0. Blocking."""
+    if group.size == 1:
+        out.copy_(inp)
+        return
+    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group.process_group)
+
+
+def broadcast(t: torch.Tensor, src: int, group: AxisGroup, async_op: bool = False):
     """``src`` is a GLOBAL rank, as in torch.distributed."""
     if group_size(group) == 1:
         return None
-    strict.check_collective("broadcast", t, group, extra=src)
-    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    if src not in group.ranks:
+        raise ValueError(f"broadcast: source rank {src} is not in the {group.name} group {list(group.ranks)}")
+    strict.check_collective("broadcast", t, group.process_group, extra=src)
+    return dist.broadcast(t, src=src, group=group.process_group, async_op=async_op)
+
+
+def p2p_op(op: Any, t: torch.Tensor, peer: int, group: AxisGroup) -> dist.P2POp:
+    """A send or receive (``dist.isend`` / ``dist.irecv``) to global rank ``peer`` over
+    ``group``'s communicator, for :func:`batch_isend_irecv`."""
+    if peer not in group.ranks or peer == group.global_rank:
+        raise ValueError(f"p2p: peer {peer} must be another member of the {group.name} group {list(group.ranks)}")
+    return dist.P2POp(op, t, peer, group.process_group)
 
 
 def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list[Any]:
@@ -95,7 +116,8 @@ def batch_isend_irecv(ops: Sequence[dist.P2POp]) -> list[Any]:
     return dist.batch_isend_irecv(list(ops))
 
 
-def check_sequence(groups: Sequence[ProcessGroup], where: str, device: torch.device) -> None:
+def check_sequence(groups: Sequence[AxisGroup], where: str, device: torch.device) -> None:
     """Strict mode: compare each group's running hash of collectives across its members (call
-    at step boundaries, same groups in the same order on every rank). Free when off."""
-    strict.check_sequence(groups, where, device)
+    at step boundaries, same groups in the same order on every rank). Free when off; size-1
+    groups carry no collectives and are skipped."""
+    strict.check_sequence([g.process_group for g in groups if g.size > 1], where, device)

@@ -1,4 +1,14 @@
-"""Process groups for one run, built once from a :class:`~engine.topology.Topology`.
+"""Process groups for one run, keyed by mesh axis: ``groups[Axis.TP]`` is an :class:`AxisGroup`.
+
+An :class:`AxisGroup` is one value per axis: its global ranks, this rank's index in them,
+the size, and the communicator. Everything that communicates (TP layers and mappings, the
+ZeRO optimizer, the pipeline executor, :mod:`engine.dist.comm`) takes one, never ``None``:
+torch.distributed reads ``group=None`` as WORLD, while "no tensor parallelism" used to be
+spelled the same way, so the two meanings are now two values (:meth:`AxisGroup.world` and
+:meth:`AxisGroup.single`).
+
+A size-1 axis is free: it has no communicator (``AxisGroup.single``), every op over it is
+the identity, and asking for its ``process_group`` is an error naming the fix.
 
 Construction protocol (why it is written this way):
 
@@ -6,14 +16,15 @@ Construction protocol (why it is written this way):
   must call it for EVERY group, members or not, in the SAME order; a non-member gets
   ``NON_GROUP_MEMBER`` back and spends no communication. We walk a fixed order (tp, dp,
   pp, then embedding when pp > 2; within an axis ``Topology.groups`` order, sorted by
-  first rank) on every rank.
+  first rank) on every rank. An axis of size 1 is skipped on every rank alike (its size
+  is global), so the counter stays in step.
 * ``use_local_synchronization`` stays False, deliberately: with True, torch names a
   group by hashing its rank list, and two groups with identical rank lists would get the
   same name and store prefix.
-* No group is built twice: with pp <= 2 the embedding group (first and last stage) IS the
-  pp group and is that object; every group costs an NCCL communicator (GPU memory and
-  set-up time on its first collective). No model-parallel (tp x pp) group is built:
-  nothing communicates over it.
+* No group is built twice or built unused: with pp <= 2 the embedding group (first and
+  last stage) IS the pp group and is that value; every group costs an NCCL communicator
+  (GPU memory and set-up time on its first collective). No model-parallel (tp x pp) group
+  is built: nothing communicates over it. Size-1 groups get no communicator at all.
   Since torch 2.3 no store barrier follows ``new_group`` unless
   TORCH_DIST_INIT_BARRIER=1, so calling it on every rank costs O(#groups) local work only.
 * Subgroups do NOT inherit the default group's timeout (torch uses 30 min for gloo), so
@@ -22,21 +33,22 @@ Construction protocol (why it is written this way):
 The embedding group of a (dp, tp) coordinate is its first and last pipeline stage: the
 two ranks holding the tied input embedding and output head, whose gradients are summed
 over it. A rank on a middle stage holds neither and is in no embedding group
-(``embedding_group is None``, ``embedding_ranks == ()``). With pp == 1 the group is the
-single rank itself (embedding and head on one rank, so the all-reduce is the identity).
+(``in_embedding_group`` is False, ``embedding_ranks == ()``, and ``embedding_group``
+raises). With pp == 1 the group is the single rank itself (embedding and head on one
+rank, so the all-reduce is the identity).
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import torch.distributed as dist
 
 from engine.topology import Axis, Coord, Topology
 
-__all__ = ["ParallelGroups"]
+__all__ = ["AxisGroup", "ParallelGroups", "NO_TP"]
 
 
 def _default_timeout() -> datetime.timedelta:
@@ -54,23 +66,100 @@ def _default_timeout() -> datetime.timedelta:
 
 
 @dataclass(frozen=True)
-class ParallelGroups:
-    """This rank's tp / dp / pp / embedding groups and their global ranks.
+class AxisGroup:
+    """One communication axis as seen from this rank.
 
-    Immutable after :meth:`build`. Pass it (or one of its groups) to whatever
+    ``name``: ``"tp"``, ``"dp"``, ``"pp"``, ``"embedding"``, ``"world"`` or a caller's label
+    (for error messages). ``ranks``: the members' global ranks in group order. ``rank``:
+    this process's index in ``ranks``. ``handle``: the communicator; absent on a size-1
+    group, where every collective is the identity.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    rank: int
+    handle: Optional[dist.ProcessGroup] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"{self.name} group: ranks must be distinct and non-empty, got {self.ranks}")
+        if not 0 <= self.rank < len(self.ranks):
+            raise ValueError(f"{self.name} group: rank {self.rank} is outside [0, {len(self.ranks)})")
+        if len(self.ranks) > 1 and self.handle is None:
+            raise ValueError(f"{self.name} group of ranks {self.ranks} has no communicator: build it "
+                             "with AxisGroup.of(process_group) or ParallelGroups.build")
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def single(cls, name: str, global_rank: int = 0) -> "AxisGroup":
+        """A size-1 axis (``global_rank`` alone): free, every op over it is the identity, and
+        it needs no torch.distributed (a dense model in a plain process uses it)."""
+        return cls(name, (global_rank,), 0)
+
+    @classmethod
+    def world(cls) -> "AxisGroup":
+        """Every rank of the job (the default group), where "all ranks" is meant."""
+        if not dist.is_initialized():
+            raise RuntimeError("AxisGroup.world() needs an initialised default group: call "
+                               "engine.dist.env.init_distributed() first")
+        n = dist.get_world_size()
+        return cls("world", tuple(range(n)), dist.get_rank(), dist.group.WORLD if n > 1 else None)
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, name: str = "group") -> "AxisGroup":
+        """Wrap a torch process group this rank belongs to (for groups made by a caller, e.g.
+        a DeepSpeed-style script's ``data_parallel_group``)."""
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{name}: expected a torch.distributed.ProcessGroup, got {type(group).__name__} "
+                            "(pass AxisGroup.world() for every rank)")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if dist.get_rank() not in ranks:
+            raise ValueError(f"{name}: this rank ({dist.get_rank()}) is not a member of the group of ranks "
+                             f"{list(ranks)}: pass this rank's own group")
+        return cls(name, ranks, ranks.index(dist.get_rank()), group if len(ranks) > 1 else None)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.rank]
+
+    def global_rank_of(self, group_rank: int) -> int:
+        """The global rank of member ``group_rank`` (what torch's ``src``/``dst`` want)."""
+        if not 0 <= group_rank < self.size:
+            raise ValueError(f"{self.name} group: rank {group_rank} is outside [0, {self.size})")
+        return self.ranks[group_rank]
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The communicator; a size-1 group has none (its ops are identities: test ``size > 1``)."""
+        if self.handle is None:
+            raise RuntimeError(f"the {self.name} group of rank {self.ranks[0]} has size 1 and no communicator: "
+                               "every collective over it is the identity; check .size > 1 before communicating")
+        return self.handle
+
+
+NO_TP = AxisGroup.single("tp")  # "not tensor-parallel": a dense model in any process
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's tp / dp / pp (and embedding) groups, ``groups[Axis.TP]`` etc.
+
+    Immutable after :meth:`build`. Pass it (or one of its :class:`AxisGroup`) to whatever
     communicates; nothing here is global.
     """
 
     topology: Topology
     rank: int
-    tp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-    pp_group: dist.ProcessGroup
-    embedding_group: Optional[dist.ProcessGroup]  # None on middle pipeline stages; pp_group if pp <= 2
-    tp_ranks: tuple[int, ...]
-    dp_ranks: tuple[int, ...]
-    pp_ranks: tuple[int, ...]
-    embedding_ranks: tuple[int, ...]  # () on middle pipeline stages
+    tp_group: AxisGroup
+    dp_group: AxisGroup
+    pp_group: AxisGroup
+    embedding: Optional[AxisGroup]  # stored only: absent on middle pipeline stages (read embedding_group)
 
     @classmethod
     def build(cls, topology: Topology, rank: Optional[int] = None,
@@ -95,20 +184,64 @@ class ParallelGroups:
         timeout = (_default_timeout() if timeout_s is None
                    else datetime.timedelta(seconds=timeout_s))
 
-        def make(all_groups: list[list[int]]) -> tuple[Optional[dist.ProcessGroup], tuple[int, ...]]:
-            mine: tuple[Optional[dist.ProcessGroup], tuple[int, ...]] = (None, ())
+        def make(name: str, all_groups: list[list[int]]) -> Optional[AxisGroup]:
+            """This rank's group among ``all_groups`` (None when it is in none of them)."""
+            mine: Optional[AxisGroup] = None
             for ranks in all_groups:  # same order on every rank, members or not
-                group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=False)
+                if len(ranks) == 1:  # free: no communicator (every rank skips alike)
+                    handle = None
+                else:
+                    handle = dist.new_group(ranks, timeout=timeout, use_local_synchronization=False)
                 if rank in ranks:
-                    mine = (group, tuple(ranks))
+                    mine = AxisGroup(name, tuple(ranks), ranks.index(rank), handle)
             return mine
 
-        tp = make(topology.groups(Axis.TP))
-        dp = make(topology.groups(Axis.DP))
-        pp = make(topology.groups(Axis.PP))
-        # first + last stage: the whole pp group when pp <= 2 (the rank alone at pp == 1)
-        emb = pp if topology.pp <= 2 else make(topology.embedding_groups())
-        return cls(topology, rank, tp[0], dp[0], pp[0], emb[0], tp[1], dp[1], pp[1], emb[1])
+        tp = make("tp", topology.groups(Axis.TP))
+        dp = make("dp", topology.groups(Axis.DP))
+        pp = make("pp", topology.groups(Axis.PP))
+        assert tp is not None and dp is not None and pp is not None  # the axes partition the world
+        if topology.pp <= 2:  # first + last stage: the whole pp group (the rank alone at pp == 1)
+            emb: Optional[AxisGroup] = AxisGroup("embedding", pp.ranks, pp.rank, pp.handle)
+        else:
+            emb = make("embedding", topology.embedding_groups())
+        return cls(topology, rank, tp, dp, pp, emb)
+
+    # ------------------------------------------------------------------- axes
+    def __getitem__(self, axis: Union[Axis, str]) -> AxisGroup:
+        """``groups[Axis.TP]`` (or ``groups["tp"]``): that axis's group."""
+        return {Axis.TP: self.tp_group, Axis.DP: self.dp_group, Axis.PP: self.pp_group}[Axis.parse(axis)]
+
+    @property
+    def embedding_group(self) -> AxisGroup:
+        """The first and last stage of this (dp, tp) (tied embedding and head); raises on a
+        middle stage, which holds neither (test :attr:`in_embedding_group` first)."""
+        if self.embedding is None:
+            raise ValueError(f"rank {self.rank} is on a middle pipeline stage ({self.coord.pp} of "
+                             f"{self.pp_size}) and in no embedding group: tied weights live on the first "
+                             "and last stage only")
+        return self.embedding
+
+    @property
+    def in_embedding_group(self) -> bool:
+        """True on the first and last pipeline stage (the ranks holding tied embeddings)."""
+        return self.embedding is not None
+
+    @property
+    def tp_ranks(self) -> tuple[int, ...]:
+        return self.tp_group.ranks
+
+    @property
+    def dp_ranks(self) -> tuple[int, ...]:
+        return self.dp_group.ranks
+
+    @property
+    def pp_ranks(self) -> tuple[int, ...]:
+        return self.pp_group.ranks
+
+    @property
+    def embedding_ranks(self) -> tuple[int, ...]:
+        """() on middle pipeline stages."""
+        return self.embedding.ranks if self.embedding is not None else ()
 
     # ------------------------------------------------------------- coordinates
     @property
@@ -158,15 +291,11 @@ class ParallelGroups:
         """Global rank of the next stage (same dp, tp); None on the last stage."""
         return self.topology.next_stage_rank(self.rank)
 
-    @property
-    def in_embedding_group(self) -> bool:
-        """True on the first and last pipeline stage (the ranks holding tied embeddings)."""
-        return self.embedding_group is not None
-
-    def all_groups(self) -> list[dist.ProcessGroup]:
-        """This rank's distinct groups in creation order (the embedding group only when it is
-        not the pp group)."""
+    def all_groups(self) -> list[AxisGroup]:
+        """This rank's distinct groups that have a communicator (size > 1), in creation order;
+        the embedding group only when it is not the pp group."""
         groups = [self.tp_group, self.dp_group, self.pp_group]
-        if self.embedding_group is not None and self.embedding_group is not self.pp_group:
-            groups.append(self.embedding_group)
-        return groups
+        emb = self.embedding
+        if emb is not None and self.topology.pp > 2:
+            groups.append(emb)
+        return [g for g in groups if g.size > 1]

@@ -113,14 +113,13 @@ def _dtype_name(code: int) -> str:
     return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else f"dtype#{code}"
 
 
-def _ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
-    g = group if group is not None else dist.group.WORLD
-    return dist.get_process_group_ranks(g)
+def _ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)
 
 
-def _log(group: Optional[dist.ProcessGroup]) -> _GroupLog:
+def _log(group: dist.ProcessGroup) -> _GroupLog:
     assert _STATE is not None
-    g = group if group is not None else dist.group.WORLD
+    g = group
     # keyed by name, never by the object: holding a ProcessGroup here would keep its gloo
     # threads alive past shutdown() (engine/dist/teardown.py warns, and the interpreter can
     # abort at exit)
@@ -140,7 +139,7 @@ def check_tensor(t: torch.Tensor, what: str) -> None:
                             f"pass t.contiguous()")
 
 
-def _exchange(group: Optional[dist.ProcessGroup], row: list[int], device: torch.device) -> list[list[int]]:
+def _exchange(group: dist.ProcessGroup, row: list[int], device: torch.device) -> list[list[int]]:
     """All-gather one small int64 row from every member of ``group`` (the checker's own traffic)."""
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -148,7 +147,7 @@ def _exchange(group: Optional[dist.ProcessGroup], row: list[int], device: torch.
     return [r.tolist() for r in rows]
 
 
-def check_collective(op: str, t: torch.Tensor, group: Optional[dist.ProcessGroup], extra: int = -1) -> None:
+def check_collective(op: str, t: torch.Tensor, group: dist.ProcessGroup, extra: int = -1) -> None:
     """Rules 1-3 and 5 before collective ``op`` on ``t`` (the per-rank buffer whose size must
     agree: the input of all_reduce / all_gather / broadcast, the output of reduce_scatter).
     ``extra``: what else must agree (broadcast's source rank, the reduce op)."""
@@ -158,7 +157,7 @@ def check_collective(op: str, t: torch.Tensor, group: Optional[dist.ProcessGroup
     _compare(op, group, t.device, _dtype_code(t.dtype), t.numel(), extra)
 
 
-def check_sequence(groups: Sequence[Optional[dist.ProcessGroup]], where: str, device: torch.device) -> None:
+def check_sequence(groups: Sequence[dist.ProcessGroup], where: str, device: torch.device) -> None:
     """Rule 5 at a step boundary: every member of each group has issued the same sequence of
     collectives on it. Every rank must call it with the same groups in the same order."""
     if _STATE is None:
@@ -168,7 +167,7 @@ def check_sequence(groups: Sequence[Optional[dist.ProcessGroup]], where: str, de
             _compare(f"{_SEQUENCE_CHECK} ({where})", g, device, -1, 0, -1)
 
 
-def _compare(op: str, group: Optional[dist.ProcessGroup], device: torch.device, dtype_code: int, numel: int,
+def _compare(op: str, group: dist.ProcessGroup, device: torch.device, dtype_code: int, numel: int,
              extra: int) -> None:
     assert _STATE is not None
     log = _log(group)
@@ -191,7 +190,7 @@ _OP_NAMES = {zlib.crc32(n.encode()): n for n in
              ("all_reduce", "reduce_scatter", "all_gather", "broadcast", _SEQUENCE_CHECK)}
 
 
-def _mismatch_message(op: str, group: Optional[dist.ProcessGroup], rows: list[list[int]], log: _GroupLog) -> str:
+def _mismatch_message(op: str, group: dist.ProcessGroup, rows: list[list[int]], log: _GroupLog) -> str:
     ranks = _ranks(group)
     lines = []
     for r, (op_code, dt, numel, extra, h, count) in zip(ranks, rows):

@@ -22,11 +22,11 @@ import math
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.data.packing import position_ids_from_doc_ids
+from engine.dist.groups import NO_TP, AxisGroup
 from engine.dist.strict import host_sync_allowed
 from engine.models.attention import AttnMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
@@ -38,7 +38,6 @@ from engine.tensor_parallel.mappings import copy_to_tp_region, tp_world_size
 __all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "attention_inputs", "forward_layers", "Attention",
            "SwiGLU", "Block"]
 
-ProcessGroup = Optional[dist.ProcessGroup]
 Device = Optional[Union[torch.device, str]]
 Dtype = Optional[torch.dtype]
 
@@ -51,7 +50,7 @@ class RMSNorm(nn.Module):
     copy-to-region, whose backward all-reduces that gradient over TP so the replicas stay
     identical (no separate gradient hook the engine could forget to call)."""
 
-    def __init__(self, dim: int, eps: float, tp_group: ProcessGroup = None,
+    def __init__(self, dim: int, eps: float, tp_group: AxisGroup = NO_TP,
                  sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         self.eps = eps
@@ -173,7 +172,7 @@ class Attention(nn.Module):
     Input/output (B, S, H), or (B, S/tp, H) with sequence parallelism. Optional
     ``attn_mask`` / ``position_ids`` (module docstring) cover the full sequence S."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool,
                  seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None, *,
                  fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
@@ -213,7 +212,7 @@ class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``: gate/up fused column-parallel (F/tp each per rank),
     down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool,
                  seed: int, device: Device = None, dtype: Dtype = None, *,
                  fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()
@@ -237,7 +236,7 @@ class Block(nn.Module):
 
     takes_attention_inputs = True  # forward_layers passes attn_mask / position_ids
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp_group: ProcessGroup, sequence_parallel: bool,
+    def __init__(self, cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool,
                  seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None, *,
                  fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()

@@ -19,7 +19,7 @@ Blocks also take optional attention inputs (``attn_mask``, ``position_ids``; see
 the model dtype (as Transformer Engine recipes keep them).
 
 ``GPT`` is exactly the composition of that list (``GPT.layers``), a plain ``nn.Module``
-that needs no torch.distributed when ``tp_group=None``. Every weight is drawn from
+that needs no torch.distributed when ``tp_group=NO_TP`` (the default). Every weight is drawn from
 ``(seed, its name)`` (block weights by block index), so the model is identical whatever
 the TP degree, the pipeline split and the construction order.
 """
@@ -29,9 +29,9 @@ from __future__ import annotations
 from typing import Optional, Union, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from engine.dist.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.models.blocks import Block, RMSNorm, RotaryEmbedding, attention_inputs, forward_layers
 from engine.models.config import ModelConfig
@@ -49,7 +49,6 @@ from engine.tensor_parallel.mappings import tp_world_size
 __all__ = ["GPT", "FinalNormAndHead", "build_stage_layers", "num_stage_layers",
            "param_count", "flops_per_token", "vocab_parallel_cross_entropy"]
 
-ProcessGroup = Optional[dist.ProcessGroup]
 Device = Optional[Union[torch.device, str]]
 Dtype = Optional[torch.dtype]
 
@@ -68,7 +67,7 @@ class FinalNormAndHead(nn.Module):
     it in sync (summing the two gradients over the embedding group) is the pipeline's job.
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
+    def __init__(self, cfg: ModelConfig, tp_group: AxisGroup = NO_TP, sequence_parallel: bool = False,
                  seed: int = 1234, tied_weight: Optional[nn.Parameter] = None, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         if tied_weight is not None and not cfg.tie_embeddings:
@@ -97,7 +96,7 @@ def num_stage_layers(cfg: ModelConfig) -> int:
     return cfg.num_layers + 2
 
 
-def build_stage_layers(cfg: ModelConfig, tp_group: ProcessGroup = None, *, sequence_parallel: bool = False,
+def build_stage_layers(cfg: ModelConfig, tp_group: AxisGroup = NO_TP, *, sequence_parallel: bool = False,
                        seed: int = 1234, start: int = 0, stop: Optional[int] = None,
                        device: Device = None, dtype: Dtype = None,
                        fp8_recipe: Optional[Fp8Recipe] = None) -> list[nn.Module]:
@@ -148,7 +147,7 @@ class GPT(nn.Module):
     get alone; or give ``attn_mask`` (B, 1, S, S) bool and/or ``position_ids`` (B, S).
     """
 
-    def __init__(self, cfg: ModelConfig, tp_group: ProcessGroup = None, sequence_parallel: bool = False,
+    def __init__(self, cfg: ModelConfig, tp_group: AxisGroup = NO_TP, sequence_parallel: bool = False,
                  seed: int = 1234, *, device: Device = None, dtype: Dtype = None,
                  fp8_recipe: Optional[Fp8Recipe] = None) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config, MuonParams, OptimizerConfig
+from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.client import ClientLRScheduler
 from engine.optim.fused_adamw import FusedAdamW
@@ -127,10 +128,7 @@ def precision_policy(cfg: Config) -> PrecisionPolicy:
 
 
 def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, *,
-                           dp_group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup] = None,
-                           pp_group: Optional[dist.ProcessGroup] = None,
-                           embedding_group: Optional[dist.ProcessGroup] = None,
-                           tied_params: Sequence[torch.nn.Parameter] = (),
+                           groups: ParallelGroups, tied_params: Sequence[torch.nn.Parameter] = (),
                            module: Optional[torch.nn.Module] = None) -> ZeroOptimizer:
     """The ZeRO optimizer of ``cfg.zero.stage`` over ``params`` with its loss scaler and clipping.
     With ``optimizer.type`` Muon, ``params`` are split into Muon and AdamW groups first
@@ -146,8 +144,7 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
                                min_loss_scale=f.min_loss_scale)
     z = cfg.zero
     return build_zero_optimizer(
-        z.stage, params, factory, dp_group, module=module, tp_group=tp_group, pp_group=pp_group,
-        embedding_group=embedding_group, tied_params=tied_params, precision=policy, loss_scaler=scaler,
+        z.stage, params, factory, groups, module=module, tied_params=tied_params, precision=policy, loss_scaler=scaler,
         reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm, clip_grad=cfg.gradient_clipping,
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=z.stage3_max_live_parameters,

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from engine.dist import comm
 from engine.optim.muon_plan import MuonMatrix
@@ -149,7 +148,7 @@ def _to_owners(view: ShardView, bv: BucketView, update: torch.Tensor, mats: Sequ
     out_splits = [sum(_piece(bv, m.slot, r)[1] - _piece(bv, m.slot, r)[0] for m in mine) for r in range(dp)]
     recv = torch.empty(sum(out_splits), dtype=update.dtype, device=update.device)
     inp = torch.cat(send) if send else update.new_empty(0)
-    dist.all_to_all_single(recv, inp, out_splits, in_splits, group=view.dp_group)
+    comm.all_to_all_single(recv, inp, out_splits, in_splits, view.dp_group)
     stats.comm_elements += inp.numel()
     full = {m.slot: torch.empty(bv.params[m.slot].numel, dtype=update.dtype, device=update.device) for m in mine}
     pos = 0
@@ -181,7 +180,7 @@ def _from_owners(view: ShardView, bv: BucketView, results: dict[int, torch.Tenso
         out_splits[m.dp_owner] += hi - lo
     recv = torch.empty(sum(out_splits), dtype=like.dtype, device=like.device)
     inp = torch.cat(send) if send else like.new_empty(0)
-    dist.all_to_all_single(recv, inp, out_splits, in_splits, group=view.dp_group)
+    comm.all_to_all_single(recv, inp, out_splits, in_splits, view.dp_group)
     stats.comm_elements += inp.numel()
     out = torch.zeros_like(like)
     shard_lo, pos = bv.layout.shard_range(me)[0], 0

@@ -67,16 +67,16 @@ def probe_boundary(chunks: Sequence[nn.Module], inputs: torch.Tensor, groups: Pa
                 x = inputs.to(device)
             else:
                 h = torch.empty(_HEADER, dtype=torch.int64, device=device)
-                dist.recv(h, ranks[prev[0]], group=groups.pp_group)
+                dist.recv(h, ranks[prev[0]], group=groups.pp_group.process_group)
                 shape, dtype = _decode(h)
                 x = torch.zeros(shape, dtype=dtype, device=device)
             out = chunks[c](x)
             nxt = next_hop(stage, c, num_stages, v)
             if nxt is not None:
                 mine[c] = _header(out, device)
-                dist.send(mine[c], ranks[nxt[0]], group=groups.pp_group)
+                dist.send(mine[c], ranks[nxt[0]], group=groups.pp_group.process_group)
     everyone = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(everyone, mine, group=groups.pp_group)
+    dist.all_gather(everyone, mine, group=groups.pp_group.process_group)
     found = {_decode(h) for t in everyone for h in t if int(h[0]) >= 0}
     if len(found) != 1:
         raise ConfigError(f"the PipelineModule's stage boundaries carry different shapes {sorted(map(str, found))}: "

@@ -48,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.data.device import move_to_device
 from engine.dist import comm
+from engine.dist.groups import AxisGroup
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
 from engine.pipeline.clock import make_clock
 from engine.pipeline.schedule import build_schedule
@@ -58,6 +59,7 @@ __all__ = ["ActionRecord", "PipelineExecutor", "allreduce_tied_grads", "broadcas
 logger = logging.getLogger(__name__)
 K = ActionKind
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+NO_TIES = AxisGroup.single("embedding")  # no tied weights across stages: nothing to sum
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class ActionRecord:
     end: float    # from CUDA events resolved after the step (engine.pipeline.clock)
 
 
-def allreduce_tied_grads(params: Sequence[torch.nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
+def allreduce_tied_grads(params: Sequence[torch.nn.Parameter], group: AxisGroup) -> None:
     """Sum the gradients of tied copies (embedding on the first stage, head on the last)."""
     for p in params:
         if p.grad is None:
@@ -81,7 +83,7 @@ def allreduce_tied_grads(params: Sequence[torch.nn.Parameter], group: Optional[d
 
 
 def broadcast_tied_weights(params: Sequence[torch.nn.Parameter], src: int,
-                           group: Optional[dist.ProcessGroup]) -> None:
+                           group: AxisGroup) -> None:
     """Make the tied copies start identical: ``src`` (a global rank, usually the first stage) wins."""
     with torch.no_grad():
         for p in params:
@@ -96,12 +98,12 @@ class PipelineExecutor:
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], *, stage: int, stage_ranks: Sequence[int],
-                 pp_group: Optional[dist.ProcessGroup], num_microbatches: int,
+                 pp_group: AxisGroup, num_microbatches: int,
                  activation_shape: Sequence[int], loss_fn: Optional[LossFn] = None,
                  schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None, activation_checkpointing: bool = False,
                  free_sent_outputs: bool = True, tied_params: Sequence[torch.nn.Parameter] = (),
-                 embedding_group: Optional[dist.ProcessGroup] = None, broadcast_loss: bool = True,
+                 embedding_group: AxisGroup = NO_TIES, broadcast_loss: bool = True,
                  record: bool = True, side_inputs: bool = False) -> None:
         self.chunks = list(chunks)
         self.stage, self.num_stages = stage, len(stage_ranks)
@@ -110,6 +112,9 @@ class PipelineExecutor:
             raise ValueError("PipelineExecutor needs at least one model chunk")
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is outside the {self.num_stages} stage_ranks {list(stage_ranks)}")
+        if tied_params and embedding_group.size == 1 and len(stage_ranks) > 1:
+            raise ValueError("tied_params on a pipeline need embedding_group= (the first and last stage, "
+                             "ParallelGroups.embedding_group) to sum their gradients over")
         if self.is_last_holder and loss_fn is None:
             raise ValueError("the last pipeline stage needs loss_fn(output, targets) -> scalar loss")
         self.stage_ranks = list(stage_ranks)
@@ -371,12 +376,12 @@ class PipelineExecutor:
             key = (a.microbatch, a.chunk)
             if a.kind in (K.RECV_ACT, K.RECV_GRAD):
                 buf = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buf, peer, self.pp_group))
+                ops.append(comm.p2p_op(dist.irecv, buf, peer, self.pp_group))
                 self._recvs[(a.kind, a.microbatch, a.chunk)] = (buf, batch.index)
             else:
                 src = self._state["out"][key] if a.kind is K.SEND_ACT else self._state["dx"].pop(key)
                 t = src.detach()  # (B, S, H) activation or input grad; kept alive until sent
-                ops.append(dist.P2POp(dist.isend, t, peer, self.pp_group))
+                ops.append(comm.p2p_op(dist.isend, t, peer, self.pp_group))
                 batch.sends.append((a, t))
         batch.works = comm.batch_isend_irecv(ops)
         self._posted.append(batch)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Sequence
 
 from engine.errors import ConfigError
-from engine.pipeline.actions import Action, ActionKind, ScheduleError, next_hop, prev_hop, virtual_stage
+from engine.pipeline.actions import Action, ActionKind, next_hop, prev_hop, virtual_stage
 from engine.pipeline.simulate import producer, reference_times
 from engine.validate import check_int
 

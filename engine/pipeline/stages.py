@@ -24,11 +24,11 @@ import logging
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
+from engine.dist.groups import AxisGroup
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
 from engine.models.attention import AttnMask
@@ -43,7 +43,6 @@ from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 __all__ = ["StageChunk", "ReferenceModel", "reference_layer_params", "stage_bounds", "build_reference_chunks",
            "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids"]
 
-ProcessGroup = Optional[dist.ProcessGroup]
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ class ReferenceModel(nn.Module):
     ``doc_ids`` (B, S): the packed rows' document ids (``data.document_masking``; the chunk
     checks that config and data agree)."""
 
-    def __init__(self, chunk: StageChunk, tp_group: ProcessGroup) -> None:
+    def __init__(self, chunk: StageChunk, tp_group: AxisGroup) -> None:
         super().__init__()
         self.chunk = chunk
         self.tp_group = tp_group
@@ -146,7 +145,7 @@ def check_reference_support(cfg: Config) -> None:
                        "activations are kept whole on every TP rank (same results, more memory)")
 
 
-def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: ProcessGroup, *, device: torch.device,
+def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, device: torch.device,
                            dtype: torch.dtype) -> list[StageChunk]:
     """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded; with
     ``fp8.enabled`` the blocks' linear layers are FP8 (embedding and LM head stay bf16)."""
@@ -169,7 +168,7 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: ProcessGroup, *,
 
 
 @torch.no_grad()
-def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: ProcessGroup) -> None:
+def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: AxisGroup) -> None:
     """Copy the unsharded ``full`` model's weights into ``chunks`` (this rank's TP shard of
     each parameter; padded vocabulary rows stay zero)."""
     world, rank = tp_world_size(tp_group), tp_rank(tp_group)

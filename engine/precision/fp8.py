@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.dist.comm import all_reduce
+from engine.dist.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.ops.fp8 import fp8_cast, fp8_max
 from engine.validate import check_int
@@ -215,14 +216,13 @@ def fp8_backend(device: torch.device, *dims: int) -> str:
     return "scaled_mm"
 
 
-def _reduce_max(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    if group is not None:
-        all_reduce(t, group, op=dist.ReduceOp.MAX)
+def _reduce_max(t: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    all_reduce(t, group, op=dist.ReduceOp.MAX)  # the identity on a group of one
     return t
 
 
 def _current_scales(tensors: Sequence[torch.Tensor], metas: Sequence[ScalingMeta], recipe: Fp8Recipe,
-                    group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+                    group: AxisGroup) -> list[torch.Tensor]:
     """``current`` scaling: each tensor's scale from its own amax, MAX-reduced over ``group``.
     The amaxes of all tensors travel in ONE all-reduce (the forward's input and weight
     together): each collective is a stall of the compute stream under NCCL."""
@@ -232,7 +232,7 @@ def _current_scales(tensors: Sequence[torch.Tensor], metas: Sequence[ScalingMeta
             for a, m in zip(amax.unbind(0), metas)]
 
 
-def _quantize(t: torch.Tensor, meta: ScalingMeta, recipe: Fp8Recipe, group: Optional[dist.ProcessGroup],
+def _quantize(t: torch.Tensor, meta: ScalingMeta, recipe: Fp8Recipe, group: AxisGroup,
               transpose: bool, record: bool = True, scale: Optional[torch.Tensor] = None):
     """(fp8, scale_inv, fp8_t or None) of a 2-D tensor under the recipe; records its amax
     unless ``record`` is False (evaluation forwards must not feed the training history).
@@ -337,7 +337,7 @@ def _wanted_halves(ctx: Any) -> tuple[bool, bool]:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: Fp8LinearState,
-               tp_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
+               tp_group: AxisGroup = NO_TP, backend: Optional[str] = None,
                record_amax: bool = True) -> torch.Tensor:
     """y = x W^T + b with FP8 GEMMs. x (..., K), weight (N, K) (a TP shard is fine), bias (N,).
 
@@ -365,7 +365,7 @@ class Fp8Linear(nn.Module):
     """nn.Linear whose GEMMs run in FP8 (fp32 master weight, quantized per forward)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 recipe: Optional[Fp8Recipe] = None, tp_group: Optional[dist.ProcessGroup] = None,
+                 recipe: Optional[Fp8Recipe] = None, tp_group: AxisGroup = NO_TP,
                  device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -396,13 +396,14 @@ def fp8_states(module: nn.Module) -> list[Fp8LinearState]:
 
 
 def update_fp8_scales(states: Iterable[Fp8LinearState],
-                      group: Union[None, dist.ProcessGroup, Sequence[Optional[dist.ProcessGroup]]] = None) -> None:
+                      group: Union[AxisGroup, Sequence[AxisGroup]] = ()) -> None:
     """Once per optimizer step, after backward: reduce, rescale, roll (module docstring).
 
     Every rank of `group` must pass its states in the same order (same layer structure):
     the fresh amaxes of all of them travel in one stacked all-reduce. `group` may also be a
     sequence of groups (e.g. ``[tp_group, dp_group]``): the MAX is taken over each in turn,
-    which equals the MAX over their product (TP x DP) without building that group.
+    which equals the MAX over their product (TP x DP) without building that group; ``()``
+    (the default): this rank's amaxes only.
 
     For ``current`` scaling only the history roll happens (scales are per cast). One
     collective for all tensors: the fresh amaxes are stacked, MAX-reduced, written back.
@@ -422,13 +423,13 @@ def update_fp8_scales(states: Iterable[Fp8LinearState],
 
 
 def _update_same_length(metas: list[ScalingMeta], recipes: list[Fp8Recipe],
-                        group: Union[None, dist.ProcessGroup, Sequence[Optional[dist.ProcessGroup]]]) -> None:
+                        group: Union[AxisGroup, Sequence[AxisGroup]]) -> None:
     """All metas at once: a fixed number of kernels whatever the number of layers (the
     per-meta loop was ~10 tiny kernels per meta, 3 metas per layer)."""
     device = metas[0].amax_history.device
     hist = torch.stack([m.amax_history for m in metas])  # (n, L)
     fresh = hist[:, 0].clone()                            # (n,) this step's amaxes
-    for g in (group if isinstance(group, (list, tuple)) else [group]):
+    for g in ([group] if isinstance(group, AxisGroup) else group):
         _reduce_max(fresh, g)
     hist[:, 0] = fresh
     # per-meta constants, built on the host and copied once

@@ -127,14 +127,14 @@ class PipelineRunner:
                     x = move_to_device(inputs, self.device)
                 else:
                     x = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # (B, S, H)
-                    self._transfer(dist.P2POp(dist.irecv, x, self.stage_ranks[prev[0]], self.groups.pp_group))
+                    self._transfer(comm.p2p_op(dist.irecv, x, self.stage_ranks[prev[0]], self.groups.pp_group))
                 out = self.chunks[c](x, **side)
                 nxt = next_hop(self.stage, c, self.num_stages, v)
                 if nxt is None:
                     losses.append(self.loss_fn(out, move_to_device(targets, self.device)).detach())
                 else:
                     self._check_boundary(out, c)
-                    self._transfer(dist.P2POp(dist.isend, out.contiguous(), self.stage_ranks[nxt[0]],
+                    self._transfer(comm.p2p_op(dist.isend, out.contiguous(), self.stage_ranks[nxt[0]],
                                               self.groups.pp_group))
         return losses if self.is_last else None
 

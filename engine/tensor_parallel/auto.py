@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.dist.groups import AxisGroup
 from engine.tensor_parallel.attrs import set_tp_attrs
 from engine.tensor_parallel.auto_rules import ATTENTION_ATTRS, LayerSpec
 from engine.tensor_parallel.layers import set_layout_attrs, shard_tensor
@@ -49,7 +49,6 @@ __all__ = ["AutoTPLinear", "HeadCounts", "AutoTPResult", "autotp", "head_counts"
 
 logger = logging.getLogger(__name__)
 
-ProcessGroup = Optional[dist.ProcessGroup]
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class AutoTPLinear(nn.Module):
     ``kv_replicated`` (whole weight, rows ``[lo, lo + n)`` of the output used here).
     ``transposed``: the weight is stored (in, out) as GPT-2's ``Conv1D``."""
 
-    def __init__(self, mode: str, weight: torch.Tensor, bias: Optional[torch.Tensor], tp_group: ProcessGroup, *,
+    def __init__(self, mode: str, weight: torch.Tensor, bias: Optional[torch.Tensor], tp_group: AxisGroup, *,
                  transposed: bool = False, parts: Optional[Sequence[int]] = None,
                  rows: Optional[tuple[int, int]] = None) -> None:
         super().__init__()
@@ -241,7 +240,7 @@ def _plan(model: nn.Module, specs: Sequence[LayerSpec]) -> list[tuple[str, nn.Mo
     return out
 
 
-def autotp(model: nn.Module, tp_group: ProcessGroup, specs: Sequence[LayerSpec], *,
+def autotp(model: nn.Module, tp_group: AxisGroup, specs: Sequence[LayerSpec], *,
            config: Any = None) -> AutoTPResult:
     """Replace ``model``'s projections by their TP shards, in place (see module docstring).
 

@@ -15,22 +15,20 @@ contribute exp(-inf) = 0, so padding never changes the loss.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.groups import AxisGroup
 from engine.dist.strict import host_sync_allowed
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
-ProcessGroup = Optional[dist.ProcessGroup]
 
 
-def _all_reduce(t: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp) -> None:
-    if tp_world_size(group) > 1:  # group=None means TP=1 here, not WORLD
+def _all_reduce(t: torch.Tensor, group: AxisGroup, op: dist.ReduceOp) -> None:
+    if tp_world_size(group) > 1:  # a group of one: no TP, nothing to reduce
         comm.all_reduce(t, group, op=op)
 
 
@@ -38,7 +36,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss (...,) from logits shards (..., V/tp); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: ProcessGroup,
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup,
                 ignore_index: int) -> torch.Tensor:
         z = logits.float()                                   # (..., Vl) fp32; the input itself if fp32,
         # so nothing below writes into z before `z - m` makes a new tensor
@@ -71,14 +69,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group: AxisGroup,
                                  *, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of vocab-parallel ``logits`` (..., V/tp) against global ``targets`` (...).
 
     Matches ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(),
     ignore_index=ignore_index, reduction=reduction)`` (``"mean"`` averages over the
     non-ignored tokens; ``"none"`` returns the per-token losses, 0 where ignored).
-    ``tp_group=None`` means the logits are not sharded.
+    A TP group of one (``NO_TP``) means the logits are not sharded.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.dist.groups import AxisGroup
 from engine.dist.strict import host_sync_allowed
 from engine.precision.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear
 from engine.tensor_parallel.attrs import is_tp_sharded, set_tp_attrs, tp_partition_dim
@@ -77,7 +77,6 @@ __all__ = [
     "VocabParallelEmbedding",
 ]
 
-ProcessGroup = Optional[dist.ProcessGroup]
 Device = Optional[Union[torch.device, str]]
 Dtype = Optional[torch.dtype]
 
@@ -155,7 +154,7 @@ def set_layout_attrs(param: torch.Tensor, parts: Optional[Sequence[int]] = None,
     param.tp_unpadded_size = unpadded_size  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
 
 
-def gather_full_tensor(t: torch.Tensor, param: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def gather_full_tensor(t: torch.Tensor, param: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """The unsharded value of ``t`` (``param`` itself, its ``.grad``, or any tensor laid out
     like it), gathered over the TP group and with vocabulary padding removed.
     Replicated parameters are returned as they are."""
@@ -180,7 +179,7 @@ def _place(t: torch.Tensor, device, dtype) -> nn.Parameter:
     return nn.Parameter(t.to(device=device, dtype=dtype if dtype is not None else t.dtype))
 
 
-def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: ProcessGroup,
+def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: AxisGroup,
                   fp8_state: Optional[Fp8LinearState], record_amax: bool) -> torch.Tensor:
     """This rank's GEMM ``x W^T + b``: plain, or FP8 with amaxes MAX-reduced over ``group``."""
     if fp8_state is None:
@@ -207,7 +206,7 @@ class _Fp8Holder(nn.Module):
 # ---------------------------------------------------------------- functional forms
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           group: ProcessGroup, *, sequence_parallel: bool = False,
+                           group: AxisGroup, *, sequence_parallel: bool = False,
                            gather_output: bool = False,
                            parts: Optional[Sequence[int]] = None,
                            fp8_state: Optional[Fp8LinearState] = None, record_amax: bool = True) -> torch.Tensor:
@@ -228,7 +227,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        group: ProcessGroup, *, sequence_parallel: bool = False,
+                        group: AxisGroup, *, sequence_parallel: bool = False,
                         input_is_parallel: bool = True, fp8_state: Optional[Fp8LinearState] = None,
                         record_amax: bool = True) -> torch.Tensor:
     """``x`` (B, S, in/tp) (or (B, S, in) with ``input_is_parallel=False``) times this rank's
@@ -252,7 +251,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return y
 
 
-def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
+def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
                           vocab_size: int, *, sequence_parallel: bool = False) -> torch.Tensor:
     """LM head: ``x`` (B, S, H) (or (B, S/tp, H)) times this rank's vocabulary shard
     (V_pad/tp, H). Returns logits (B, S, V_pad/tp); the columns of padded vocabulary
@@ -267,7 +266,7 @@ def vocab_parallel_logits(x: torch.Tensor, weight: torch.Tensor, group: ProcessG
     return logits
 
 
-def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, tp_group: ProcessGroup, *,
+def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, tp_group: AxisGroup, *,
                           init: NormalInit, device: Device = None, dtype: Dtype = None) -> nn.Parameter:
     """This rank's shard (V_pad/tp, H) of a vocabulary-sized weight (V, H) drawn by ``init``
     and zero-padded to ``V_pad``; tagged TP-sharded along dim 0. Shared by the embedding and
@@ -294,7 +293,7 @@ class ColumnParallelLinear(_Fp8Holder):
     ``fp8_recipe``: run the local GEMM in FP8 (state in ``self.fp8_state``).
     """
 
-    def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], tp_group: ProcessGroup,
+    def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], tp_group: AxisGroup,
                  *, init: NormalInit, bias: bool = False, gather_output: bool = False,
                  sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None,
                  fp8_recipe: Optional[Fp8Recipe] = None) -> None:
@@ -341,7 +340,7 @@ class RowParallelLinear(_Fp8Holder):
     ``fp8_recipe``: run the local partial GEMM in FP8 (state in ``self.fp8_state``).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp_group: ProcessGroup, *,
+    def __init__(self, in_features: int, out_features: int, tp_group: AxisGroup, *,
                  init: NormalInit, bias: bool = False, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None,
                  fp8_recipe: Optional[Fp8Recipe] = None) -> None:
@@ -387,7 +386,7 @@ class VocabParallelEmbedding(nn.Module):
     shard contribute zero. The weight is TP-sharded along dim 0.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group: ProcessGroup, *,
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group: AxisGroup, *,
                  init: NormalInit, sequence_parallel: bool = False, device: Device = None, dtype: Dtype = None) -> None:
         super().__init__()
         world, rank = tp_world_size(tp_group), tp_rank(tp_group)

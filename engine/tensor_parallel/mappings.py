@@ -1,9 +1,9 @@
 """The conjugate communication ops of tensor parallelism, as autograd functions.
 
-Each op takes the TP process group as an argument. ``tp_group=None`` (or a group of one)
-means no tensor parallelism: every op is then the identity and never touches
-``torch.distributed``, so a model built with ``tp_group=None`` runs in a process where
-torch.distributed was never initialised.
+Each op takes the TP group (an :class:`~engine.dist.groups.AxisGroup`) as an argument. A
+group of one (``NO_TP``, ``AxisGroup.single("tp")``) means no tensor parallelism: every op
+is then the identity and never touches ``torch.distributed``, so a model built with
+``tp_group=NO_TP`` runs in a process where torch.distributed was never initialised.
 
 The ops come in conjugate pairs (the backward of one is the forward of the other)::
 
@@ -26,12 +26,10 @@ default (``seq_dim`` argument).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.groups import AxisGroup
 
 __all__ = [
     "tp_world_size",
@@ -48,24 +46,22 @@ __all__ = [
     "reduce_scatter_along_dim",
 ]
 
-ProcessGroup = Optional[dist.ProcessGroup]
-
 SEQ_DIM = 1  # (B, S, H): the sequence dim of the engine's activation layout
 
 
-def tp_world_size(group: ProcessGroup) -> int:
-    """TP degree of ``group``; ``None`` means TP=1 (and never calls torch.distributed)."""
-    # Careful: torch.distributed reads group=None as the WORLD group; we read it as "no TP".
-    return 1 if group is None else comm.group_size(group)
+def tp_world_size(group: AxisGroup) -> int:
+    """TP degree of ``group`` (1: no TP; never calls torch.distributed)."""
+    return group.size
 
 
-def tp_rank(group: ProcessGroup) -> int:
-    return 0 if group is None else comm.group_rank(group)
+def tp_rank(group: AxisGroup) -> int:
+    """This rank's index in the TP group."""
+    return group.rank
 
 
 # ---------------------------------------------------------------- plain (non-autograd) helpers
 
-def split_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+def split_along_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (no communication)."""
     world = tp_world_size(group)
     if world == 1:
@@ -76,7 +72,7 @@ def split_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
     return x.chunk(world, dim=dim)[tp_rank(group)].contiguous()
 
 
-def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+def all_gather_along_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
     world = tp_world_size(group)
     if world == 1:
@@ -88,7 +84,7 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torc
     return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
     """Sum ``x`` over the ranks and keep this rank's slice along ``dim``."""
     world = tp_world_size(group)
     if world == 1:
@@ -102,7 +98,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> 
     return out.movedim(0, dim).contiguous()
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     # Out of place: the input may be saved by autograd or be a view of a parameter.
     out = x.contiguous().clone()
     comm.all_reduce(out, group)
@@ -118,7 +114,7 @@ class _CopyToRegion(torch.autograd.Function):
     flowing through its own weight shard; the true gradient is their sum."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -133,7 +129,7 @@ class _ReduceFromRegion(torch.autograd.Function):
     Put after a row-parallel matmul: each rank holds a partial sum of the output."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
@@ -145,7 +141,7 @@ class _ScatterToRegion(torch.autograd.Function):
     """Forward: keep this rank's slice of the last dim. Backward: all-gather the last dim."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         ctx.group = group
         return split_along_dim(x, -1, group)
 
@@ -158,7 +154,7 @@ class _GatherFromRegion(torch.autograd.Function):
     """Forward: all-gather the last dim. Backward: keep this rank's slice of the last dim."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
         ctx.group = group
         return all_gather_along_dim(x, -1, group)
 
@@ -171,7 +167,7 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
     """Forward: keep this rank's slice of the sequence dim. Backward: all-gather it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return split_along_dim(x, dim, group)
 
@@ -189,7 +185,7 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     This replaces copy-to-region's backward all-reduce."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return all_gather_along_dim(x, dim, group)
 
@@ -205,7 +201,7 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     reduce-from-region's all-reduce: same bytes in the reduction, half the output)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return reduce_scatter_along_dim(x, dim, group)
 
@@ -216,39 +212,39 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
 
 # ---------------------------------------------------------------- public functional API
 
-def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward identity; backward all-reduce of the gradient over ``group``."""
     return x if tp_world_size(group) == 1 else _CopyToRegion.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def reduce_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward all-reduce (sum) over ``group``; backward identity."""
     return x if tp_world_size(group) == 1 else _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def scatter_to_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: this rank's slice of the last dim; backward: all-gather of the last dim."""
     return x if tp_world_size(group) == 1 else _ScatterToRegion.apply(x, group)
 
 
-def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def gather_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: all-gather of the last dim (rank order); backward: this rank's slice."""
     return x if tp_world_size(group) == 1 else _GatherFromRegion.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup,
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: AxisGroup,
                                         seq_dim: int = SEQ_DIM) -> torch.Tensor:
     """Forward: this rank's slice of ``seq_dim``; backward: all-gather of ``seq_dim``."""
     return x if tp_world_size(group) == 1 else _ScatterToSequenceParallel.apply(x, group, seq_dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup,
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: AxisGroup,
                                          seq_dim: int = SEQ_DIM) -> torch.Tensor:
     """Forward: all-gather of ``seq_dim``; backward: reduce-scatter (sum) of ``seq_dim``."""
     return x if tp_world_size(group) == 1 else _GatherFromSequenceParallel.apply(x, group, seq_dim)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup,
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: AxisGroup,
                                                seq_dim: int = SEQ_DIM) -> torch.Tensor:
     """Forward: reduce-scatter (sum) along ``seq_dim``; backward: all-gather of ``seq_dim``."""
     return x if tp_world_size(group) == 1 else _ReduceScatterToSequenceParallel.apply(x, group, seq_dim)

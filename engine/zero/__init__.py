@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
+from engine.dist.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
@@ -34,11 +34,8 @@ STAGES = {0: DataParallelOptimizer, 1: Zero1Optimizer, 2: Zero2Optimizer, 3: Zer
 
 
 def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_factory: OptimizerFactory,
-                         dp_group: Optional[dist.ProcessGroup], *,
+                         groups: Union[ParallelGroups, AxisGroup], *,
                          module: Optional[torch.nn.Module] = None,
-                         tp_group: Optional[dist.ProcessGroup] = None,
-                         pp_group: Optional[dist.ProcessGroup] = None,
-                         embedding_group: Optional[dist.ProcessGroup] = None,
                          tied_params: Sequence[torch.nn.Parameter] = (),
                          precision: Optional[PrecisionPolicy] = None,
                          loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
@@ -47,20 +44,21 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
                          stage3_prefetch_bucket_size: int = 50_000_000,
                          stage3_max_live_parameters: int = 1_000_000_000,
                          stage3_param_persistence_threshold: int = 100_000) -> ZeroOptimizer:
-    """The ZeRO optimizer for ``stage`` (0-3) over ``dp_group`` (None: the default group).
+    """The ZeRO optimizer for ``stage`` (0-3) over the run's ``groups`` (its DP group; or the
+    DP :class:`~engine.dist.groups.AxisGroup` alone for data parallelism without TP/PP).
 
     ``params_or_module``: the model, its trainable parameters, or torch-style group dicts
     (extra keys such as ``weight_decay`` become the inner optimizer's group options).
     ``optimizer_factory(param_groups) -> torch.optim.Optimizer`` builds the inner optimizer
     over this rank's fp32 master shard(s), e.g. ``lambda g: torch.optim.AdamW(g, lr=1e-3)``.
     Stage 3 needs the module (``module=`` or as ``params_or_module``) to hook its forward.
-    ``tp_group`` / ``pp_group`` are used only for the global gradient norm and the overflow
-    vote; ``embedding_group`` with ``tied_params`` sums tied weights' gradients across stages.
+    The TP and PP groups are used only for the global gradient norm and the overflow vote;
+    the embedding group sums ``tied_params``' gradients across stages.
     """
     if stage not in STAGES:
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     common: dict[str, Any] = dict(
-        tp_group=tp_group, pp_group=pp_group, embedding_group=embedding_group, tied_params=tied_params,
+        tied_params=tied_params,
         precision=precision, loss_scaler=loss_scaler, reduce_bucket_size=reduce_bucket_size,
         overlap_comm=overlap_comm, alignment=alignment, clip_grad=clip_grad)
     if stage == 3:
@@ -68,8 +66,8 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
         if not isinstance(mod, torch.nn.Module):
             raise ValueError("ZeRO stage 3 needs the model: pass module=<the nn.Module> (it hooks the "
                              "forward and backward of each submodule to gather its parameters)")
-        return Zero3Optimizer(params_or_module, optimizer_factory, dp_group, module=mod,
+        return Zero3Optimizer(params_or_module, optimizer_factory, groups, module=mod,
                               prefetch_bucket_size=stage3_prefetch_bucket_size,
                               max_live_parameters=stage3_max_live_parameters,
                               param_persistence_threshold=stage3_param_persistence_threshold, **common)
-    return STAGES[stage](params_or_module, optimizer_factory, dp_group, **common)
+    return STAGES[stage](params_or_module, optimizer_factory, groups, **common)

@@ -4,10 +4,12 @@ global-norm clipping, inner optimizer on the fp32 master shard, publish), state 
 memory accounting. The stages (stage0.py ... stage3.py) differ only in where parameters,
 gradients and master weights live; each is a small subclass.
 
-One optimizer serves ONE data-parallel group. Gradients are averaged over that group only;
+One optimizer serves ONE data-parallel group. It takes the run's
+:class:`~engine.dist.groups.ParallelGroups` (or, for data parallelism alone, the DP
+:class:`~engine.dist.groups.AxisGroup`). Gradients are averaged over the DP group only;
 the TP and PP groups (``tp_group``, ``pp_group``) enter only the global gradient norm and
-the "did any rank overflow" vote, and ``embedding_group`` sums the gradients of tied weights
-between the pipeline stages that hold them.
+the "did any rank overflow" vote, and the embedding group sums the gradients of tied
+weights between the pipeline stages that hold them.
 
 Usage per optimizer step (``ga`` micro-batches, loss already divided by ``ga``)::
 
@@ -51,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
@@ -88,6 +91,26 @@ def normalize_param_groups(params: ParamsArg) -> list[dict[str, Any]]:
     return groups
 
 
+def _mesh(groups: Union[ParallelGroups, AxisGroup],
+          tied: bool) -> tuple[AxisGroup, AxisGroup, AxisGroup, AxisGroup]:
+    """(dp, tp, pp, embedding) from what the caller passed: the run's ParallelGroups, or the
+    DP group alone (tp = pp = 1, no tied weights across stages)."""
+    if isinstance(groups, AxisGroup):
+        if tied:
+            raise ValueError("tied_params are summed over the embedding group: pass the ParallelGroups, "
+                             "not the DP group alone")
+        me = groups.global_rank
+        return groups, AxisGroup.single("tp", me), AxisGroup.single("pp", me), AxisGroup.single("embedding", me)
+    if not isinstance(groups, ParallelGroups):
+        raise TypeError(f"ZeRO takes the ParallelGroups or the DP AxisGroup, got {type(groups).__name__} "
+                        "(wrap a torch process group with engine.dist.groups.AxisGroup.of(group))")
+    if tied and not groups.in_embedding_group:
+        raise ValueError(f"tied parameters were given on rank {groups.rank}, a middle pipeline stage: tied "
+                         "weights live on the first and last stage only")
+    emb = groups.embedding_group if tied else AxisGroup.single("embedding", groups.rank)
+    return groups.dp_group, groups.tp_group, groups.pp_group, emb
+
+
 class ZeroOptimizer:
     """Base class; use :func:`engine.zero.build_zero_optimizer` or a stage class."""
 
@@ -100,9 +123,7 @@ class ZeroOptimizer:
     pools_on_boundary: bool = False
 
     def __init__(self, params: ParamsArg, optimizer_factory: OptimizerFactory,
-                 dp_group: Optional[dist.ProcessGroup], *,
-                 tp_group: Optional[dist.ProcessGroup] = None, pp_group: Optional[dist.ProcessGroup] = None,
-                 embedding_group: Optional[dist.ProcessGroup] = None,
+                 groups: Union[ParallelGroups, AxisGroup], *,
                  tied_params: Sequence[torch.nn.Parameter] = (),
                  precision: Optional[PrecisionPolicy] = None,
                  loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
@@ -111,10 +132,9 @@ class ZeroOptimizer:
         if not dist.is_initialized():
             raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
                                "engine.dist.env.init_distributed(), or gloo with world_size=1)")
-        self.dp_group = dp_group
-        self.dp_size = comm.group_size(dp_group)
-        self.dp_rank = comm.group_rank(dp_group)
-        self.tp_group, self.pp_group, self.embedding_group = tp_group, pp_group, embedding_group
+        self.dp_group, self.tp_group, self.pp_group, self.embedding_group = _mesh(groups, bool(tied_params))
+        self.dp_size = comm.group_size(self.dp_group)
+        self.dp_rank = comm.group_rank(self.dp_group)
         self.precision = precision or PrecisionPolicy()
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         if clip_grad < 0:
@@ -355,21 +375,19 @@ class ZeroOptimizer:
         """Sum tied-weight gradients between the pipeline stages that hold a copy (same DP
         shard on each: a tied weight's bucket has the same layout everywhere)."""
         tied = sorted((g for g in self.groups if g.key.tied_index >= 0), key=lambda g: g.key.tied_index)
-        if tied and self.embedding_group is None:
-            raise ValueError("tied parameters were given but no embedding_group to sum their gradients over")
         for g in tied:
             comm.all_reduce(g.master.grad, self.embedding_group)
 
     # ------------------------------------------------------------------ norm and step
-    def _mesh_groups(self) -> list[dist.ProcessGroup]:
+    def _mesh_groups(self) -> list[AxisGroup]:
         groups = [self.dp_group] if self.shards_optimizer_state else []
-        return [g for g in groups + [self.tp_group, self.pp_group] if g is not None]
+        return [g for g in groups + [self.tp_group, self.pp_group] if g.size > 1]
 
     def _grad_stats(self) -> tuple[float, bool]:
         """(global grad norm, any non-finite anywhere), one all-reduce; cached per step."""
         if self._norm_cache is not None:
             return self._norm_cache
-        tp_rank = comm.group_rank(self.tp_group) if self.tp_group is not None else 0
+        tp_rank = comm.group_rank(self.tp_group)
         stats = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of squares, non-finite count]
         for g in self.groups:
             # One fp32 pass per shard: the norm is non-finite iff an element is (or the sum of

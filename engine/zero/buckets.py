@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.groups import AxisGroup
 from engine.zero.init import param_shape
 from engine.zero.partition import FlatLayout, GroupKey
 
@@ -127,7 +127,7 @@ class FlatBucket:
         if cursor < self.layout.padded_numel:
             self.grad_acc[cursor:].zero_()
 
-    def launch_reduce(self, group: Optional[dist.ProcessGroup], sharded: bool, async_op: bool,
+    def launch_reduce(self, group: AxisGroup, sharded: bool, async_op: bool,
                       out: Optional[torch.Tensor] = None) -> None:
         """Sum the accumulator over ``group``: into ``shard_grad`` (reduce-scatter; or into
         ``out`` (shard,) when given) when the optimizer state is sharded, in place

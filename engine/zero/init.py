@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.dist import comm
+from engine.dist.groups import AxisGroup
 
 __all__ = ["Init", "GatheredParameters", "is_partitioned", "param_numel", "param_shape", "register_managed",
            "gather_partitioned", "shard_range"]
@@ -73,7 +74,7 @@ def shard_range(numel: int, rank: int, world: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def _partition(p: nn.Parameter, group: Optional[dist.ProcessGroup], dtype: Optional[torch.dtype]) -> None:
+def _partition(p: nn.Parameter, group: AxisGroup, dtype: Optional[torch.dtype]) -> None:
     world, rank = comm.group_size(group), comm.group_rank(group)
     flat = p.detach().reshape(-1)
     if dtype is not None and flat.is_floating_point():
@@ -110,15 +111,24 @@ def _all_subclasses(cls: type) -> list[type]:
     return out
 
 
+
+def _dp_axis(group: Union[AxisGroup, dist.ProcessGroup, None]) -> AxisGroup:
+    """DeepSpeed's ``data_parallel_group`` as an axis value: None is the world, as in DeepSpeed."""
+    if isinstance(group, AxisGroup):
+        return group
+    return AxisGroup.world() if group is None else AxisGroup.of(group, "data_parallel_group")
+
 class Init:
     """Partition parameters over the data-parallel group as modules are built (see the
-    module docstring). DeepSpeed's keyword names; ``data_parallel_group`` None: the
-    default (world) group, as in DeepSpeed; ``dtype``: the shards' dtype (default: as
+    module docstring). DeepSpeed's keyword names; ``data_parallel_group``: an
+    :class:`~engine.dist.groups.AxisGroup` or a torch process group, None meaning the
+    default (world) group as in DeepSpeed (converted here, at the DeepSpeed edge); ``dtype``: the shards' dtype (default: as
     built); ``enabled=False``: a no-op context. Options DeepSpeed offers for offload
     (``remote_device`` other than None/"cpu"/the parameters' device, ``pin_memory``) are
     refused rather than ignored."""
 
-    def __init__(self, module: Optional[nn.Module] = None, data_parallel_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, module: Optional[nn.Module] = None,
+                 data_parallel_group: Union[AxisGroup, dist.ProcessGroup, None] = None,
                  mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: Optional[torch.dtype] = None, mpu: Any = None) -> None:
@@ -130,7 +140,7 @@ class Init:
         if enabled and not dist.is_initialized():
             raise RuntimeError("engine.zero.Init needs an initialised process group (engine.dist.env."
                                "init_distributed(), or gloo with world_size=1)")
-        self.group = data_parallel_group
+        self.group = _dp_axis(data_parallel_group) if enabled else AxisGroup.single("dp")
         self.enabled = bool(enabled)
         self.dtype = dtype
         self._saved: dict[type, Any] = {}
@@ -253,7 +263,7 @@ class GatheredParameters:
         for p in self.partitioned:
             group = p.ds_process_group
             if self.modifier_rank is not None:
-                src = dist.get_global_rank(group, self.modifier_rank) if group is not None else self.modifier_rank
+                src = group.global_rank_of(self.modifier_rank)
                 comm.broadcast(p.data, src, group)
                 world, rank = comm.group_size(group), comm.group_rank(group)
                 lo, hi = shard_range(p.ds_numel, rank, world)

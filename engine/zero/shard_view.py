@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
+from engine.dist.groups import AxisGroup
 from engine.zero.partition import FlatLayout
 
 __all__ = ["ParamSlot", "BucketView", "GroupView", "ShardPiece", "GroupState", "Scalar", "ShardView",
@@ -140,15 +140,15 @@ def split_state(state: dict[str, Any], numel: int) -> tuple[dict[str, torch.Tens
 @dataclass(frozen=True)
 class ShardView:
     """Every flat group of one ZeRO optimizer, in the inner optimizer's group order, and the
-    groups it spans: ``dp_group`` (the shards), ``tp_group`` (None when there is no TP).
+    groups it spans: ``dp_group`` (the shards), ``tp_group`` (size 1 when there is no TP).
     ``stage``: the ZeRO stage; ``sharded``: optimizer state is split over DP (stage >= 1);
     ``optimizer_class``: the inner optimizer's class name."""
 
     groups: tuple[GroupView, ...]
-    dp_group: Optional[dist.ProcessGroup]
+    dp_group: AxisGroup
     dp_size: int
     dp_rank: int
-    tp_group: Optional[dist.ProcessGroup]
+    tp_group: AxisGroup
     tp_size: int
     tp_rank: int
     stage: int = -1
@@ -241,14 +241,13 @@ def _bucket_view(bucket: Any, master_offset: int, sharded: bool) -> BucketView:
     return BucketView(layout, bucket.shard_index, sharded, master_offset, tuple(slots))
 
 
-def build_shard_view(groups: Sequence[Any], sharded: bool, dp_group: Optional[dist.ProcessGroup], dp_size: int,
-                     dp_rank: int, tp_group: Optional[dist.ProcessGroup], *, stage: int = -1,
+def build_shard_view(groups: Sequence[Any], sharded: bool, dp_group: AxisGroup, dp_size: int,
+                     dp_rank: int, tp_group: AxisGroup, *, stage: int = -1,
                      optimizer: Optional[torch.optim.Optimizer] = None,
                      publish: Optional[Callable[[], None]] = None) -> ShardView:
     """The view of a ZeRO optimizer's flat groups (:class:`~engine.zero.buckets.FlatGroup`);
     with its inner ``optimizer`` and ``publish`` step, the view also reads and loads state."""
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    tp_size, tp_rank = tp_group.size, tp_group.rank
     out = []
     for g in groups:
         buckets, off = [], 0

@@ -26,12 +26,12 @@ Memory per rank between steps: (2 + 4 + 12) Psi / N_d (+ persistent parameters).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.groups import AxisGroup, ParallelGroups
 from engine.zero.buckets import FlatBucket
 from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
 from engine.zero.partition import GroupKey, bucketize
@@ -78,7 +78,7 @@ class _PreBackward(torch.autograd.Function):
 class Zero3Optimizer(Zero2Optimizer):
     stage = 3
 
-    def __init__(self, params: Any, optimizer_factory: Any, dp_group: Any, *, module: torch.nn.Module,
+    def __init__(self, params: Any, optimizer_factory: Any, groups: Union[ParallelGroups, AxisGroup], *, module: torch.nn.Module,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
                  param_persistence_threshold: int = 100_000, **kwargs: Any):
         self.module = module
@@ -91,7 +91,7 @@ class Zero3Optimizer(Zero2Optimizer):
                 owners = self._owners.setdefault(id(p), [])
                 if m not in owners:
                     owners.append(m)
-        super().__init__(params, optimizer_factory, dp_group, **kwargs)
+        super().__init__(params, optimizer_factory, groups, **kwargs)
         # unit (module) -> its non-persistent buckets; param id -> units owning it
         self._units: dict[torch.nn.Module, list[FlatBucket]] = {}
         self._units_of: dict[int, list[torch.nn.Module]] = {}
@@ -340,7 +340,7 @@ class Zero3Optimizer(Zero2Optimizer):
             raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the data-parallel group of {self.dp_size}")
         for b in self._buckets_of(params):
             if modifier_rank is not None:
-                src = dist.get_global_rank(self.dp_group, modifier_rank) if self.dp_group is not None else modifier_rank
+                src = self.dp_group.global_rank_of(modifier_rank)
                 comm.broadcast(b.full, src, self.dp_group)
                 shard = b.shard_of(b.full)
                 b.compute_shard.copy_(shard)

@@ -26,6 +26,7 @@ def main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
 
+    from engine.dist import comm
     from engine.dist.env import PeerFailureError, failure_guard, gloo_worker_threads, init_distributed, shutdown
     from engine.dist.groups import ParallelGroups
     from engine.topology import Topology
@@ -47,8 +48,8 @@ def main(scenario: str) -> int:
         groups = ParallelGroups.build(Topology(dp=world // 2 or 1, tp=2 if world > 1 else 1,
                                                world_size=world), timeout_s=timeout_s)
         s = torch.tensor([float(env.rank)], dtype=torch.float64)
-        dist.all_reduce(s, group=groups.tp_group)
-        work = dist.all_reduce(torch.ones(8), group=groups.dp_group, async_op=True)
+        comm.all_reduce(s, groups.tp_group)  # the identity on a group of one ("single")
+        work = comm.all_reduce(torch.ones(8), groups.dp_group, async_op=True)
         # the first optimizer imports torch._dynamo, which would pin the default group in
         # function defaults of torch.distributed.nn.functional (docs/launching.md)
         torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()).step()

@@ -111,12 +111,13 @@ def _vm(field):
 def _mem_worker(rank, world, path):
     from _autotp_models import build
 
+    from engine.dist.groups import AxisGroup
     from engine.tensor_parallel.auto import autotp
     from engine.tensor_parallel.auto_rules import specs_for
     from engine.tensor_parallel.hf_load import full_shape_of, load_sharded_weights
 
     model = build("llama", meta=True, layers=8, hidden=512, heads=8, kv=4, inter=2048, vocab=512)
-    autotp(model, dist.group.WORLD, specs_for("llama", None, (), True))
+    autotp(model, AxisGroup.world(), specs_for("llama", None, (), True))
     shard = sum(p.numel() * 4 for p in model.parameters())
     largest = max(torch.Size(full_shape_of(p, world)).numel() * 4 for p in model.parameters())
     with open("/proc/self/clear_refs", "w") as f:   # reset VmHWM to the current RSS

@@ -22,12 +22,13 @@ def _logits_worker(rank, world):
     """TP 4 over the 4 ranks, then TP 2 over ranks {0, 1} and {2, 3}: one spawn for both."""
     from _autotp_models import batch, build
 
+    from engine.dist.groups import AxisGroup
     from engine.tensor_parallel.auto import autotp
     from engine.tensor_parallel.auto_rules import specs_for
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out = {}
-    for tp, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
+    for tp, group in ((4, AxisGroup.world()), (2, AxisGroup.of(pairs[rank // 2], "tp"))):
         for fam in FAMILIES:
             ref = build(fam).eval()
             model = build(fam).eval()
@@ -39,7 +40,7 @@ def _logits_worker(rank, world):
             out[tp, fam] = (err, sorted(set(res.replaced.values())), smaller)
             if fam == "gpt2":  # the tied embedding stays tied
                 out[tp, "gpt2_tied"] = model.lm_head.weight is model.transformer.wte.weight
-    out["user"] = _user_patterns(pairs[rank // 2])
+    out["user"] = _user_patterns(AxisGroup.of(pairs[rank // 2], "tp"))
     return out
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from harness import run_ranks
 
 pytest.importorskip("transformers")
@@ -71,6 +70,7 @@ def _train(rank, world, family, tp, stage, ga, client, ckpt=False, bf16=False):
     from _autotp_models import batch, build
 
     import engine
+    from engine.dist import comm
 
     dp = world // tp
     model = build(family)
@@ -105,7 +105,7 @@ def _train(rank, world, family, tp, stage, ga, client, ckpt=False, bf16=False):
             eng.backward(out.loss)
             eng.step()
             total += out.loss.detach().float() / ga
-        dist.all_reduce(total, group=eng.groups.dp_group)
+        comm.all_reduce(total, eng.groups.dp_group)
         losses.append(total.item() / dp)
         norms.append(eng.get_global_grad_norm())
     eng.destroy()

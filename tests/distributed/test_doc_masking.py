@@ -80,6 +80,7 @@ def _max_doc_error(dense, mb, logits):
 
 def _layouts(rank, world, layouts):
     import engine
+    from engine.dist.groups import NO_TP
     from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
     seed = 3
@@ -96,7 +97,7 @@ def _layouts(rank, world, layouts):
         captured = []
         def capture(logits, targets, captured=captured):  # the last stage's full logits (TP = 1)
             captured.append(logits.detach().clone())
-            return vocab_parallel_cross_entropy(logits, targets, None)
+            return vocab_parallel_cross_entropy(logits, targets, NO_TP)
 
         eng, *_ = engine.initialize(config=cfg, loss_fn=capture if extra.get("tp", 1) == 1 else None)
         losses = [eng.train_batch(iter(_microbatches(s))).item() for s in range(STEPS)]

@@ -20,6 +20,7 @@ import torch.nn as nn
 from harness import run_ranks
 
 import engine
+from engine.dist.groups import NO_TP
 from engine.optim.lr_schedules import build_lr_scheduler
 
 STEPS, BATCH, LR, WD, CLIP = 3, 16, 1e-2, 0.1, 0.5
@@ -254,7 +255,7 @@ def _layer_list(rank, world):
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "seed": 3,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
            "pipeline": {"stages": 2, "partition": "uniform"}, "model": _TINY}
-    layers = build_stage_layers(mcfg, None, seed=3)  # unsharded; the head shares the embedding weight
+    layers = build_stage_layers(mcfg, NO_TP, seed=3)  # unsharded; the head shares the embedding weight
     eng, *_ = engine.initialize(model=layers, config=cfg)
     losses = [eng.train_batch(iter(_tiny_batches(s))).item() for s in range(3)]
     eval_loss = eng.eval_batch(iter(_tiny_batches(9))).item()

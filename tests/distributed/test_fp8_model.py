@@ -62,12 +62,13 @@ def _tp_data(step):
 def _tp_equivalence(rank, world):
     import torch.distributed as dist
 
+    from engine.dist.groups import AxisGroup
     from engine.models import GPT, ModelConfig
     from engine.precision.fp8 import Fp8Recipe, fp8_states, update_fp8_scales
     from engine.tensor_parallel.layers import gather_full_tensor
     from engine.tensor_parallel.mappings import gather_from_tp_region
 
-    group = dist.new_group([0, 1])
+    group = AxisGroup.of(dist.new_group([0, 1]), "tp")
     cfg = ModelConfig(**TP_CFG)
     out = []
     for recipe, sp, docs in [(Fp8Recipe("delayed", amax_history_len=4), False, False),
@@ -87,7 +88,7 @@ def _tp_equivalence(rank, world):
             sd, st = fp8_states(dense), fp8_states(tp)
             assert len(sd) == len(st) == 4 * cfg.num_layers  # qkv, proj, gate_up, down per block
             local_w = [s.weight.amax_history[0].clone() for s in st]
-            update_fp8_scales(sd, None)
+            update_fp8_scales(sd)
             update_fp8_scales(st, group)
             if recipe.scaling == "delayed":  # history[1] now holds the reduced amax of this step
                 rec["local_weight_amax_differs"] |= any(

@@ -28,6 +28,7 @@ def _gather(rank, world, layout):
     from engine import generate
     from engine.config import load_config
     from engine.dist import comm
+    from engine.dist.groups import NO_TP
     from engine.models import GPT
 
     dist.gather_object = dist.all_gather_object = _forbidden
@@ -44,7 +45,7 @@ def _gather(rank, world, layout):
                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                        "zero_optimization": {"stage": stage}, "pipeline": {"stages": pp},
                        "tensor_parallel": {"autotp_size": tp}, "model": MODEL}, world_size=world)
-    full = GPT(cfg.model, tp_group=None, seed=7)
+    full = GPT(cfg.model, tp_group=NO_TP, seed=7)
     eng, *_ = engine.initialize(model=full, config=cfg)
     got = generate.gather_reference_model(eng)
     eng.destroy()

@@ -24,22 +24,32 @@ def _group_sums(rank, world_size):
         groups = ParallelGroups.build(topo, timeout_s=40.0)
         sums = {}
         for name in ("tp", "dp", "pp", "embedding"):
-            group = getattr(groups, f"{name}_group")
-            if group is None:  # middle pipeline stage: no embedding group
-                sums[name] = (None, list(getattr(groups, f"{name}_ranks")))
+            if name == "embedding" and not groups.in_embedding_group:  # middle pipeline stage
+                sums[name] = (None, list(groups.embedding_ranks))
+                try:
+                    _ = groups.embedding_group
+                except ValueError as e:  # asked for anyway: an error that says why, not None
+                    sums["middle_error"] = str(e)
                 continue
+            group = groups.embedding_group if name == "embedding" else groups[name]
             t = torch.tensor([float(rank)], dtype=torch.float64)
-            dist.all_reduce(t, group=group)
-            sums[name] = (t.item(), list(getattr(groups, f"{name}_ranks")),
-                          dist.get_world_size(group), dist.get_rank(group))
+            if group.size > 1:  # a size-1 axis has no communicator (its all-reduce is the identity)
+                dist.all_reduce(t, group=group.process_group)
+                assert (dist.get_world_size(group.process_group), dist.get_rank(group.process_group)) == \
+                    (group.size, group.rank)
+                assert dist.get_process_group_ranks(group.process_group) == list(group.ranks)
+            else:
+                assert group.handle is None
+            sums[name] = (t.item(), list(getattr(groups, f"{name}_ranks")), group.size, group.rank)
         # subgroups carry the requested timeout, not torch's 30-minute default
-        backend = groups.dp_group._get_backend(torch.device("cpu"))
-        sums["timeout"] = backend.options._timeout.total_seconds()
+        timed = groups.all_groups()[0].process_group
+        sums["timeout"] = timed._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        sums["axis_sizes"] = [groups[a].size for a in ("dp", "tp", "pp")]
         sums["facts"] = (groups.coord, groups.tp_rank, groups.dp_rank, groups.pp_rank,
                          groups.tp_size, groups.dp_size, groups.pp_size, groups.is_first_stage,
                          groups.is_last_stage, groups.prev_stage_rank, groups.next_stage_rank,
                          groups.in_embedding_group, len(groups.all_groups()),
-                         groups.embedding_group is groups.pp_group)
+                         groups.in_embedding_group and groups.embedding_group.handle is groups.pp_group.handle)
         # p2p between pipeline neighbours uses the global ranks the groups report
         if groups.pp_size > 1:
             send = torch.tensor([float(rank)])
@@ -55,7 +65,7 @@ def _group_sums(rank, world_size):
         out[(dp, tp, pp)] = sums
     # inherit the default group's timeout when none is given
     inherited = ParallelGroups.build(Topology(dp=world_size, world_size=world_size))
-    out["inherited"] = inherited.tp_group._get_backend(torch.device("cpu")).options._timeout
+    out["inherited"] = inherited.dp_group.process_group._get_backend(torch.device("cpu")).options._timeout
     out["errors"] = _errors(rank, inherited)
     return out
 
@@ -98,6 +108,7 @@ def test_group_allreduce_sums_match_topology():
             c = topo.coord(rank)
             if 0 < c.pp < pp - 1:  # a middle stage holds no embedding
                 assert got["embedding"] == (None, [])
+                assert "middle pipeline stage" in got["middle_error"]
                 del want["embedding"]
             for name, members in want.items():
                 total, ranks, size, group_rank = got[name]
@@ -105,9 +116,12 @@ def test_group_allreduce_sums_match_topology():
                 assert total == float(sum(members)), (rank, (dp, tp, pp), name, total)
                 assert size == len(members) and group_rank == members.index(rank)
             ends = c.pp in (0, pp - 1)
+            # one communicator per axis of size > 1, plus the embedding group when it is not the pp group
+            built = sum(n > 1 for n in (dp, tp, pp)) + (1 if ends and pp > 2 else 0)
             assert got["facts"] == (c, c.tp, c.dp, c.pp, tp, dp, pp, c.pp == 0, c.pp == pp - 1,
                                     topo.prev_stage_rank(rank), topo.next_stage_rank(rank),
-                                    ends, 4 if ends and pp > 2 else 3, pp <= 2)
+                                    ends, built, ends and pp <= 2)
+            assert got["axis_sizes"] == [dp, tp, pp]
             assert got["timeout"] == 40.0
             if pp > 1 and c.pp > 0:
                 assert got["from_prev"] == float(topo.prev_stage_rank(rank))

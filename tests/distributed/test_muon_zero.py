@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
 
+from engine.dist.groups import AxisGroup
 from engine.optim.muon import Muon
 from engine.optim.muon_assign import split_muon_groups
 from engine.zero import build_zero_optimizer
@@ -79,7 +80,7 @@ def _run(dp_group, dp_rank, dp, stage, ga):
         opt.step()
     mine = inner.ns_calls
     calls = torch.tensor([mine])
-    dist.all_reduce(calls, group=dp_group)
+    dist.all_reduce(calls, group=dp_group.process_group)
     if stage == 3:
         with opt.gathered_params():
             params = [p.detach().clone() for p in model.parameters()]
@@ -90,10 +91,11 @@ def _run(dp_group, dp_rank, dp, stage, ga):
 
 def _worker(rank, world):
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = [AxisGroup.of(g, "dp") if rank in (2 * i, 2 * i + 1) else None for i, g in enumerate(pair)]
     out = {}
     for stage in (0, 1, 2, 3):
         for ga in (1, 4):
-            out[(4, stage, ga)] = _run(None, rank, 4, stage, ga)
+            out[(4, stage, ga)] = _run(AxisGroup.world(), rank, 4, stage, ga)
             out[(2, stage, ga)] = _run(pair[rank // 2], rank % 2, 2, stage, ga)
     return out
 

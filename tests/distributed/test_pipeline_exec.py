@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from harness import RankFailure, run_ranks
 
-from engine.pipeline.executor import PipelineExecutor
+from engine.dist.groups import NO_TP, AxisGroup
+from engine.pipeline.executor import NO_TIES, PipelineExecutor
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
 
@@ -116,7 +117,7 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
              for pp, rp in zip(layers[i].parameters(), ref_layers[i].parameters())]
     tied = ([layers[0].emb.weight] if rank == 0 else []) + ([layers[-1].weight] if rank == p - 1 else [])
     calls = []
-    ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=None,
+    ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=AxisGroup.world(),
                           num_microbatches=m, activation_shape=(MB_SIZE, SEQ, HIDDEN), loss_fn=loss_fn,
                           schedule=schedule, activation_checkpointing=checkpointing,
                           tied_params=tied, embedding_group=emb_group)
@@ -150,6 +151,7 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
 def _equivalence(rank, world_size, m, num_blocks):
     p = world_size
     emb_group = dist.new_group([0, p - 1])
+    emb_group = AxisGroup.of(emb_group, "embedding") if rank in (0, p - 1) else NO_TIES
     out = {}
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
         grads, records = _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group)
@@ -237,7 +239,7 @@ def test_split_backward_without_input_grad_is_full_backward():
 def _wrong_shape(rank, world_size):
     layers = build_layers(2)
     chunk = nn.Sequential(*(layers[:2] if rank == 0 else layers[2:]))
-    ex = PipelineExecutor([chunk], stage=rank, stage_ranks=[0, 1], pp_group=None, num_microbatches=2,
+    ex = PipelineExecutor([chunk], stage=rank, stage_ranks=[0, 1], pp_group=AxisGroup.world(), num_microbatches=2,
                           activation_shape=(MB_SIZE, SEQ + 1, HIDDEN), loss_fn=loss_fn)
     ex.train_batch(iter(make_batches(0, 2)))
 
@@ -306,7 +308,7 @@ def _gpt_tp_pp(rank, world_size):
 
     stage = groups.pp_rank
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
-        ref = GPT(cfg, None, seed=seed)
+        ref = GPT(cfg, NO_TP, seed=seed)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         bounds = partition_layers([1] * num_stage_layers(cfg), p * v, "uniform")
         chunks, named = [], []  # named: (name, pipeline param, dense param)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from harness import run_ranks
 
 from engine.dist import comm, strict
+from engine.dist.groups import AxisGroup
 
 
 def _raises(fn) -> str:
@@ -26,7 +27,7 @@ def _raises(fn) -> str:
 
 def _planted(rank, world):
     out = {}
-    world_group = dist.group.WORLD
+    world_group = AxisGroup.world()
     strict.enable("cpu")
     # 1. device type: a CPU tensor in a job whose collectives run on CUDA (the benchmarks' bug)
     strict.enable("cuda")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
 
+from engine.dist.groups import NO_TP, AxisGroup
 from engine.models.blocks import RMSNorm
 from engine.tensor_parallel import cross_entropy as ce_mod
 from engine.tensor_parallel import mappings
@@ -269,7 +270,7 @@ def _tp_groups(world_size: int) -> dict:
             ranks = list(range(start, start + tp))
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
-                mine[tp] = group
+                mine[tp] = AxisGroup.of(group, "tp")
     return mine
 
 
@@ -332,10 +333,10 @@ def test_layers_match_dense(tp):
 
 
 def test_layers_tp1_without_process_group():
-    """TP=1 is tp_group=None: no torch.distributed at all, every check as above."""
+    """TP=1 is a TP group of one (NO_TP): no torch.distributed at all, every check as above."""
     assert not dist.is_initialized()
     _setup()
-    _assert_all_passed([_run_checks(None)])
+    _assert_all_passed([_run_checks(NO_TP)])
 
 
 # ---------------------------------------------------------------- the checks have teeth

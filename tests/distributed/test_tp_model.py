@@ -1,6 +1,6 @@
 """The whole reference GPT at TP = 2 and 4 against TP = 1, on gloo, fp32.
 
-Every rank builds the dense model (``tp_group=None``) and its TP shard of the same model
+Every rank builds the dense model (``tp_group=NO_TP``) and its TP shard of the same model
 from the same seed, then runs three forward passes with two SGD steps in between and
 compares, at every step: the (gathered) logits, the loss, and every (gathered) gradient.
 It also checks that the sharded initialisation is exactly the slice of the dense one,
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
 
+from engine.dist.groups import NO_TP, AxisGroup
 from engine.models import GPT, ModelConfig, build_stage_layers
 from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -70,7 +71,7 @@ def _gathered_logits(logits: torch.Tensor, group, vocab: int) -> torch.Tensor:
 
 
 def _check_replicas_identical(tp_model, group, m: _Mismatches, when: str):
-    world = dist.get_world_size(group)
+    world = group.size
     named = [(n, p) for n, p in tp_model.named_parameters() if not is_tp_sharded(p)]
     flat = torch.cat([t.reshape(-1) for _, p in named for t in (p.detach(), p.grad) if t is not None])
     copies = all_gather_along_dim(flat.unsqueeze(0), 0, group)          # (tp, n): one collective
@@ -81,7 +82,7 @@ def _check_replicas_identical(tp_model, group, m: _Mismatches, when: str):
 
 def _compare_model(cfg: ModelConfig, group, sequence_parallel: bool) -> list[str]:
     m = _Mismatches()
-    ref = GPT(cfg, None, seed=SEED)
+    ref = GPT(cfg, NO_TP, seed=SEED)
     tp = GPT(cfg, group, sequence_parallel=sequence_parallel, seed=SEED)
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
     assert ref_params.keys() == tp_params.keys(), (ref_params.keys(), tp_params.keys())
@@ -138,7 +139,7 @@ def _tp_groups(world_size: int) -> dict:
             ranks = list(range(start, start + tp))
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
-                mine[tp] = group
+                mine[tp] = AxisGroup.of(group, "tp")
     return mine
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
 
+from engine.dist.groups import AxisGroup
 from engine.precision.loss_scaler import build_loss_scaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero import build_zero_optimizer
@@ -87,7 +88,7 @@ def _build(stage, model, **kw):
         kw.setdefault("stage3_param_persistence_threshold", 12)  # 11- and 5-element biases stay whole
         kw.setdefault("stage3_prefetch_bucket_size", 200)
         kw.setdefault("stage3_max_live_parameters", 400)
-    return build_zero_optimizer(stage, model, _adamw, None, **kw)
+    return build_zero_optimizer(stage, model, _adamw, AxisGroup.world(), **kw)
 
 
 def _params(opt, model):
@@ -177,7 +178,7 @@ def _memory_rank(rank, world):
         for p in model.parameters():
             p.data.uniform_(-0.02, 0.02, generator=gen)
         model.to(torch.bfloat16)
-        opt = build_zero_optimizer(stage, model, _adamw, None,
+        opt = build_zero_optimizer(stage, model, _adamw, AxisGroup.world(),
                                    precision=PrecisionPolicy(compute_dtype=torch.bfloat16))
         x = torch.randn(2, MEM_WIDTH, generator=gen).bfloat16()
         opt.backward(model(x).float().pow(2).mean())

@@ -96,6 +96,7 @@ def _peak_case(rank, world, stage, ga, pp):
 def _init_case(rank, world):
     """Stage 3 at DP = 4 built under Init (model=None) vs the same GPT given whole."""
     import engine
+    from engine.dist.groups import NO_TP
     from engine.models import GPT, ModelConfig
     from engine.pipeline.stages import build_reference_chunks
     from engine.zero import GatheredParameters, Init
@@ -109,7 +110,7 @@ def _init_case(rank, world):
     conf = load_config(cfg, world_size=world)
     with LiveMemoryTracker() as t:
         with Init():
-            chunks = build_reference_chunks(conf, 0, None, device=torch.device("cpu"), dtype=torch.float32)
+            chunks = build_reference_chunks(conf, 0, NO_TP, device=torch.device("cpu"), dtype=torch.float32)
     params = [p for c in chunks for p in c.parameters()]
     out["init_peak"] = t.peak
     out["shard_bytes"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)

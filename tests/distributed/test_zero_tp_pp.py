@@ -154,8 +154,7 @@ def _train(groups, stage, micro, clip):
     model = _Stage0(tp_group) if pp_rank == 0 else _Stage1(tp_group)
     tied = [model.emb] if pp_rank == 0 else [model.head.weight]
     opt = build_zero_optimizer(
-        stage, model, _inner_optimizer(clip), groups.dp_group,
-        tp_group=tp_group, pp_group=groups.pp_group, embedding_group=groups.embedding_group,
+        stage, model, _inner_optimizer(clip), groups,
         tied_params=tied, clip_grad=clip, reduce_bucket_size=32, alignment=4,
         stage3_param_persistence_threshold=8, stage3_prefetch_bucket_size=64)
     per_dp = BATCH // groups.dp_size

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.data import Batch, document_causal_mask, position_ids_from_doc_ids
+from engine.dist.groups import NO_TP
 from engine.models import GPT, ModelConfig
 from engine.models.blocks import RotaryEmbedding, attention_inputs
 
@@ -133,9 +134,9 @@ def test_stage_chunk_checks_config_against_data_and_checkpoints_with_the_mask():
 
     ids, doc_ids, _ = _packed([[9, 15]], batch_rows=2)
     targets = torch.roll(ids, -1, dims=1)
-    layers = lambda: build_stage_layers(CFG, None, seed=5)  # noqa: E731
-    plain = ReferenceModel(StageChunk(layers(), 0, CFG.num_layers + 2, 0, document_masking=True), None)
-    ckpt = ReferenceModel(StageChunk(layers(), 0, CFG.num_layers + 2, 1, document_masking=True), None)
+    layers = lambda: build_stage_layers(CFG, NO_TP, seed=5)  # noqa: E731
+    plain = ReferenceModel(StageChunk(layers(), 0, CFG.num_layers + 2, 0, document_masking=True), NO_TP)
+    ckpt = ReferenceModel(StageChunk(layers(), 0, CFG.num_layers + 2, 1, document_masking=True), NO_TP)
     a, b = plain(ids, targets, doc_ids=doc_ids), ckpt(ids, targets, doc_ids=doc_ids)
     a.backward()
     b.backward()
@@ -146,7 +147,7 @@ def test_stage_chunk_checks_config_against_data_and_checkpoints_with_the_mask():
     assert a.item() == pytest.approx(dense(ids, targets, doc_ids=doc_ids).item(), rel=1e-6)
     with pytest.raises(ValueError, match="data.document_masking is true but this micro-batch has no document ids"):
         plain(ids, targets)
-    off = ReferenceModel(StageChunk(layers(), 0, CFG.num_layers + 2, 0, document_masking=False), None)
+    off = ReferenceModel(StageChunk(layers(), 0, CFG.num_layers + 2, 0, document_masking=False), NO_TP)
     with pytest.raises(ValueError, match="carries document ids but data.document_masking is false"):
         off(ids, targets, doc_ids=doc_ids)
 
@@ -168,9 +169,9 @@ def test_the_single_gpu_config_loads_and_builds():
     raw = json.loads(path.read_text())
     raw["model"]["num_layers"] = 1
     small = load_config(raw, world_size=1)
-    chunks = build_reference_chunks(small, 0, None, device=torch.device("cpu"), dtype=torch.bfloat16)
+    chunks = build_reference_chunks(small, 0, NO_TP, device=torch.device("cpu"), dtype=torch.bfloat16)
     assert len(chunks) == 1 and chunks[0].checkpoint_interval == 1 and chunks[0].document_masking
-    model = ReferenceModel(chunks[0], None)
+    model = ReferenceModel(chunks[0], NO_TP)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, small.model.vocab_size, (2, 33), generator=g)
     doc_ids = torch.tensor([[0] * 10 + [1] * 23, [0] * 30 + [1] * 3])

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from torch import nn
 
+from engine.dist.groups import AxisGroup
 from engine.errors import ConfigError
 from engine.precision.fp8 import (
     Fp8Linear,
@@ -220,7 +221,7 @@ def _tp_case(rank, mode):
     w = torch.randn(8, 16) * torch.linspace(0.1, 2.0, 8)[:, None]  # shards get different amaxes
     b = torch.randn(8)
     gys = [torch.randn(3, 6, 8) for _ in range(3)]
-    group = dist.group.WORLD
+    group = AxisGroup.world()
     dense, tp = Fp8LinearState(Fp8Recipe()), Fp8LinearState(Fp8Recipe())
     out = []
     for gy in gys:

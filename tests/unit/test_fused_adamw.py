@@ -217,6 +217,7 @@ def test_rejected_options_and_inputs(kernel):
 def _zero_rank(rank, world):
     from torch import nn
 
+    from engine.dist.groups import AxisGroup
     from engine.zero import build_zero_optimizer
 
     def model_fn():
@@ -230,7 +231,8 @@ def _zero_rank(rank, world):
     ref = model_fn()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     model = model_fn()
-    opt = build_zero_optimizer(2, model, lambda groups: FusedAdamW(groups, lr=1e-2, weight_decay=0.1), None,
+    opt = build_zero_optimizer(2, model, lambda groups: FusedAdamW(groups, lr=1e-2, weight_decay=0.1),
+                               AxisGroup.world(),
                                reduce_bucket_size=64, alignment=4)
     for s in range(3):
         x, y = data(s)

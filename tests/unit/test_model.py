@@ -1,4 +1,4 @@
-"""The reference GPT as a plain single-process nn.Module (tp_group=None): its maths
+"""The reference GPT as a plain single-process nn.Module (tp_group=NO_TP): its maths
 against an independent naive implementation, the stage-layer contract, seeding,
 parameter/FLOP counts and input errors. No torch.distributed anywhere."""
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.dist.groups import NO_TP
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, flops_per_token, num_stage_layers, param_count
 from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded, tp_partition_dim
@@ -99,7 +100,7 @@ def test_cross_entropy_tp1_matches_torch():
     targets = torch.randint(0, 17, (3, 5))
     targets[1, 2] = -100
     for reduction in ("mean", "sum", "none"):
-        ours = vocab_parallel_cross_entropy(logits, targets, None, reduction=reduction)
+        ours = vocab_parallel_cross_entropy(logits, targets, NO_TP, reduction=reduction)
         ref = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         torch.testing.assert_close(ours.flatten(), ref.flatten(), rtol=1e-6, atol=1e-6)
         ours.sum().backward()
@@ -107,7 +108,7 @@ def test_cross_entropy_tp1_matches_torch():
         torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-6, atol=1e-7)
         logits.grad = ref_logits.grad = None
     half = logits.detach().bfloat16().requires_grad_(True)
-    vocab_parallel_cross_entropy(half, targets, None).backward()
+    vocab_parallel_cross_entropy(half, targets, NO_TP).backward()
     assert half.grad.dtype == torch.bfloat16
 
 
