@@ -106,7 +106,7 @@ def build_pipeline_engine(cfg: Config, module: PipelineModule, client_opt: Any, 
     loss = _loss_fn(module)
     pipeline = None
     if cfg.pp > 1:
-        pipeline = LazyPipelineRunner(chunks, cfg, groups, loss, device=device, loss_scale=lambda: opt.loss_scale)
+        pipeline = LazyPipelineRunner(chunks, cfg, groups, loss, device=device, grads=opt)
     sched = build_scheduler(cfg, opt, client_sched, client_optimizer=client)
     return Engine(cfg, stage, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
                   loss_fn=None if cfg.pp > 1 else loss, dist_env=dist_env, monitor=monitor)

@@ -285,10 +285,9 @@ def _parallel_engine(cfg: Config, model: Any, client_sched: Any, groups: Paralle
                                  embedding_group=groups.embedding_group if tied else None, tied_params=tied,
                                  module=module)
     if cfg.pp > 1:
-        from engine.runtime.pipe import PipelineRunner
+        from engine.pipeline.runner import PipelineRunner
 
-        pipeline = PipelineRunner(chunks, cfg, groups, loss, device=device, dtype=dtype,
-                                  loss_scale=lambda: opt.loss_scale)
+        pipeline = PipelineRunner(chunks, cfg, groups, loss, device=device, dtype=dtype, grads=opt)
     sched = build_scheduler(cfg, opt, client_sched)
     engine_loss = None if (cfg.pp > 1 or isinstance(module, ReferenceModel)) else loss
     engine = Engine(cfg, module, opt, device=device, groups=groups, lr_scheduler=sched, pipeline=pipeline,
