@@ -135,10 +135,6 @@ class Engine(nn.Module):
         on the host here, when asked: the step itself does not sync for it)."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
-    def global_grad_norm_tensor(self) -> Optional[torch.Tensor]:
-        """:meth:`get_global_grad_norm` as a 0-dim tensor on the device (no host sync)."""
-        return self._last_grad_norm
-
     def was_step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped (non-finite gradients)."""
         return self._step_skipped

@@ -310,8 +310,7 @@ class _Progress:
     def update(self, rec: dict) -> None:
         self.step = rec["step"]
         if self.bar is not None:
-            if isinstance(rec["loss"], float):  # read at the log interval; a device tensor in between
-                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
             self.bar.update(1)
         elif self.show and (self.step % self.every == 0 or self.step >= self.total):
             print(f"step {self.step}/{self.total}: loss {rec['loss']:.4f}, {rec['tokens_per_s']:.0f} tokens/s, "

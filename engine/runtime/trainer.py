@@ -5,9 +5,7 @@
   input; the cache lock makes one process build while the others wait);
 - :func:`train`: ``steps`` optimizer steps of ``engine.train_batch`` on the global batch of
   each step (``GlobalBatchSampler``, the same data whatever the layout), one metrics
-  record per step (``metrics.jsonl`` on rank 0, TensorBoard when installed). A step's loss
-  and gradient norm stay on the device until the log interval (``steps_per_print``), when
-  the pending steps are read in one host sync and written;
+  record per step (``metrics.jsonl`` on rank 0, TensorBoard when installed);
 - :func:`write_memory_report`: per-rank parameter / gradient / optimizer-state / peak bytes,
   gathered to rank 0 as ``memory.json``;
 - :func:`write_resolved_config`: ``config.json``.
@@ -20,7 +18,6 @@ import logging
 import os
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from engine.config import Config
@@ -28,7 +25,7 @@ from engine.data import GlobalBatchSampler, PackedDataset, build_dataset
 from engine.metrics import MetricsWriter, StepTimer, device_peak_flops, mfu, peak_memory_bytes
 from engine.models import flops_per_token
 
-__all__ = ["build_data", "train", "write_memory_report", "write_resolved_config", "step_record", "resolve_records"]
+__all__ = ["build_data", "train", "write_memory_report", "write_resolved_config", "step_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +46,18 @@ def write_resolved_config(cfg: Config, output_dir: str) -> None:
         f.write("\n")
 
 
-def step_record(engine: Any, loss: Any, seconds: float, loss_scale: float,
+def step_record(engine: Any, loss: float, seconds: float, loss_scale: float,
                 peak_flops_total: Optional[float]) -> dict[str, Any]:
-    """The metrics of the optimizer step just taken. ``loss`` (a float or a 0-dim device
-    tensor) and ``grad_norm`` stay as given until :func:`resolve_records` reads them."""
+    """The metrics of the optimizer step just taken."""
     cfg: Config = engine.config
     tokens = cfg.train_batch_size * cfg.model.seq_len
     tps = tokens / seconds if seconds > 0 else float("inf")
-    norm = engine.global_grad_norm_tensor()
+    norm = engine.get_global_grad_norm()
     return {
         "step": engine.global_steps,
         "loss": loss,
         "lr": (engine.last_step_lr or engine.get_lr())[0],
-        "grad_norm": norm,
+        "grad_norm": None if norm is None else float(norm),
         "loss_scale": loss_scale,
         "skipped": engine.was_step_skipped(),
         "tokens": tokens,
@@ -87,8 +83,7 @@ def train(engine: Any, sampler: GlobalBatchSampler, steps: int, *, output_dir: O
     peak_total = peak * cfg.world_size if peak is not None else None
     timer = StepTimer(engine.device)
     micro = cfg.train_micro_batch_size_per_gpu
-    records: list[dict[str, Any]] = []
-    written = 0  # records[:written] are resolved to floats and written
+    records = []
     try:
         for _ in range(steps):
             step = engine.global_steps  # the data of step s depends only on s: resumable, layout-free
@@ -96,42 +91,23 @@ def train(engine: Any, sampler: GlobalBatchSampler, steps: int, *, output_dir: O
             data = iter([mb.to(engine.device) for mb in mbs])
             scale = engine.get_loss_scale()
             timer.start()
-            loss = engine.train_batch(data)  # (), on the device: read at the log interval
-            rec = step_record(engine, loss.detach(), timer.stop(), scale, peak_total)
+            loss = engine.train_batch(data)
+            # read every step: metrics.jsonl is a live per-step log (the preemption and Ctrl-C
+            # tests, and users, follow it), and StepTimer.stop() has already synchronised
+            loss_value = float(loss.item())
+            rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
             if run_id is not None:
                 rec["run_id"] = run_id
+            writer.write(rec)
             records.append(rec)
-            every = cfg.steps_per_print or 1
-            if rec["step"] % every == 0:
-                written = _flush(records, written, writer)
-                if is_writer and cfg.steps_per_print:
-                    logger.info("step %d: loss %.4f, lr %.3g, grad norm %s, %.0f tokens/s", rec["step"],
-                                rec["loss"], rec["lr"], rec["grad_norm"], rec["tokens_per_s"])
+            if is_writer and cfg.steps_per_print and rec["step"] % cfg.steps_per_print == 0:
+                logger.info("step %d: loss %.4f, lr %.3g, grad norm %s, %.0f tokens/s", rec["step"], rec["loss"],
+                            rec["lr"], rec["grad_norm"], rec["tokens_per_s"])
             if on_step is not None:
-                on_step(rec)  # loss / grad_norm: floats at the log interval, device tensors between
+                on_step(rec)
     finally:
-        _flush(records, written, writer)
         writer.close()
     return records
-
-
-def resolve_records(records: list[dict[str, Any]]) -> None:
-    """Replace the device tensors ``loss`` / ``grad_norm`` of ``records`` by floats, with
-    one host read for all of them."""
-    cells = [(r, k) for r in records for k in ("loss", "grad_norm") if isinstance(r.get(k), torch.Tensor)]
-    if not cells:
-        return
-    values = torch.stack([r[k].detach().double().reshape(()) for r, k in cells]).tolist()
-    for (r, k), v in zip(cells, values):
-        r[k] = v
-
-
-def _flush(records: list[dict[str, Any]], written: int, writer: MetricsWriter) -> int:
-    """Resolve and write the records not written yet; returns how many are written."""
-    resolve_records(records[written:])
-    for rec in records[written:]:
-        writer.write(rec)
-    return len(records)
 
 
 def write_memory_report(engine: Any, output_dir: str) -> Optional[dict[str, Any]]:
