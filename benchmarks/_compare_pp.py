@@ -63,7 +63,7 @@ def rank_pp(spec_d: dict, steps: int, warmup: int, timeout: float, schedule: str
     ours.pipeline.executor.record = True
     ours_ph = PhaseTimer(comm, env.device)
     ours_ph.wrap(ours.pipeline, "train", "pipeline")
-    ours_ph.wrap(ours.optimizer, "grad_norm", "optimizer")
+    ours_ph.wrap(ours.optimizer, "grad_norm_tensor", "optimizer")
     ours_ph.wrap(ours.optimizer, "step", "optimizer")
     bubbles: list[float] = []
 

@@ -280,7 +280,7 @@ def _rank_main(args_dict: dict) -> dict:
         phases.wrap(eng.optimizer, "backward", "backward")
     else:
         phases.wrap(eng.pipeline, "train", "pipeline")
-    phases.wrap(eng.optimizer, "grad_norm", "optimizer")
+    phases.wrap(eng.optimizer, "grad_norm_tensor", "optimizer")
     phases.wrap(eng.optimizer, "step", "optimizer")
     splits = []
     for _ in range(args.split_steps):

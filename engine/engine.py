@@ -8,6 +8,7 @@ Two ways to drive it, named as in DeepSpeed:
 
       loss = engine(batch)        # the module's forward
       engine.backward(loss)       # loss / gradient_accumulation_steps, times the loss scale
+                                  # (the optimizer's step contract, engine.zero.step)
       engine.step()               # optimizer step on accumulation boundaries only
 
 - ``engine.train_batch(data_iter)``: one whole optimizer step over
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 class Pipeline(Protocol):
-    """This rank's pipeline runner (:class:`engine.runtime.pipe.PipelineRunner`): the losses
+    """This rank's pipeline runner (:class:`engine.pipeline.runner.PipelineRunner`): the losses
     of a step's micro-batches on the last stage, None on the others."""
 
     def prepare(self, microbatches: Sequence[MicroBatch]) -> None: ...
@@ -125,7 +126,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._step_skipped = False
-        self._last_grad_norm: Optional[float] = None
+        self._last_grad_norm: Optional[torch.Tensor] = None  # 0-dim on the device until asked for
         self._last_lr: Optional[list[float]] = None
         self._dp_group = groups.dp_group  # None after destroy()
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
@@ -169,8 +170,9 @@ class Engine(nn.Module):
         return self.get_loss_scale()
 
     def get_global_grad_norm(self) -> Optional[float]:
-        """Global gradient norm (over DP, TP and PP, before clipping) of the last step."""
-        return self._last_grad_norm
+        """Global gradient norm (over DP, TP and PP, before clipping) of the last step (read
+        on the host here, when asked: the step itself does not sync for it)."""
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
     def was_step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped (non-finite gradients)."""
@@ -227,7 +229,7 @@ class Engine(nn.Module):
         ga = self.gradient_accumulation_steps()
         self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
         with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
-            self.optimizer.backward(loss / ga if ga > 1 else loss, retain_graph=retain_graph)
+            self.optimizer.backward(loss, retain_graph=retain_graph, num_microbatches=ga)
         if self.monitor is not None:
             self._step_losses.append(loss.detach())
         return loss
@@ -247,12 +249,12 @@ class Engine(nn.Module):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _optimizer_step(self) -> None:
-        with self.timers.phase("reduce"):
+        with self.timers.phase("reduce"), comm.no_host_sync("the gradient reduction"):
             self.optimizer.reduce_gradients()
         with self.timers.phase("step"):
             if self._fp8_states:
                 update_fp8_scales(self._fp8_states, self._fp8_groups)
-            self._last_grad_norm = self.optimizer.grad_norm()
+            self._last_grad_norm = self.optimizer.grad_norm_tensor()
             self._last_lr = self.get_lr()
             taken = self.optimizer.step()
             self._step_skipped = not taken
@@ -320,7 +322,6 @@ class Engine(nn.Module):
         mbs = self._next_microbatches(data_iter, ga)
         self.module.train()
         if self.pipeline is not None:
-            self.optimizer.set_boundary(False)  # reduce once, after the last micro-batch
             self.pipeline.prepare(mbs)  # one-time setup (a PipelineModule's shape probe), before the step
             with self.timers.phase("pipeline"), comm.no_host_sync("the pipeline executor's step"):
                 losses = self.pipeline.train(mbs)
@@ -332,7 +333,7 @@ class Engine(nn.Module):
                 with self.timers.phase("forward"):
                     loss = self._micro_loss(mb)
                 with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
-                    self.optimizer.backward(loss / ga if ga > 1 else loss)
+                    self.optimizer.backward(loss, num_microbatches=ga)
                 losses.append(loss.detach())
                 self.micro_steps += 1
         self._optimizer_step()

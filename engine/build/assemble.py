@@ -24,7 +24,7 @@ from engine.monitor import Monitor
 from engine.optim.build import OptimizerInputs, build_engine_optimizer, build_scheduler
 from engine.parts import ModelParts
 from engine.pipe.runner import LazyPipelineRunner
-from engine.runtime.pipe import PipelineRunner
+from engine.pipeline.runner import PipelineRunner
 from engine.zero import ZeroOptimizer
 from engine.zero.init import is_partitioned
 
@@ -50,10 +50,8 @@ def _pipeline(cfg: Config, parts: ModelParts, groups: ParallelGroups, device: to
         raise ValueError("ModelParts for a pipeline need a loss_fn (the last stage's loss)")
     chunks = list(parts.chunks)
     if parts.measure_boundary:
-        return LazyPipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device,
-                                  loss_scale=lambda: opt.loss_scale)
-    return PipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device, dtype=parts.dtype,
-                          loss_scale=lambda: opt.loss_scale)
+        return LazyPipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device, grads=opt)
+    return PipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device, dtype=parts.dtype, grads=opt)
 
 
 def assemble_engine(cfg: Config, parts: ModelParts, opt_inputs: OptimizerInputs, client_sched: Any,

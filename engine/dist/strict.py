@@ -22,7 +22,8 @@ is checked against the rules a real NCCL job lives by:
    it across members, and every per-call header carries it too.
 6. no blocking host sync (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``,
    ``.cpu()``, ``.numpy()``) inside :func:`no_host_sync` regions: the backward pass with
-   the ZeRO gradient hooks and the pipeline executor's step. On a GPU each one stalls the
+   the ZeRO gradient hooks, the pipeline executor's step and the ZeRO optimizer step up to
+   the inner optimizer (reduction, norm, clipping; fp16's one skip read is exempt). On a GPU each one stalls the
    host until the device queue drains, which serialises compute and communication.
 
 Errors are :class:`NcclRuleError` and name the rule, the group's ranks and the fix.

@@ -25,7 +25,8 @@ from engine.data.microbatch import split_microbatch
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.pipeline.actions import next_hop, prev_hop
-from engine.runtime.pipe import PipelineRunner
+from engine.pipeline.runner import PipelineRunner
+from engine.zero.step import GradientStep
 
 __all__ = ["probe_boundary", "LazyPipelineRunner"]
 
@@ -87,14 +88,14 @@ def probe_boundary(chunks: Sequence[nn.Module], inputs: torch.Tensor, groups: Pa
 
 
 class LazyPipelineRunner:
-    """A :class:`engine.runtime.pipe.PipelineRunner` built on the first ``train`` /
+    """A :class:`engine.pipeline.runner.PipelineRunner` built on the first ``train`` /
     ``evaluate`` call, once :func:`probe_boundary` has measured the boundary shape."""
 
     def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: Callable,
-                 *, device: torch.device, loss_scale: Callable[[], float]) -> None:
+                 *, device: torch.device, grads: GradientStep) -> None:
         self._split = split_microbatch
         self.chunks, self.cfg, self.groups, self.loss_fn = list(chunks), cfg, groups, loss_fn
-        self.device, self.loss_scale = device, loss_scale
+        self.device, self.grads = device, grads
         self._runner: Any = None
 
     def _ready(self, microbatches: Sequence[Any]) -> Any:
@@ -102,7 +103,7 @@ class LazyPipelineRunner:
             inputs, _ = self._split(microbatches[0])
             shape, dtype = probe_boundary(self.chunks, inputs, self.groups, self.cfg.pp, self.device)
             self._runner = PipelineRunner(self.chunks, self.cfg, self.groups, self.loss_fn, device=self.device,
-                                          dtype=dtype, loss_scale=self.loss_scale, boundary_shape=shape)
+                                          dtype=dtype, grads=self.grads, boundary_shape=shape)
         return self._runner
 
     def prepare(self, microbatches: Sequence[Any]) -> None:

@@ -21,8 +21,20 @@ A stage output of another shape is an error naming both shapes.
 Data: ``train_batch(data_iter)`` draws exactly ``num_microbatches`` items
 ``(inputs, targets)`` on the ranks holding the first or the last virtual stage (the
 first feeds ``inputs`` to its chunk, the last gives ``targets`` to ``loss_fn``); other
-ranks may pass ``None``. The loss of each microbatch is scaled by ``1/num_microbatches``
-before its backward, so the accumulated gradients are those of the mean loss.
+ranks may pass ``None``.
+
+Step arithmetic (:mod:`engine.zero.step`, the one contract): the executor differentiates
+``grads.scale_loss(loss, num_microbatches)`` for each microbatch (``loss / m`` times the
+loss scale), keeps the unscaled loss for reporting, calls ``grads.set_boundary(True)``
+around the last gradient-producing action (``B`` or ``W``) of each model chunk, so a ZeRO
+optimizer launches that chunk's data-parallel reductions while the rest of the schedule
+runs, and ``grads.finish_backward()`` after the last action (reductions completed, tied
+weights summed). ``grads`` is the ZeRO optimizer, or :class:`engine.zero.step.LocalGradients`
+for a plain ``torch.optim`` optimizer (the default: no tied weights).
+
+Evaluation: :meth:`PipelineExecutor.eval_batch` runs the forward-only schedule
+(:func:`engine.pipeline.schedule.forward_only`, checked by the same simulator) through the
+same dispatch and communication code, without autograd.
 
 Side inputs (``side_inputs=True``): items are ``(inputs, targets, kwargs)`` and EVERY rank
 draws them (every rank needs a data_iter); each chunk's forward of that microbatch is
@@ -51,15 +63,15 @@ from engine.dist import comm
 from engine.dist.groups import AxisGroup
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
 from engine.pipeline.clock import make_clock
-from engine.pipeline.schedule import build_schedule
+from engine.pipeline.schedule import build_schedule, forward_only
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
+from engine.zero.step import GradientStep, LocalGradients
 
-__all__ = ["ActionRecord", "PipelineExecutor", "allreduce_tied_grads", "broadcast_tied_weights"]
+__all__ = ["ActionRecord", "PipelineExecutor", "broadcast_tied_weights", "last_grad_actions"]
 
 logger = logging.getLogger(__name__)
 K = ActionKind
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
-NO_TIES = AxisGroup.single("embedding")  # no tied weights across stages: nothing to sum
 
 
 @dataclass(frozen=True)
@@ -74,12 +86,14 @@ class ActionRecord:
     end: float    # from CUDA events resolved after the step (engine.pipeline.clock)
 
 
-def allreduce_tied_grads(params: Sequence[torch.nn.Parameter], group: AxisGroup) -> None:
-    """Sum the gradients of tied copies (embedding on the first stage, head on the last)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        comm.all_reduce(p.grad, group)
+def last_grad_actions(actions: Sequence[Action]) -> dict[int, int]:
+    """chunk -> index in ``actions`` of its last action that produces parameter gradients
+    (``B``, or ``W`` for a split backward): where that chunk's gradients become final."""
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            last[a.chunk] = i
+    return last
 
 
 def broadcast_tied_weights(params: Sequence[torch.nn.Parameter], src: int,
@@ -102,9 +116,8 @@ class PipelineExecutor:
                  activation_shape: Sequence[int], loss_fn: Optional[LossFn] = None,
                  schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None, activation_checkpointing: bool = False,
-                 free_sent_outputs: bool = True, tied_params: Sequence[torch.nn.Parameter] = (),
-                 embedding_group: AxisGroup = NO_TIES, broadcast_loss: bool = True,
-                 record: bool = True, side_inputs: bool = False) -> None:
+                 free_sent_outputs: bool = True, grads: Optional[GradientStep] = None,
+                 broadcast_loss: bool = True, record: bool = True, side_inputs: bool = False) -> None:
         self.chunks = list(chunks)
         self.stage, self.num_stages = stage, len(stage_ranks)
         self.virtual_stages = len(self.chunks)
@@ -112,9 +125,6 @@ class PipelineExecutor:
             raise ValueError("PipelineExecutor needs at least one model chunk")
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is outside the {self.num_stages} stage_ranks {list(stage_ranks)}")
-        if tied_params and embedding_group.size == 1 and len(stage_ranks) > 1:
-            raise ValueError("tied_params on a pipeline need embedding_group= (the first and last stage, "
-                             "ParallelGroups.embedding_group) to sum their gradients over")
         if self.is_last_holder and loss_fn is None:
             raise ValueError("the last pipeline stage needs loss_fn(output, targets) -> scalar loss")
         self.stage_ranks = list(stage_ranks)
@@ -130,7 +140,10 @@ class PipelineExecutor:
         self.device = device or (params[0].device if params else torch.device("cpu"))
         self.activation_checkpointing = activation_checkpointing
         self.free_sent_outputs = free_sent_outputs
-        self.tied_params, self.embedding_group = list(tied_params), embedding_group
+        self.grads: GradientStep = grads if grads is not None else LocalGradients()
+        self._last_grad = last_grad_actions(self.actions)  # chunk -> its boundary action
+        self._eval = False  # running the forward-only schedule
+        self._m = num_microbatches  # microbatches of the run in progress
         self.broadcast_loss = broadcast_loss
         self.record = record
         self.side_inputs = side_inputs
@@ -178,38 +191,65 @@ class PipelineExecutor:
         Returns the mean loss (a 0-dim tensor) on the last stage - on every pipeline rank
         when ``broadcast_loss`` - else None. Does not step the optimizer or zero grads.
         """
+        self._run(self.actions, self.num_microbatches, data_iter, "train_batch")
+        self.grads.finish_backward()
+        for fn in self._hooks:
+            fn()
+        return self._step_loss()
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Optional[Iterator], num_microbatches: Optional[int] = None) -> list[torch.Tensor]:
+        """Forward of ``num_microbatches`` (default: the training count) microbatches through
+        the forward-only schedule, without autograd. Returns each microbatch's loss on the
+        rank holding the last virtual stage, an empty list elsewhere; no gradient changes."""
+        m = self.num_microbatches if num_microbatches is None else num_microbatches
+        actions = forward_only(self.stage, self.num_stages, m, self.virtual_stages)
+        self._eval = True
+        try:
+            self._run(actions, m, data_iter, "eval_batch")
+        finally:
+            self._eval = False
+        return list(self._losses) if self.is_last_holder else []
+
+    def _run(self, actions: Sequence[Action], m: int, data_iter: Optional[Iterator], what: str) -> None:
+        """Run one action list over ``m`` microbatches (training or the forward-only schedule)."""
         needs_data = self.is_first_holder or self.is_last_holder or self.side_inputs
         if needs_data and data_iter is None:
-            raise ValueError(f"stage {self.stage} feeds inputs or targets (or side inputs): train_batch needs a "
-                             "data_iter")
+            raise ValueError(f"stage {self.stage} feeds inputs or targets (or side inputs): {what} needs a data_iter")
         if not self._warmed_up:
             # NCCL wants every rank of a group in its first collective; batched p2p may not be it.
             comm.all_reduce(torch.zeros(1, device=self.device), self.pp_group)
             self._warmed_up = True
+        self._m = m
         self._reset(data_iter)
         self.records, self._raw = [], []
         if self.record:
             self._clock.start_step()
-        for is_comm, acts in comm_batches(self.actions):
+        boundary = {i: c for c, i in self._last_grad.items()} if not self._eval else {}
+        if not self._eval:
+            self.grads.set_boundary(False)  # only each chunk's last gradient action reduces
+        index = 0  # position in ``actions`` of the batch's first action
+        for is_comm, acts in comm_batches(list(actions)):
             if is_comm:
                 self._post(acts)
             else:
                 a = acts[0]
                 self._await_inputs(a)  # blocked time is recorded as WAIT, not as compute
                 t0 = self._mark()
+                last = index in boundary  # this chunk's gradients become final in this action
+                if last:
+                    self.grads.set_boundary(True)  # its DP reductions launch as buckets fill
                 self._dispatch[a.kind](a.microbatch, a.chunk)
+                if last:
+                    self.grads.set_boundary(False)
                 self._note(str(a), a.kind.value, a.microbatch, a.chunk, t0)
+            index += len(acts)
         self._complete_upto(len(self._posted) - 1)
         self._resolve_records()
-        if needs_data and self._drawn != self.num_microbatches:
-            raise RuntimeError(f"stage {self.stage} drew {self._drawn} microbatches, expected {self.num_microbatches}")
+        if needs_data and self._drawn != m:
+            raise RuntimeError(f"stage {self.stage} drew {self._drawn} microbatches, expected {m}")
         leftovers = [k for k, v in self._state.items() if v] + (["side"] if self._side else [])
         assert not leftovers, f"state left after the step: {leftovers}"
-        if self.tied_params:
-            allreduce_tied_grads(self.tied_params, self.embedding_group)
-        for fn in self._hooks:
-            fn()
-        return self._step_loss()
 
     def _reset(self, data_iter: Optional[Iterator]) -> None:
         self._data_iter, self._drawn, self._batches = data_iter, 0, {}
@@ -261,7 +301,7 @@ class PipelineExecutor:
             try:
                 item = next(self._data_iter)  # type: ignore[arg-type]
             except StopIteration:
-                raise RuntimeError(f"data_iter ran out after {self._drawn} of {self.num_microbatches} "
+                raise RuntimeError(f"data_iter ran out after {self._drawn} of {self._m} "
                                    f"microbatches: it must yield gradient_accumulation_steps items per step") from None
             if self.side_inputs:
                 if not (isinstance(item, (tuple, list)) and len(item) == 3 and isinstance(item[2], dict)):
@@ -299,7 +339,7 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ compute
     def _run_chunk(self, chunk: int, x: Any, kwargs: dict) -> torch.Tensor:
         module = self.chunks[chunk]
-        if self.activation_checkpointing:
+        if self.activation_checkpointing and not self._eval:
             return checkpoint(module, x, use_reentrant=False, **kwargs)
         return module(x, **kwargs)
 
@@ -307,6 +347,8 @@ class PipelineExecutor:
         key, st = (mb, chunk), self._state
         if self._is_first(chunk):
             x = self._take(mb, 0)
+        elif self._eval:
+            x = self._arrived.pop((K.RECV_ACT, mb, chunk))
         else:
             x = self._arrived.pop((K.RECV_ACT, mb, chunk)).requires_grad_()
             st["input"][key] = x
@@ -315,14 +357,19 @@ class PipelineExecutor:
             loss = self.loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
-            self._losses.append(loss.detach())
-            st["root"][key] = loss / self.num_microbatches
+            self._losses.append(loss.detach())  # reported unscaled
+            if not self._eval:  # loss / m * loss scale (engine.zero.step)
+                st["root"][key] = self.grads.scale_loss(loss, self.num_microbatches)
             return
         if tuple(out.shape) != self.activation_shape or out.dtype != self.activation_dtype:
             raise ValueError(
                 f"stage {self.stage} chunk {chunk} output is {tuple(out.shape)} {out.dtype} but the executor "
                 f"was built for activation_shape={self.activation_shape} {self.activation_dtype}: every stage "
-                f"boundary must carry one tensor of that shape and dtype")
+                f"boundary must carry one tensor of that shape and dtype (evaluation included: micro-batches "
+                f"of the training micro-batch size)")
+        if self._eval:
+            st["out"][key] = out  # kept until its send completes
+            return
         if out.grad_fn is None:
             raise ValueError(f"stage {self.stage} chunk {chunk} output does not require grad: "
                              f"a non-final chunk must have trainable parameters or a grad-requiring input")
@@ -410,6 +457,9 @@ class PipelineExecutor:
             for w in batch.works:
                 w.wait()
             for a, _ in batch.sends:
+                if self._eval and a.kind is K.SEND_ACT:  # no backward will need it
+                    self._state["out"].pop((a.microbatch, a.chunk), None)
+                    continue
                 out = self._state["out"].get((a.microbatch, a.chunk)) if a.kind is K.SEND_ACT else None
                 if out is not None and self.free_sent_outputs and out._base is None:
                     # sent: the values are no longer needed (backward starts from the edge)

@@ -11,6 +11,8 @@ simulator (:mod:`engine.pipeline.simulate`) checks both properties for any cost 
 
 Names (``pipeline.schedule`` and every command line): ``gpipe``, ``1f1b``,
 ``interleaved-1f1b`` (with ``virtual_stages`` model chunks per rank) and ``zb-h1``.
+Evaluation runs :func:`forward_only` (no backward, any number of micro-batches and model
+chunks) through the same executor; the simulator checks it with ``forward_only=True``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zb_h1",
+    "forward_only",
+    "build_all_forward_only",
     "compute_order",
     "place_comms",
     "check_schedule_args",
@@ -233,6 +237,39 @@ def interleaved_1f1b(stage: int, num_stages: int, num_microbatches: int,
 
 def zb_h1(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     return build_schedule("zb-h1", stage, num_stages, num_microbatches)
+
+
+def _forward_only_compute(stage: int, p: int, m: int, v: int) -> list[Action]:
+    # Micro-batches in rounds of p (the last round may be shorter); each round goes through
+    # chunk 0, then chunk 1, ... (the interleaved schedule's forward order). Every forward
+    # depends only on forwards earlier in (round, chunk, stage) order: no cycle.
+    return [Action(F, i, c) for r in range(0, m, p) for c in range(v) for i in range(r, min(r + p, m))]
+
+
+def _check_forward_only_args(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int) -> None:
+    check_int("num_stages (pipeline-parallel size)", num_stages, minimum=1)
+    check_int("num_microbatches (evaluation micro-batches)", num_microbatches, minimum=1)
+    check_int("virtual_stages (model chunks per rank)", virtual_stages, minimum=1)
+    check_int("stage", stage, minimum=0, maximum=num_stages - 1, fix=f"it is outside the {num_stages} stages")
+
+
+@functools.lru_cache(maxsize=64)
+def _build_all_forward_only(p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    compute = [_forward_only_compute(s, p, m, v) for s in range(p)]
+    return tuple(tuple(row) for row in place_comms(compute, p, v))
+
+
+def build_all_forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Every rank's forward-only action list (evaluation), indexed by pipeline rank."""
+    _check_forward_only_args(0, num_stages, num_microbatches, virtual_stages)
+    return [list(row) for row in _build_all_forward_only(num_stages, num_microbatches, virtual_stages)]
+
+
+def forward_only(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[Action]:
+    """Rank ``stage``'s evaluation schedule: only forwards (``F``) and the activation
+    transfers between them, communication placed as for the training schedules."""
+    _check_forward_only_args(stage, num_stages, num_microbatches, virtual_stages)
+    return list(_build_all_forward_only(num_stages, num_microbatches, virtual_stages)[stage])
 
 
 def format_table(per_rank: Sequence[Sequence[Action]], compute_only: bool = True) -> str:

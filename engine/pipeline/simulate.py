@@ -19,6 +19,10 @@ planner's per-piece costs), :func:`bubble_fraction` (also the measured bubble of
 with free communication on compute-only lists, from which
 :func:`engine.pipeline.schedule.place_comms` orders the transfers.
 
+``forward_only=True`` checks an evaluation schedule
+(:func:`engine.pipeline.schedule.forward_only`): one forward per (microbatch, chunk) with
+its activation transfers, and no backward or gradient transfer at all.
+
 Communication model (the executor's; see :mod:`engine.pipeline.executor`): a run of
 consecutive comm actions is one batch, posted without waiting when the rank reaches it.
 Each rank has one FIFO communication stream, as NCCL has: a batch starts once it is
@@ -132,11 +136,16 @@ def _num_chunks(per_rank: Sequence[Sequence[Action]]) -> int:
     return 1 + max((a.chunk for acts in per_rank for a in acts), default=0)
 
 
-def _check_rank(rank: int, actions: Sequence[Action], p: int, m: int, v: int) -> None:
+_BACKWARD_KINDS = (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.RECV_GRAD, K.SEND_GRAD)
+
+
+def _check_rank(rank: int, actions: Sequence[Action], p: int, m: int, v: int, forward_only: bool = False) -> None:
     seen: Counter = Counter()
     where = f"rank {rank}"
     for idx, a in enumerate(actions):
         at = f"{where}, action #{idx} ({a})"
+        if forward_only and a.kind in _BACKWARD_KINDS:
+            raise ScheduleError(f"{at}: a forward-only (evaluation) schedule has no backward or gradient transfer")
         if a.microbatch >= m:
             raise ScheduleError(f"{at}: microbatch {a.microbatch} is outside [0, {m})")
         if a.chunk >= v:
@@ -173,12 +182,24 @@ def _check_rank(rank: int, actions: Sequence[Action], p: int, m: int, v: int) ->
             raise ScheduleError(f"{at}: the input gradient is sent before it is computed")
         seen[(a.kind, key)] += 1
 
+    _check_complete(rank, seen, p, m, v, forward_only)
+
+
+def _check_complete(rank: int, seen: Counter, p: int, m: int, v: int, forward_only: bool) -> None:
+    """Every (microbatch, chunk) has all the actions it needs on rank ``rank``."""
+    where = f"rank {rank}"
     for mb in range(m):
         for c in range(v):
             key = (mb, c)
             missing = []
             if not seen[(K.FORWARD, key)]:
                 missing.append(str(Action(K.FORWARD, mb, c)))
+            if forward_only:
+                if next_hop(rank, c, p, v) is not None and not seen[(K.SEND_ACT, key)]:
+                    missing.append(str(Action(K.SEND_ACT, mb, c)))
+                if missing:
+                    raise ScheduleError(f"{where}: microbatch {mb} chunk {c} is missing {', '.join(missing)}")
+                continue
             if not (seen[(K.BACKWARD, key)] or seen[(K.BACKWARD_INPUT, key)]):
                 missing.append(str(Action(K.BACKWARD, mb, c)))
             if seen[(K.BACKWARD_INPUT, key)] and not seen[(K.BACKWARD_WEIGHT, key)]:
@@ -203,14 +224,14 @@ def _peer_key(rank: int, a: Action, p: int, v: int) -> tuple:
 
 
 def check_actions(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
-                  virtual_stages: Optional[int] = None) -> None:
+                  virtual_stages: Optional[int] = None, forward_only: bool = False) -> None:
     """Static checks (1) and (2) of the module docstring; raises :class:`ScheduleError`."""
     p, m = len(per_rank), num_microbatches
     v = virtual_stages if virtual_stages is not None else _num_chunks(per_rank)
     if p < 1:
         raise ScheduleError("no ranks given")
     for r, acts in enumerate(per_rank):
-        _check_rank(r, acts, p, m, v)
+        _check_rank(r, acts, p, m, v, forward_only)
     sends, recvs = Counter(), Counter()
     for r, acts in enumerate(per_rank):
         for a in acts:
@@ -326,6 +347,7 @@ class _Run:
         self.timeline: list[list[TimedAction]] = [[] for _ in range(self.p)]
         self.busy = [0.0] * self.p
         self.held, self.peak = [0] * self.p, [0] * self.p
+        self.holds = True  # forwards hold activations until their backward (not when evaluating)
 
     def _keys(self, r: int, acts: list[Action]) -> list[tuple[tuple, bool]]:
         return [(_peer_key(r, a, self.p, self.v), a.kind in (K.SEND_ACT, K.SEND_GRAD)) for a in acts]
@@ -346,7 +368,8 @@ class _Run:
             self.timeline[r].append(TimedAction(a, start, start + dt))
             self.clock[r] = start + dt
             self.busy[r] += dt
-            self.held[r] += (a.kind is K.FORWARD) - (a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT))
+            if self.holds:
+                self.held[r] += (a.kind is K.FORWARD) - (a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT))
             self.peak[r] = max(self.peak[r], self.held[r])
         self.cpu[r] += 1
         return True
@@ -398,16 +421,17 @@ class _Run:
 
 def simulate(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
              virtual_stages: Optional[int] = None, costs: Optional[CostModel] = None,
-             comm_cost: float = 0.0) -> SimResult:
+             comm_cost: float = 0.0, forward_only: bool = False) -> SimResult:
     """Check, pair, run and time the schedule (module docstring). Raises ScheduleError.
 
     ``costs``: a mapping from action prefix ("F", "B", "I", "W") to time, or a callable
     ``(rank, action) -> time``. ``comm_cost`` is added to every comm batch.
+    ``forward_only``: an evaluation schedule (no activation is held: peak 0).
     """
-    check_actions(per_rank, num_microbatches, virtual_stages)
-    p = len(per_rank)
+    check_actions(per_rank, num_microbatches, virtual_stages, forward_only)
     v = virtual_stages if virtual_stages is not None else _num_chunks(per_rank)
     run = _Run(per_rank, v, _cost_fn(costs), comm_cost)
+    run.holds = not forward_only
     run.run()
     makespan = max(max(run.clock), max(run.stream_clock))
     bubble = bubble_fraction(run.busy, makespan)

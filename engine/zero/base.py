@@ -11,15 +11,17 @@ the TP and PP groups (``tp_group``, ``pp_group``) enter only the global gradient
 the "did any rank overflow" vote, and the embedding group sums the gradients of tied
 weights between the pipeline stages that hold them.
 
-Usage per optimizer step (``ga`` micro-batches, loss already divided by ``ga``)::
+The step arithmetic (loss scale, 1/gradient-accumulation, 1/DP, the tied-weight sum) is
+the contract of :mod:`engine.zero.step`; this class implements it (``scale_loss``,
+``set_boundary``, ``finish_backward``). Usage per optimizer step (``ga`` micro-batches)::
 
     for i, mb in enumerate(micro_batches):
         opt.set_boundary(i == ga - 1)   # hooks launch the reductions only on the last one
-        opt.backward(loss_fn(model(mb)) / ga)
+        opt.backward(loss_fn(model(mb)), num_microbatches=ga)   # loss / ga * S, backward
     stepped = opt.step()                # reduces what is left, then updates; zeroes grads
 
-A pipeline executor may instead keep the boundary off for every micro-batch and call
-:meth:`reduce_gradients` once after the last backward.
+The pipeline executor runs the backward itself (``opt.scale_loss(loss, ga)``), sets the
+boundary around each model chunk's last backward and calls :meth:`finish_backward`.
 
 Where gradients live between micro-batches (what decides the peak):
 
@@ -52,7 +54,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union,
 import torch
 import torch.distributed as dist
 
-from engine.dist import comm
+from engine.dist import comm, strict
 from engine.dist.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
@@ -60,6 +62,7 @@ from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
 from engine.zero.init import is_partitioned, param_numel
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
 from engine.zero.shard_view import ShardView, build_shard_view
+from engine.zero.step import scale_loss, step_factors, sum_tied_grads
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "normalize_param_groups"]
 
@@ -144,10 +147,10 @@ class ZeroOptimizer:
         self.overlap_comm = bool(overlap_comm)
         self.alignment = int(alignment)
         self.skipped_steps = 0
-        self.last_grad_norm: Optional[float] = None
+        self.last_grad_norm: Optional[torch.Tensor] = None  # 0-dim, on the device: read it only when needed
         self._boundary = True
         self._reduced = False
-        self._norm_cache: Optional[tuple[float, bool]] = None
+        self._norm_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._hooks: list[Any] = []
         self._pool = BufferPool(torch.device("cpu"))  # stages 2/3 accumulators; device set below
         self._inflight: list[FlatBucket] = []  # pooled buckets whose reduce-scatter is in flight
@@ -248,21 +251,24 @@ class ZeroOptimizer:
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        s = self.loss_scaler.loss_scale
-        return loss if s == 1.0 else loss * s
+    def scale_loss(self, loss: torch.Tensor, num_microbatches: int = 1) -> torch.Tensor:
+        """``loss / num_microbatches * loss scale``: what to differentiate (engine.zero.step)."""
+        return scale_loss(loss, num_microbatches, self.loss_scaler.loss_scale)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``loss`` (the micro-batch loss, already divided by the accumulation steps) times the
-        loss scale, backward."""
-        self.scale_loss(loss).backward(retain_graph=retain_graph)
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, num_microbatches: int = 1) -> None:
+        """Backward of one micro-batch's ``loss`` (one of ``num_microbatches`` of the step):
+        ``loss / num_microbatches * loss scale``."""
+        self.scale_loss(loss, num_microbatches).backward(retain_graph=retain_graph)
+
+    def finish_backward(self) -> None:
+        """After the step's last backward (the pipeline executor's end of step): complete
+        every reduction and sum the tied weights (:meth:`reduce_gradients`)."""
+        self.reduce_gradients()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
-        # Pre-divided by dp * loss scale as it is accumulated (free on the add), so the reduced
-        # sum is already the unscaled mean: no extra pass after the reduction. Exactly the
-        # post-division when both are powers of two (bit-identical to DeepSpeed at dp = 2).
-        alpha = 1.0 / (self.dp_size * self.loss_scaler.loss_scale)
+        # the contract's gradient factor 1 / (dp * S), applied on the add (engine.zero.step)
+        alpha = step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad
         self._reduced = False
         if self.pools_on_boundary and not b.pooled and b.grad_acc is None and self._boundary:
             b.pooled = True  # nothing accumulated here this step: no full gradient needed
@@ -375,16 +381,16 @@ class ZeroOptimizer:
         """Sum tied-weight gradients between the pipeline stages that hold a copy (same DP
         shard on each: a tied weight's bucket has the same layout everywhere)."""
         tied = sorted((g for g in self.groups if g.key.tied_index >= 0), key=lambda g: g.key.tied_index)
-        for g in tied:
-            comm.all_reduce(g.master.grad, self.embedding_group)
+        sum_tied_grads([g.master.grad for g in tied], self.embedding_group)
 
     # ------------------------------------------------------------------ norm and step
     def _mesh_groups(self) -> list[AxisGroup]:
         groups = [self.dp_group] if self.shards_optimizer_state else []
         return [g for g in groups + [self.tp_group, self.pp_group] if g.size > 1]
 
-    def _grad_stats(self) -> tuple[float, bool]:
-        """(global grad norm, any non-finite anywhere), one all-reduce; cached per step."""
+    def _grad_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global grad norm, any non-finite anywhere) as 0-dim tensors on the device (no
+        host sync); one all-reduce; cached per step."""
         if self._norm_cache is not None:
             return self._norm_cache
         tp_rank = comm.group_rank(self.tp_group)
@@ -403,15 +409,21 @@ class ZeroOptimizer:
             stats[0] += norm.double() ** 2
         for grp in self._mesh_groups():
             comm.all_reduce(stats, grp)
-        self._norm_cache = (math.sqrt(stats[0].item()) if stats[1].item() == 0 else float("inf"),
-                            bool(stats[1].item() > 0))
+        overflow = stats[1] > 0
+        norm = torch.where(overflow, torch.full_like(stats[0], math.inf), stats[0].sqrt())
+        self._norm_cache = (norm, overflow)
         return self._norm_cache
 
-    def grad_norm(self) -> float:
+    def grad_norm_tensor(self) -> torch.Tensor:
         """Global L2 norm of the (reduced, unscaled) gradients over DP, TP and PP, every
-        element of the unsharded model counted once; inf if any gradient is non-finite."""
+        element of the unsharded model counted once, inf if any gradient is non-finite: a
+        0-dim float64 tensor on the device (reading it on the host is the caller's sync)."""
         self.reduce_gradients()
         return self._grad_stats()[0]
+
+    def grad_norm(self) -> float:
+        """:meth:`grad_norm_tensor` read on the host (one device sync)."""
+        return float(self.grad_norm_tensor())
 
     def step(self, closure: None = None) -> bool:
         """Reduce (if not done), skip on non-finite gradients anywhere (counted; fp16 adjusts
@@ -419,24 +431,44 @@ class ZeroOptimizer:
         parameters, zero the gradients. Returns whether the parameters were updated."""
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
-        self.reduce_gradients()
-        need_norm = self.clip_grad > 0 or self.precision.checks_nonfinite
-        norm, overflow = self._grad_stats() if need_norm else (None, False)
-        self.last_grad_norm = norm
-        if overflow and self.precision.checks_nonfinite:
-            self.skipped_steps += 1
-            self.loss_scaler.update(True)
-            logger.warning("non-finite gradients: step skipped (%d skipped so far)", self.skipped_steps)
-            self.zero_grad()
-            return False
-        if self.clip_grad > 0 and norm > self.clip_grad:
-            coef = self.clip_grad / (norm + 1e-6)
-            for g in self.groups:
-                g.master.grad.mul_(coef)
+        # the strict mode (engine.dist.strict, rule 6) checks this region has no host sync but
+        # the fp16 skip decision; the inner optimizer's own step is not checked (torch's
+        # Adam reads its step counter, a CPU tensor, on the host)
+        with comm.no_host_sync("the ZeRO optimizer step (reduction, norm, clipping)"):
+            if not self._prepare_step():
+                return False
         self.optimizer.step()
         self.loss_scaler.update(False)
         self._publish()
         self.zero_grad()
+        return True
+
+    def _prepare_step(self) -> bool:
+        """Reduce (if not done), the global norm and overflow vote on the device, the fp16
+        skip, clipping. Returns False when the step is skipped (gradients zeroed)."""
+        self.reduce_gradients()
+        need_norm = self.clip_grad > 0 or self.precision.checks_nonfinite
+        norm, overflow = self._grad_stats() if need_norm else (None, None)
+        self.last_grad_norm = norm
+        if self.precision.checks_nonfinite:
+            assert overflow is not None
+            # fp16: the ONE host read of the step (whether any rank overflowed decides the skip
+            # and the loss scaler's update, both host logic). bf16 / fp32 read nothing here.
+            with strict.host_sync_allowed():
+                skip = bool(overflow)
+            if skip:
+                self.skipped_steps += 1
+                self.loss_scaler.update(True)
+                logger.warning("non-finite gradients: step skipped (%d skipped so far)", self.skipped_steps)
+                self.zero_grad()
+                return False
+        if self.clip_grad > 0:
+            assert norm is not None
+            # clip on the device: coef = min(1, clip / (norm + 1e-6)); a factor of exactly 1
+            # leaves the gradients unchanged (DeepSpeed clips when norm + 1e-6 > clip, as here)
+            coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+            for g in self.groups:
+                g.master.grad.mul_(coef)
         return True
 
     def _publish(self) -> None:

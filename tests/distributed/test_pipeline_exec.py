@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from harness import RankFailure, run_ranks
 
 from engine.dist.groups import NO_TP, AxisGroup
-from engine.pipeline.executor import NO_TIES, PipelineExecutor
+from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
+from engine.zero.step import NO_TIES, LocalGradients
 
 VOCAB, HIDDEN, MB_SIZE, SEQ = 16, 8, 2, 3
 STATE_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -120,7 +121,7 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
     ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=AxisGroup.world(),
                           num_microbatches=m, activation_shape=(MB_SIZE, SEQ, HIDDEN), loss_fn=loss_fn,
                           schedule=schedule, activation_checkpointing=checkpointing,
-                          tied_params=tied, embedding_group=emb_group)
+                          grads=LocalGradients(tied, emb_group))
     ex.register_backward_end_hook(lambda: calls.append([pp.grad.clone() for pp, _ in pairs]))
     opt = torch.optim.AdamW([pp for c in chunks for pp in c.parameters()], lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -324,7 +325,7 @@ def _gpt_tp_pp(rank, world_size):
         ex = PipelineExecutor(chunks, stage=stage, stage_ranks=list(groups.pp_ranks), pp_group=groups.pp_group,
                               num_microbatches=m, activation_shape=(batch, cfg.seq_len, cfg.hidden_size),
                               loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, groups.tp_group),
-                              schedule=schedule, tied_params=tied, embedding_group=groups.embedding_group)
+                              schedule=schedule, grads=LocalGradients(tied, groups.embedding_group))
         opt = torch.optim.SGD([prm for c in chunks for prm in c.parameters()], lr=0.1, momentum=0.9)
         for step in range(2):
             data = batches(step)

@@ -1,14 +1,13 @@
-"""Glue between the engine and :class:`engine.pipeline.executor.PipelineExecutor`.
+"""Glue between the engine and :class:`engine.pipeline.executor.PipelineExecutor`: one
+path for training and evaluation.
 
-Training runs the configured schedule through the executor (gradients accumulate into the
-ZeRO optimizer's buffers through its hooks; the engine reduces and steps once after the
-last micro-batch). Evaluation is forward-only: each micro-batch walks the chain of
-virtual stages in order, one transfer per hop (a single token passing along the chain, so
-it cannot deadlock). Each hop is a ``batch_isend_irecv`` on the pp group, as in training
-(NCCL then uses the group's communicator instead of creating a pairwise one mid-run), and
-the sender checks the activation's shape and dtype against the receiver's fixed buffer
-before sending (the strict mode also exchanges a header): a mismatch is an error naming
-both, not an NCCL hang or silent corruption.
+Training runs the configured schedule through the executor; evaluation runs the
+forward-only schedule (:func:`engine.pipeline.schedule.forward_only`) through the same
+executor, so both use the same ``batch_isend_irecv`` transfers on the pp group with fixed
+boundary shapes (a stage output of another shape is an error naming both). The step
+arithmetic (loss / ga * loss scale, the DP reduction, the tied-weight sum) is the
+optimizer's (:mod:`engine.zero.step`): the runner hands the ZeRO optimizer to the executor
+as its ``grads``; the engine steps it after the schedule.
 
 Document masking (``data.document_masking``): stage boundaries still carry one hidden-state
 tensor; the micro-batch's document ids (B, S) are data, and every stage of a data-parallel
@@ -21,17 +20,15 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
 from engine.data.device import move_to_device
 from engine.data.microbatch import split_microbatch, to_microbatch
-from engine.dist import comm
 from engine.dist.groups import ParallelGroups
-from engine.pipeline.actions import next_hop, prev_hop
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.stages import check_doc_ids
+from engine.zero.step import GradientStep
 
 __all__ = ["PipelineRunner", "activation_shape", "microbatch_doc_ids"]
 
@@ -58,9 +55,10 @@ class PipelineRunner:
     per-step losses on the last stage and None elsewhere."""
 
     def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: LossFn,
-                 *, device: torch.device, dtype: torch.dtype, loss_scale: Callable[[], float] = lambda: 1.0,
+                 *, device: torch.device, dtype: torch.dtype, grads: GradientStep,
                  boundary_shape: Optional[Sequence[int]] = None) -> None:
-        """``boundary_shape`` / ``dtype``: what crosses the stage boundaries; the shape
+        """``grads``: the owner of the step arithmetic (the engine's ZeRO optimizer).
+        ``boundary_shape`` / ``dtype``: what crosses the stage boundaries; the shape
         defaults to the config's model (:func:`activation_shape`)."""
         self._split = split_microbatch
         self.chunks = list(chunks)
@@ -70,15 +68,10 @@ class PipelineRunner:
         self.stage_ranks = list(groups.pp_ranks)
         self.shape = tuple(boundary_shape) if boundary_shape is not None else activation_shape(cfg)
         self.document_masking = cfg.data.document_masking
-        # The executor runs the backward itself, so the fp16 loss scale goes into the loss it
-        # differentiates (the ZeRO optimizer divides the reduced gradients by it); the scale
-        # is fixed within a step and a power of two, so unscaling the reported loss is exact.
-        self._loss_scale = loss_scale
-        self._scale = 1.0
         self.executor = PipelineExecutor(
             self.chunks, stage=self.stage, stage_ranks=self.stage_ranks, pp_group=groups.pp_group,
             num_microbatches=cfg.gradient_accumulation_steps, activation_shape=self.shape,
-            loss_fn=self._scaled_loss,
+            loss_fn=loss_fn, grads=grads,
             schedule=cfg.pipeline.schedule, activation_dtype=dtype, device=device,
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
             broadcast_loss=False, record=False, side_inputs=self.document_masking)
@@ -90,10 +83,6 @@ class PipelineRunner:
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
-
-    def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(out, targets)
-        return loss if self._scale == 1.0 else loss * self._scale
 
     def _side(self, mb: Any) -> dict:
         """Chunk keyword inputs of a micro-batch: ``{"doc_ids": (B, S)}`` with document masking."""
@@ -107,45 +96,11 @@ class PipelineRunner:
         return (inputs, targets, side) if self.document_masking else (inputs, targets)
 
     def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        pairs = iter([self._item(mb) for mb in microbatches])
-        self._scale = float(self._loss_scale())
-        loss = self.executor.train_batch(pairs)
-        if not self.is_last:
-            return None
-        return [loss if self._scale == 1.0 else loss / self._scale]
+        """One step's forward and backward; the mean loss (unscaled) on the last stage."""
+        loss = self.executor.train_batch(iter([self._item(mb) for mb in microbatches]))
+        return [loss] if self.is_last else None
 
-    @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        v = len(self.chunks)
-        losses = []
-        for mb in microbatches:
-            inputs, targets = self._split(mb)
-            side = self._side(mb)
-            for c in range(v):
-                prev = prev_hop(self.stage, c, self.num_stages)
-                if prev is None:
-                    x = move_to_device(inputs, self.device)
-                else:
-                    x = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # (B, S, H)
-                    self._transfer(comm.p2p_op(dist.irecv, x, self.stage_ranks[prev[0]], self.groups.pp_group))
-                out = self.chunks[c](x, **side)
-                nxt = next_hop(self.stage, c, self.num_stages, v)
-                if nxt is None:
-                    losses.append(self.loss_fn(out, move_to_device(targets, self.device)).detach())
-                else:
-                    self._check_boundary(out, c)
-                    self._transfer(comm.p2p_op(dist.isend, out.contiguous(), self.stage_ranks[nxt[0]],
-                                              self.groups.pp_group))
+        """The forward-only schedule over ``microbatches``: each one's loss on the last stage."""
+        losses = self.executor.eval_batch(iter([self._item(mb) for mb in microbatches]), len(microbatches))
         return losses if self.is_last else None
-
-    def _check_boundary(self, out: torch.Tensor, chunk: int) -> None:
-        """The receiver allocates ``self.shape`` / ``self.dtype``: anything else must not be sent."""
-        if tuple(out.shape) != self.shape or out.dtype != self.dtype:
-            raise ValueError(f"pipeline evaluation: stage {self.stage} chunk {chunk} output is {tuple(out.shape)} "
-                             f"{out.dtype} but the next stage receives {self.shape} {self.dtype} (micro-batch, seq, "
-                             "hidden): evaluate with micro-batches of train_micro_batch_size_per_gpu rows of seq_len")
-
-    @staticmethod
-    def _transfer(op: dist.P2POp) -> None:
-        for work in comm.batch_isend_irecv([op]):
-            work.wait()

@@ -1,0 +1,151 @@
+"""The step arithmetic contract: what multiplies the loss and the gradients, written once.
+
+One optimizer step runs ``ga`` micro-batches (``gradient_accumulation_steps``) on each of
+``dp`` data-parallel replicas; with pipeline parallelism each stage holds different
+parameters, and a tied weight (embedding = head) has one copy on each stage that uses it.
+The gradient the optimizer must see is that of the MEAN loss over the ``ga * dp``
+micro-batches of the global batch. Three factors get it there, and only this module says
+what they are (:func:`step_factors`):
+
+- ``loss``: each micro-batch's loss is divided by ``ga`` and multiplied by the loss scale
+  ``S`` (fp16; ``S = 1`` for bf16/fp32) before its backward: ``loss / ga * S``. The
+  division comes first, in this order, as DeepSpeed's ``backward`` does, so the two agree
+  bit for bit. Whoever runs the backward calls :meth:`GradientStep.scale_loss` for it: the
+  ZeRO optimizer's ``backward`` (the DeepSpeed loop: ``Engine.backward`` /
+  ``Engine.train_batch``) or the pipeline executor (each last-stage micro-batch loss).
+- ``grad``: each gradient is multiplied by ``1 / (dp * S)`` as the optimizer's hooks add it
+  into their fp32 accumulators (free on the add), so the SUM over the DP group is already
+  the unscaled mean: no pass after the reduction. Exact when ``dp`` and ``S`` are powers
+  of two (then equal to DeepSpeed's post-division).
+- ``tied``: after the DP reduction, the gradients of a tied weight's copies are SUMMED over
+  the stages holding one (the embedding group), never averaged: each copy holds only its
+  own stage's part of the weight's gradient (:func:`sum_tied_grads`).
+
+Together: ``loss * grad = 1 / (ga * dp)``, whatever ``S`` and the pipeline depth are; the
+pipeline adds no factor (its stages hold disjoint parameters; a micro-batch's loss is
+computed once, on the last stage). The loss REPORTED is the unscaled mean of the
+micro-batch losses (the executor keeps each loss before it is scaled).
+
+Unscaling, the non-finite check (fp16) and clipping belong to the optimizer's ``step``;
+the global norm is computed on the device and read on the host only by a caller that asks
+for it. With fp16 the skip decision needs one host read per step (whether any rank
+overflowed: the loss scaler's update is host logic); bf16 and fp32 need none.
+
+Two implementations of :class:`GradientStep`: :class:`engine.zero.base.ZeroOptimizer`
+(every ZeRO stage) and :class:`LocalGradients` (the pipeline executor driving a plain
+``torch.optim`` optimizer, no data parallelism). The executor calls, per step:
+``scale_loss`` on each loss, ``set_boundary(True)`` before the last backward of each
+model chunk (and ``False`` after it: a chunk's DP reductions launch during its last
+backward, while the schedule still runs the other chunks' and micro-batches' work), and
+``finish_backward()`` after the last action (every reduction completed, tied weights
+summed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from engine.dist import comm
+from engine.dist.groups import AxisGroup
+
+NO_TIES = AxisGroup.single("embedding")  # no tied weights across stages: nothing to sum
+
+__all__ = ["NO_TIES", "StepFactors", "step_factors", "scale_loss", "sum_tied_grads", "GradientStep", "LocalGradients"]
+
+
+@dataclass(frozen=True)
+class StepFactors:
+    """The factors of one optimizer step (see the module docstring)."""
+
+    ga: int  # micro-batches per step on each replica
+    dp: int  # data-parallel replicas
+    loss_scale: float  # S (1.0 unless fp16)
+
+    @property
+    def loss(self) -> float:
+        """What a micro-batch loss is multiplied by before its backward: S / ga."""
+        return self.loss_scale / self.ga
+
+    @property
+    def grad(self) -> float:
+        """What each gradient is multiplied by as it is accumulated: 1 / (dp * S)."""
+        return 1.0 / (self.dp * self.loss_scale)
+
+    @property
+    def total(self) -> float:
+        """``loss * grad``: the factor on the SUM of the per-micro-batch gradients over the
+        global batch, 1 / (ga * dp)."""
+        return self.loss * self.grad
+
+
+def step_factors(ga: int, dp: int, loss_scale: float = 1.0) -> StepFactors:
+    """The contract's factors for ``ga`` micro-batches on ``dp`` replicas at loss scale ``S``."""
+    if isinstance(ga, bool) or not isinstance(ga, int) or ga < 1:
+        raise ValueError(f"gradient accumulation steps must be an integer >= 1, got {ga!r}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"the data-parallel size must be an integer >= 1, got {dp!r}")
+    if not loss_scale > 0:
+        raise ValueError(f"the loss scale must be > 0, got {loss_scale!r}")
+    return StepFactors(ga=ga, dp=dp, loss_scale=float(loss_scale))
+
+
+def scale_loss(loss: torch.Tensor, num_microbatches: int, loss_scale: float) -> torch.Tensor:
+    """``loss / num_microbatches * loss_scale``, in that order (DeepSpeed's), skipping a
+    factor of 1 (so a loss with no accumulation and no scaling is the same tensor)."""
+    if num_microbatches > 1:
+        loss = loss / num_microbatches
+    return loss if loss_scale == 1.0 else loss * loss_scale
+
+
+def sum_tied_grads(grads: Sequence[torch.Tensor], group: AxisGroup) -> None:
+    """Sum (in place) the gradients of a tied weight's copies over the stages holding one.
+
+    ``grads``: this rank's gradient tensor of each tied weight, in the tied weights' order
+    (the same order and shapes on every member of ``group``). A size-1 ``group`` (both
+    copies on this stage, where autograd already summed them) is the identity."""
+    for g in grads:
+        comm.all_reduce(g, group)
+
+
+@runtime_checkable
+class GradientStep(Protocol):
+    """What a loop that runs backward passes needs from the owner of the step arithmetic."""
+
+    def scale_loss(self, loss: torch.Tensor, num_microbatches: int = 1) -> torch.Tensor:
+        """The tensor to differentiate for one micro-batch's ``loss`` (``loss / ga * S``)."""
+        ...
+
+    def set_boundary(self, is_boundary: bool) -> None:
+        """Whether the backward passes until the next call are the last of the step for the
+        parameters they reach (their data-parallel reductions may launch)."""
+        ...
+
+    def finish_backward(self) -> None:
+        """After the step's last backward: every reduction completed, tied weights summed."""
+        ...
+
+
+class LocalGradients:
+    """:class:`GradientStep` for a plain ``torch.optim`` optimizer over this rank's
+    parameters (no data parallelism, no loss scaling): gradients accumulate in ``.grad``;
+    ``finish_backward`` sums the tied weights' gradients over ``embedding_group``."""
+
+    def __init__(self, tied_params: Sequence[torch.nn.Parameter] = (),
+                 embedding_group: AxisGroup = NO_TIES) -> None:
+        self.tied_params = list(tied_params)
+        self.embedding_group = embedding_group
+
+    def scale_loss(self, loss: torch.Tensor, num_microbatches: int = 1) -> torch.Tensor:
+        return scale_loss(loss, num_microbatches, 1.0)
+
+    def set_boundary(self, is_boundary: bool) -> None:
+        """Nothing to launch: there is no data-parallel reduction."""
+
+    def finish_backward(self) -> None:
+        for p in self.tied_params:
+            if p.grad is None:  # a copy no micro-batch reached still takes part in the sum
+                p.grad = torch.zeros_like(p)
+        sum_tied_grads([p.grad for p in self.tied_params if p.grad is not None], self.embedding_group)
