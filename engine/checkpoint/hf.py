@@ -12,14 +12,17 @@
   ``config.json``, which ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
   Collective over each TP group of DP rank 0 (the TP gathers); rank 0 writes.
 
-ZeRO-3 is refused by both (parameters are DP-partitioned there): save with
-``engine.save_checkpoint`` and consolidate (docs/autotp.md).
+At ZeRO-3, :func:`load_hf_weights` streams the source into the partitioned model: each
+rank reads one tensor at a time (its TP slice) and copies only the elements of its own DP
+shard into its fp32 master shard, so no rank ever holds more than its shards plus one
+tensor (tests/distributed/test_zero_peak.py). :func:`export_hf` refuses ZeRO-3 (save with
+``engine.save_checkpoint`` and consolidate, docs/autotp.md).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,13 +52,13 @@ def _groups(engine: Engine) -> ParallelGroups:
 @torch.no_grad()
 def load_hf_weights(engine: Engine, source: SourceArg, *, strict: bool = True) -> LoadReport:
     """See the module docstring. Returns what this rank read."""
-    _refuse_zero3(engine, "load_hf_weights")
     groups = _groups(engine)
     opt = engine.optimizer
     names, _ = parameter_names(engine.module)
     pieces: dict[int, list[Any]] = {}
     for pc in local_pieces(opt, names, groups.tp_rank, groups.tp_size):
         pieces.setdefault(id(pc.param), []).append(pc)
+    shape_of = _zero3_shapes(opt) if engine.config.zero.stage == 3 else None
     sd = opt.state_dict()
     masters = sd["master"]  # live views of this rank's fp32 master shards
 
@@ -66,9 +69,17 @@ def load_hf_weights(engine: Engine, source: SourceArg, *, strict: bool = True) -
         if not param.requires_grad:   # frozen parameters are not in the optimizer: set them here
             param.copy_(local)
 
-    report = load_sharded_weights(engine.module, source, groups.tp_rank, groups.tp_size, strict=strict, sink=sink)
+    report = load_sharded_weights(engine.module, source, groups.tp_rank, groups.tp_size, strict=strict, sink=sink,
+                                  shape_of=shape_of)
     opt.load_state_dict(sd)   # publishes the masters into the parameters (all-gather over DP)
     return report
+
+
+def _zero3_shapes(opt: Any) -> Callable[[torch.nn.Parameter], tuple[int, ...]]:
+    """TP-local shape of each optimized parameter from ZeRO's shard view (under ZeRO-3 a
+    parameter's ``.data`` is an empty placeholder); a frozen one keeps its own."""
+    shapes = {id(s.param): s.shape for g in opt.shard_view().groups for b in g.buckets for s in b.params}
+    return lambda p: shapes.get(id(p), tuple(p.shape))
 
 
 def export_hf(engine: Engine, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> Optional[str]:

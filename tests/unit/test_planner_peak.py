@@ -40,3 +40,30 @@ def test_predicted_peak_within_15_percent_of_measured():
                              torch_adam=not a.get("fused_adam", False))["peak"]
         measured = max(r["ours"]["tensor_peak"])
         assert abs(pred - measured) <= 0.15 * measured, (r["stage"], r["dtype"], r["ga"], pred, measured)
+
+
+def test_layout_search_ranks_and_rejects_by_the_predicted_peak():
+    """engine.planner.search: a layout is rejected when its predicted PEAK (not the
+    between-steps estimate) exceeds the device, and feasible plans carry that peak."""
+    from dataclasses import replace
+
+    from engine.planner.cluster import cluster_preset
+    from engine.planner.cost import layout_peak_bytes, memory_estimate
+    from engine.planner.search import evaluate, plan
+
+    model = ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, seq_len=1024)
+    layout = Layout(dp=4, tp=1, pp=1, micro_batch=1, num_microbatches=4, zero_stage=2)
+    base = replace(cluster_preset("h100", nodes=1), gpus_per_node=4, memory_bytes=1e15)
+    between = memory_estimate(model, layout, base).total
+    peak = layout_peak_bytes(model, layout, base)
+    assert peak > between  # buckets, gradients in flight: what exists only during the step
+    squeezed = replace(base, memory_bytes=(between + peak) / 2)
+    p = evaluate(model, layout, squeezed)
+    assert not p.feasible and any("predicted peak" in r for r in p.reasons)
+    ok = evaluate(model, layout, base)
+    assert ok.feasible and ok.peak == peak
+    plans = [q for q in plan(model, base, 16, micro_batches=(1,), zero_stages=(0, 3), recompute=(False,),
+                             tp_sizes=(1,), pp_sizes=(1,)) if q.feasible]
+    assert plans and all(q.peak is not None and q.peak <= base.memory_bytes for q in plans)
+    keys = [(q.time.step_s, q.peak) for q in plans]
+    assert keys == sorted(keys)
