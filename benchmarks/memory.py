@@ -218,6 +218,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                        torch_adam=cfg["optimizer"]["params"]["torch_adam"],
                                                        activation_bytes=row["predicted"]["activations"])
                 rows.append(row)
+                if args.json:  # after every row: a long run interrupted keeps what it measured
+                    with open(args.json, "w") as fh:
+                        json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
     return rows
 
 

@@ -429,7 +429,7 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[s
 
 def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.0, bucket_numel: int = 500_000_000,
                   prefetch_numel: int = 50_000_000, torch_adam: bool = False,
-                  inflight: Optional[Sequence[int]] = None) -> dict[str, float]:
+                  inflight: Optional[Sequence[int]] = None, first_step: bool = False) -> dict[str, float]:
     """Predicted per-rank PEAK bytes during a step, on the pipeline rank that needs most, by
     term (``inflight[k]``: micro-batch chunks pipeline rank k holds at its peak, e.g. the
     schedule simulator's; default 1F1B's ``min(pp - k, micro-batches)``):
@@ -445,8 +445,10 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
     ``bucket_numel``: ``reduce_bucket_size`` (or the largest bucket when a single parameter
     is larger; in fp32 the pooled buckets are the multi-parameter ones); ``prefetch_numel``: ``stage3_prefetch_bucket_size``; ``torch_adam``: the
     inner optimizer is torch's AdamW (a master-sized temporary in the step) rather than the
-    fused kernel. Backward transients and the step's temporary do not coexist. Measured against
-    ``benchmarks/memory.py`` (tests/unit/test_planner_peak.py)."""
+    fused kernel. Backward transients and the step's temporary do not coexist. The default is
+    the steady state (every step after the first; what decides whether a run fits);
+    ``first_step``: the first step's peak, in which Adam's moments appear only in the
+    update. Measured against ``benchmarks/memory.py`` (tests/unit/test_planner_peak.py)."""
     from engine.zero.memory import zero_peak_formula
 
     shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
@@ -482,7 +484,7 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
                                 unit_numel=largest_block_unit if tied_here else largest,  # the tied one counts below
                                 prefetch_numel=int(prefetch_numel) if layout.zero_stage == 3 else 0,
                                 tied_numel=vh if tied_here else 0, activation_bytes=acts + logits,
-                                torch_adam=torch_adam)
+                                torch_adam=torch_adam, first_step=first_step)
         if best is None or out["peak"] > best["peak"]:
             best = out
     assert best is not None

@@ -278,6 +278,7 @@ class ZeroOptimizer:
             # parameter unused there): reduce what the previous pass left first
             self._launch_sharded(b)
         g = p.grad
+        assert g is not None  # a post-accumulate-grad hook: the gradient is there
         if (len(b.params) == 1 and b.grad_acc is None and g.dtype == torch.float32 and g.is_contiguous()
                 and g.numel() == b.layout.padded_numel):
             # a bucket of one fp32 parameter (a tied embedding, a large unit): reduce its

@@ -85,7 +85,7 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
                       bucket_numel: int = 0, largest_param_numel: int = 0, unit_numel: int = 0,
                       prefetch_numel: int = 0, tied_numel: int = 0, activation_bytes: float = 0.0,
                       accumulating: bool = True, torch_adam: bool = False, grad_bytes: int = 4,
-                      optimizer_bytes: int = 12) -> dict[str, float]:
+                      optimizer_bytes: int = 12, first_step: bool = False) -> dict[str, float]:
     """Per-rank peak bytes during a step, by term (see the module docstring) and ``peak``.
 
     ``bucket_numel``: the largest bucket (padded elements); ``largest_param_numel``: the
@@ -96,8 +96,10 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     gradients (otherwise it reduces through pooled buckets as stage 2). ``states`` is the
     engine's (:func:`zero_state_bytes`). The backward transients and the optimizer step's
     temporaries (``torch_adam``: torch's update stepped in chunks, two chunk-sized
-    temporaries; the fused kernel none) do not coexist; the pooled buckets are in both:
-    ``peak = states + max(backward, step)``."""
+    temporaries; the fused kernel none) do not coexist; the pooled buckets are in both, stage
+    1's full accumulator only in backward: ``peak = max(states + backward, states - full + step)``. ``first_step``: the peak of a run's FIRST
+    optimizer step, in which Adam's moments (``8 Psi / N_d`` bytes) are created by the
+    update, after backward: ``max(states - moments + backward, states + step)``."""
     if (grad_bytes, optimizer_bytes) != (4, 12):
         raise ValueError("zero_peak_formula models this engine's optimizers: fp32 gradients (grad_bytes 4) "
                          "and Adam's K = 12 (optimizer_bytes 12)")
@@ -121,7 +123,10 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     # chunks (engine.optim.chunked_adam): two chunk-sized temporaries; the fused kernel none
     master = num_params / (dp if stage >= 1 else 1)
     out["step"] = out["buckets"] + (2.0 * 4 * min(master, DEFAULT_CHUNK_NUMEL) if torch_adam else 0.0)
-    out["peak"] = states + max(out["backward"], out["step"])
+    moments = 8.0 * num_params / (dp if stage >= 1 else 1) if first_step else 0.0
+    # stage 1 frees its full fp32 accumulator after the step's reduce-scatter, before the update
+    full_acc = 4.0 * num_params if (stage == 1 and accumulating) else 0.0
+    out["peak"] = max(states - moments + out["backward"], states - full_acc + out["step"])
     return out
 
 
