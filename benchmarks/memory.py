@@ -21,7 +21,11 @@ group): ``tensor`` = the exact live-storage high-water mark (engine.zero.peak), 
 with glibc's mmap threshold fixed by the parent (freed tensors leave the RSS at once). The
 tensor peak is what the formula and the planner predict; the RSS peak adds allocator,
 communication staging and interpreter growth, and cross-checks it. ``construction`` is the
-tensor peak up to the end of ``initialize``; ``step`` the one during training.
+tensor peak up to the end of ``initialize``; ``step`` the one during training, split into
+``fwd_bwd`` (forward and backward of each micro-batch) and ``opt_step`` (``step()``: the
+reductions, the update, the publish). The MODEL-STATE peak (what ZeRO shards) is the larger
+of ``opt_step`` (no activations alive) and ``fwd_bwd`` minus one micro-batch's saved
+activations measured on the dense model; the total tensor peak is reported next to it.
 """
 
 from __future__ import annotations
@@ -101,14 +105,34 @@ def _ds_engine(cfg: dict):
     return eng
 
 
-def _step_ds(eng, mbs) -> float:
+def _train_step(eng, mbs, tracker) -> float:
+    """One optimizer step through the DeepSpeed-style calls both systems share, with the
+    forward/backward of each micro-batch and the optimizer step (reduction, update,
+    publish: ``step()`` on the boundary) in separate tracker phases."""
     losses = []
     for x, y in mbs:
-        loss = eng(x, y)
-        eng.backward(loss)
-        eng.step()
+        with tracker.phase("fwd_bwd"):
+            loss = eng(x, y)
+            eng.backward(loss)
+        with tracker.phase("opt_step"):
+            eng.step()
         losses.append(loss.item())
     return sum(losses) / len(losses)
+
+
+def activation_bytes(cfg: dict) -> int:
+    """One micro-batch's saved activations (plus the loss) of the dense reference GPT in
+    the config's dtype (engine.zero.peak.saved_activation_bytes)."""
+    import torch
+
+    from engine.models import GPT, ModelConfig
+    from engine.zero.peak import saved_activation_bytes
+
+    model = GPT(ModelConfig(**cfg["model"]), seed=1)
+    if cfg["bf16"]["enabled"]:
+        model = model.to(torch.bfloat16)
+    x, y = _batches(cfg, 0, 0)[0]
+    return saved_activation_bytes(model, lambda: model(x, y))
 
 
 def _rank(rank: int, world: int, system: str, cfg: dict, steps: int) -> dict:
@@ -138,10 +162,10 @@ def _rank(rank: int, world: int, system: str, cfg: dict, steps: int) -> dict:
                 eng = _ds_engine(cfg)
         with t.phase("step"):
             for s in range(steps):
-                mbs = _batches(cfg, s, rank)
-                losses.append(eng.train_batch(iter(mbs)).item() if system == "ours" else _step_ds(eng, mbs))
+                losses.append(_train_step(eng, _batches(cfg, s, rank), t))
         inputs = optimizer_peak_inputs(eng.optimizer, eng.module) if system == "ours" else None
     out = {"tensor_peak": t.peak, "construction": t.phases.get("construction", 0), "step": t.phases.get("step", 0),
+           "fwd_bwd": t.phases.get("fwd_bwd", 0), "opt_step": t.phases.get("opt_step", 0),
            "rss_peak": peak_memory_bytes(cpu) - base_rss, "losses": losses, "inputs": inputs,
            "seconds": time.perf_counter() - t0}
     del eng
@@ -167,16 +191,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     from harness import run_ranks
 
     rows = []
+    act = {dtype: activation_bytes(config(args, 0, dtype, 1)) for dtype in args.dtypes}
     for dtype in args.dtypes:
         for ga in args.ga:
             for stage in args.stages:
                 cfg = config(args, stage, dtype, ga)
-                row = {"stage": stage, "dtype": dtype, "ga": ga, "dp": args.dp}
+                row = {"stage": stage, "dtype": dtype, "ga": ga, "dp": args.dp, "activations": act[dtype]}
                 for system in args.systems:
                     try:
                         ranks = run_ranks(_rank, args.dp, system, cfg, args.steps, timeout=args.timeout)
                         row[system] = {k: [r[k] for r in ranks] for k in
-                                       ("tensor_peak", "construction", "step", "rss_peak", "losses", "seconds")}
+                                       ("tensor_peak", "construction", "step", "fwd_bwd", "opt_step", "rss_peak",
+                                        "losses", "seconds")}
                         if system == "ours":
                             row["inputs"] = ranks[0]["inputs"]
                     except Exception as exc:  # noqa: BLE001 - a system's failure is its row's reason
@@ -193,16 +219,31 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                        torch_adam=cfg["optimizer"]["params"]["torch_adam"],
                                                        activation_bytes=row["predicted"]["activations"])
                 rows.append(row)
+                if args.json:  # after every row: a long run interrupted keeps what it measured
+                    with open(args.json, "w") as fh:
+                        json.dump({"args": vars(args), "rows": rows}, fh, indent=1)
     return rows
 
 
+def model_state_peak(r: dict, system: str) -> float:
+    """Worst rank's MODEL-STATE peak: the optimizer-step phase's peak (no activations are
+    alive then: parameters, gradients, optimizer state, buckets and the step's temporaries),
+    or the forward/backward phase's peak minus one micro-batch's saved activations
+    (``r["activations"]``, measured on the dense model), whichever is larger."""
+    d = r[system]
+    return max(max(st, fb - r["activations"]) for st, fb in zip(d["opt_step"], d["fwd_bwd"]))
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| dtype | GA | stage | ours tensor peak MiB (max rank) | ours RSS peak | DeepSpeed tensor peak | "
-            "DeepSpeed RSS peak | ours / DS (tensor) | formula peak | planner | states (paper) |")
-    out = [head, "|" + "---|" * 11]
+    head = ("| dtype | GA | stage | ours tensor peak MiB (max rank) | ours model-state peak | ours RSS peak "
+            "| DeepSpeed tensor peak | DeepSpeed model-state peak | DeepSpeed RSS peak | ours / DS (tensor) "
+            "| formula peak | planner | states (paper) |")
+    out = [head, "|" + "---|" * 13]
     for r in rows:
-        def cell(sys_: str, k: str) -> str:
+        def cell(sys_: str, k: str, r: dict = r) -> str:
             d = r.get(sys_, {})
+            if k == "model_state":
+                return "n/a" if "opt_step" not in d else f"{model_state_peak(r, sys_) / MiB:.0f}"
             return "n/a" if k not in d else f"{max(d[k]) / MiB:.0f}"
 
         ratio = "n/a"
@@ -210,9 +251,31 @@ def table(rows: list[dict]) -> str:
             ratio = f"{max(r['ours']['tensor_peak']) / max(r['deepspeed']['tensor_peak']):.2f}"
         f = r.get("formula", {})
         pred = r.get("predicted", {})
-        out.append(f"| {r['dtype']} | {r['ga']} | {r['stage']} | {cell('ours', 'tensor_peak')} | {cell('ours', 'rss_peak')} "
-                   f"| {cell('deepspeed', 'tensor_peak')} | {cell('deepspeed', 'rss_peak')} | {ratio} "
+        out.append(f"| {r['dtype']} | {r['ga']} | {r['stage']} | {cell('ours', 'tensor_peak')} "
+                   f"| {cell('ours', 'model_state')} | {cell('ours', 'rss_peak')} "
+                   f"| {cell('deepspeed', 'tensor_peak')} | {cell('deepspeed', 'model_state')} "
+                   f"| {cell('deepspeed', 'rss_peak')} | {ratio} "
                    f"| {f.get('peak', 0) / MiB:.0f} | {pred.get('peak', 0) / MiB:.0f} | {f.get('states', 0) / MiB:.0f} |")
+    return "\n".join(out)
+
+
+def savings(rows: list[dict]) -> str:
+    """ZeRO-3's saving over ZeRO-0 per (dtype, GA) and system, of the model-state peak and
+    of the total tensor peak (the issue's target: >= 70% of the model-state peak; the ideal
+    at DP = 4 is 75%)."""
+    out = []
+    by = {(r["dtype"], r["ga"], r["stage"]): r for r in rows}
+    for (dtype, ga, stage), r3 in by.items():
+        r0 = by.get((dtype, ga, 0))
+        if stage != 3 or r0 is None:
+            continue
+        for system in ("ours", "deepspeed"):
+            if "opt_step" not in r3.get(system, {}) or "opt_step" not in r0.get(system, {}):
+                continue
+            ms = 1 - model_state_peak(r3, system) / model_state_peak(r0, system)
+            tot = 1 - max(r3[system]["tensor_peak"]) / max(r0[system]["tensor_peak"])
+            out.append(f"{dtype} GA {ga} {system}: ZeRO-3 saves {100 * ms:.1f}% of ZeRO-0's model-state peak "
+                       f"({100 * tot:.1f}% of its total tensor peak)")
     return "\n".join(out)
 
 
@@ -246,6 +309,7 @@ def main(argv=None) -> int:
     print(f"per-rank peak memory, reference GPT h{args.hidden} L{args.layers} V{args.vocab}, DP={args.dp}, "
           f"micro-batch {args.micro}x{args.seq}, reduce_bucket_size {args.bucket:,}\n")
     print(table(rows))
+    print("\n" + savings(rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "rows": rows}, fh, indent=1)

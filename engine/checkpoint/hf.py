@@ -12,14 +12,17 @@
   ``config.json``, which ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
   Collective over each TP group of DP rank 0 (the TP gathers); rank 0 writes.
 
-ZeRO-3 is refused by both (parameters are DP-partitioned there): save with
-``engine.save_checkpoint`` and consolidate (docs/autotp.md).
+At ZeRO-3, :func:`load_hf_weights` streams the source into the partitioned model: each
+rank reads one tensor at a time (its TP slice) and copies only the elements of its own DP
+shard into its fp32 master shard, so no rank ever holds more than its shards plus one
+tensor (tests/distributed/test_zero_peak.py). :func:`export_hf` refuses ZeRO-3 (save with
+``engine.save_checkpoint`` and consolidate, docs/autotp.md).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,7 @@ from engine.checkpoint.target import Checkpointable
 from engine.dist.groups import ParallelGroups
 from engine.tensor_parallel.hf_load import LoadReport, SourceArg, full_shape_of, load_sharded_weights
 from engine.tensor_parallel.layers import gather_full_tensor
+from engine.zero.shard_view import ShardView
 
 __all__ = ["load_hf_weights", "export_hf"]
 
@@ -49,13 +53,13 @@ def _groups(engine: Checkpointable) -> ParallelGroups:
 @torch.no_grad()
 def load_hf_weights(engine: Checkpointable, source: SourceArg, *, strict: bool = True) -> LoadReport:
     """See the module docstring. Returns what this rank read."""
-    _refuse_zero3(engine, "load_hf_weights")
     groups = _groups(engine)
     view = engine.optimizer.shard_view()
     names, _ = parameter_names(engine.module)
     pieces: dict[int, list[LocalPiece]] = {}
     for pc in local_pieces(view, names):
         pieces.setdefault(id(pc.param), []).append(pc)
+    shape_of = _zero3_shapes(view) if engine.config.zero.stage == 3 else None
     masters = view.masters()  # live (shard,) fp32 views
 
     def sink(name: str, param: torch.nn.Parameter, local: torch.Tensor) -> None:
@@ -65,9 +69,17 @@ def load_hf_weights(engine: Checkpointable, source: SourceArg, *, strict: bool =
         if not param.requires_grad:   # frozen parameters are not in the optimizer: set them here
             param.copy_(local)
 
-    report = load_sharded_weights(engine.module, source, groups.tp_rank, groups.tp_size, strict=strict, sink=sink)
+    report = load_sharded_weights(engine.module, source, groups.tp_rank, groups.tp_size, strict=strict, sink=sink,
+                                  shape_of=shape_of)
     view.load(masters)   # publishes the masters into the parameters (all-gather over DP); state kept
     return report
+
+
+def _zero3_shapes(view: ShardView) -> Callable[[torch.nn.Parameter], tuple[int, ...]]:
+    """TP-local shape of each optimized parameter from ZeRO's shard view (under ZeRO-3 a
+    parameter's ``.data`` is an empty placeholder); a frozen one keeps its own."""
+    shapes = {id(s.param): s.shape for g in view.groups for b in g.buckets for s in b.params}
+    return lambda p: shapes.get(id(p), tuple(p.shape))
 
 
 def export_hf(engine: Checkpointable, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> Optional[str]:

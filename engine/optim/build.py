@@ -24,6 +24,7 @@ from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.client import ClientLRScheduler
 from engine.optim.fused_adamw import FusedAdamW
+from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler
 from engine.optim.muon import Muon
@@ -55,7 +56,8 @@ def optimizer_factory(opt: Optional[OptimizerConfig]) -> OptimizerFactory:
 
     ``Adam``/``AdamW`` with ``adam_w_mode`` (the default): :class:`engine.optim.FusedAdamW`
     (the fused kernel when it builds, its PyTorch reference otherwise), or
-    ``torch.optim.AdamW`` (multi-tensor) with ``torch_adam``; ``adam_w_mode: false``: ``torch.optim.Adam``
+    ``torch.optim.AdamW``'s update (multi-tensor, stepped in chunks: :class:`ChunkedAdamW`) with
+    ``torch_adam``; ``adam_w_mode: false``: ``torch.optim.Adam``'s (:class:`ChunkedAdam`)
     (L2 weight decay added to the gradient). ``Lion``: :class:`Lion`.
     """
     if opt is None:
@@ -64,13 +66,14 @@ def optimizer_factory(opt: Optional[OptimizerConfig]) -> OptimizerFactory:
     p = opt.params
     if opt.type in ("Adam", "AdamW"):
         kw = dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
+        # torch's update stepped in chunks of the flat master (engine.optim.chunked_adam: the
+        # same bits and state dict as torch.optim.Adam/AdamW, chunk-sized temporaries instead
+        # of master-sized ones). Multi-tensor path: bit-identical to its default per-tensor
+        # loop on CPU (measured: same bits after 13 steps) and 2x faster on a 5M-element shard.
         if not p.adam_w_mode:
-            return lambda groups: torch.optim.Adam(groups, foreach=True, **kw)
+            return lambda groups: ChunkedAdam(groups, foreach=True, **kw)
         if p.torch_adam:
-            # torch's multi-tensor path: bit-identical to its default per-tensor loop on CPU
-            # (measured: same bits after 13 steps) and 2x faster on a 5M-element flat shard,
-            # where torch defaults to the loop for CPU tensors.
-            return lambda groups: torch.optim.AdamW(groups, foreach=True, **kw)
+            return lambda groups: ChunkedAdamW(groups, foreach=True, **kw)
         return lambda groups: FusedAdamW(groups, **kw)
     if opt.type == "Lion":
         return lambda groups: Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)

@@ -11,7 +11,7 @@ Conventions (ours, i.e. this engine's; the Megatron-LM practice where they agree
   sequence), so every activation term below is divided by ``tp``;
 - compute dtype ``param_bytes`` (2 = bf16); gradients accumulate and are reduced in fp32
   (4 bytes), Adam keeps fp32 master weights and two moments (12 bytes): the ZeRO paper's
-  K = 12 with our fp32 gradients (:func:`engine.zero.memory.zero_memory_formula`); ZeRO-1
+  K = 12 with our fp32 gradients (:func:`engine.zero.memory.zero_state_bytes`); ZeRO-1
   also holds its fp32 master-gradient shard (4 Psi / N_d, our stage 1);
 - activations saved per transformer block and token, in compute-dtype bytes, counted from
   what the reference block keeps for its backward (flash/SDPA attention: no S x S scores)::
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from engine.errors import ConfigError
 from engine.models import flops_per_token
@@ -48,10 +48,10 @@ from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args
 from engine.pipeline.simulate import bubble_fraction, per_stage_costs, simulate
 from engine.pipeline.stages import reference_layer_params
 from engine.planner.cluster import Cluster
-from engine.zero.memory import zero_memory_formula
+from engine.zero.memory import zero_state_bytes as engine_state_bytes
 
 __all__ = ["Layout", "MemoryEstimate", "TimeEstimate", "StageShape", "stage_shapes", "memory_estimate",
-           "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "check_layout", "model_states_bytes", "zero_state_bytes", "peak_estimate",
+           "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "check_layout", "model_states_bytes", "zero_state_bytes", "peak_estimate", "layout_peak_bytes",
            "memory_lower_bound",
            "ADAM_STEP_BYTES"]
 
@@ -184,22 +184,20 @@ def _pp_bandwidth(layout: Layout, cluster: Cluster) -> float:
         else cluster.inter_node_bw
 
 
-def zero_state_bytes(numel: float, stage: int, dp: int, param_bytes: float = 2.0) -> dict[str, float]:
+def zero_state_bytes(numel: float, stage: int, dp: int, param_bytes: float = 2.0, *,
+                     accumulating: bool = True) -> dict[str, float]:
     """Parameter / gradient / optimizer-state bytes per rank of ``numel`` elements under our
-    ZeRO ``stage`` over ``dp`` ranks: the ZeRO paper's formula with fp32 gradients and
-    K = 12, plus stage 1's fp32 master-gradient shard (4 numel / dp) next to its full
-    accumulator."""
-    st = zero_memory_formula(int(numel), stage, dp, param_bytes=int(param_bytes), grad_bytes=4, optimizer_bytes=12)
-    if stage == 1:
-        st["grads"] += 4.0 * numel / dp
-    return st
+    ZeRO ``stage`` over ``dp`` ranks: :func:`engine.zero.memory.zero_state_bytes`, the one
+    place with this engine's corrections to the paper's formula."""
+    return engine_state_bytes(numel, stage, dp, param_bytes=param_bytes, accumulating=accumulating)
 
 
 def _rank_states(model: ModelConfig, layout: Layout, shapes: list[StageShape], rank: int,
                  param_bytes: float) -> tuple[float, float, float]:
     """(params, grads, optimizer state) bytes of pipeline rank ``rank``."""
     n_params = sum(shapes[c * layout.pp + rank].params for c in range(layout.virtual_stages)) / layout.tp
-    st = zero_state_bytes(n_params, layout.zero_stage, layout.dp, param_bytes)
+    st = zero_state_bytes(n_params, layout.zero_stage, layout.dp, param_bytes,
+                          accumulating=layout.num_microbatches > 1 or layout.pp > 1)
     return st["params"], st["grads"], st["optimizer_state"]
 
 
@@ -422,27 +420,33 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[s
 
 
 def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.0, bucket_numel: int = 500_000_000,
-                  prefetch_numel: int = 50_000_000, torch_adam: bool = False) -> dict[str, float]:
-    """Predicted per-rank PEAK bytes during a step (no pipeline simulation: 1F1B holds
-    ``min(pp - rank, micro-batches)`` micro-batches on rank ``rank``), by term:
+                  prefetch_numel: int = 50_000_000, torch_adam: bool = False,
+                  inflight: Optional[Sequence[int]] = None, first_step: bool = False) -> dict[str, float]:
+    """Predicted per-rank PEAK bytes during a step, on the pipeline rank that needs most, by
+    term (``inflight[k]``: micro-batch chunks pipeline rank k holds at its peak, e.g. the
+    schedule simulator's; default 1F1B's ``min(pp - k, micro-batches)``):
 
     - ``states`` and the step-only terms of :func:`engine.zero.memory.zero_peak_formula`
-      (two fp32 buckets at stages 2/3; the largest parameter's gradient in flight, three
+      (three pooled fp32 buckets and two receive shards at stages 2/3; the largest
+      parameter's gradient in flight, three
       copies of a tied embedding summed by autograd; at stage 3 the gathered unit, the
       prefetch window and the tied embedding kept gathered through backward);
     - ``activations``: the blocks' saved activations (:func:`activation_bytes_per_token`)
       plus the logits (compute dtype, fp32 log-softmax and its gradient).
 
     ``bucket_numel``: ``reduce_bucket_size`` (or the largest bucket when a single parameter
-    is larger); ``prefetch_numel``: ``stage3_prefetch_bucket_size``; ``torch_adam``: the
+    is larger; in fp32 the pooled buckets are the multi-parameter ones); ``prefetch_numel``: ``stage3_prefetch_bucket_size``; ``torch_adam``: the
     inner optimizer is torch's AdamW (a master-sized temporary in the step) rather than the
-    fused kernel. Backward transients and the step's temporary do not coexist. Measured against
-    ``benchmarks/memory.py`` (tests/unit/test_planner_peak.py)."""
+    fused kernel. Backward transients and the step's temporary do not coexist. The default is
+    the steady state (every step after the first; what decides whether a run fits);
+    ``first_step``: the first step's peak, in which Adam's moments appear only in the
+    update. Measured against ``benchmarks/memory.py`` (tests/unit/test_planner_peak.py)."""
     from engine.zero.memory import zero_peak_formula
 
     shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
     tokens = layout.micro_batch * model.seq_len
     act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
+    full_act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, False)
     vh = model.vocab_size * model.hidden_size // layout.tp
     h, f = model.hidden_size, model.ffn_size
     largest_block_unit = max(2 * f * h, (h + 2 * model.kv_heads * model.head_dim) * h) // layout.tp
@@ -453,19 +457,36 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
         has_embed = rank == 0
         has_head = any(s.has_head for s in mine)
         tied_here = model.tie_embeddings and has_embed and has_head
-        inflight = min(layout.pp - rank, layout.num_microbatches)
-        acts = inflight * max(s.blocks for s in mine) * tokens * act_tok
+        held = inflight[rank] if inflight is not None else min(layout.pp - rank, layout.num_microbatches)
+        acts = held * max(s.blocks for s in mine) * tokens * act_tok
+        if layout.recompute:
+            acts += tokens * full_act_tok  # the block being recomputed
         logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if has_head else 0.0
         largest = vh if (has_embed or has_head) else largest_block_unit
+        pooled = min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 1 else 0
+        if param_bytes == 4:
+            # fp32 gradients of a one-parameter bucket are reduced where autograd left them
+            # (engine.zero.base): only buckets of several parameters use the pool; at stage 3
+            # those hold just the small persistent ones (the norms)
+            pooled = min(pooled, (2 * model.num_layers + 1) * h if layout.zero_stage == 3 else int(numel))
         out = zero_peak_formula(int(numel), layout.zero_stage, layout.dp, param_bytes=int(param_bytes),
-                                bucket_numel=min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 1 else 0,
+                                bucket_numel=pooled,
                                 accumulating=layout.num_microbatches > 1 or layout.pp > 1,
                                 largest_param_numel=largest,
                                 unit_numel=largest_block_unit if tied_here else largest,  # the tied one counts below
                                 prefetch_numel=int(prefetch_numel) if layout.zero_stage == 3 else 0,
                                 tied_numel=vh if tied_here else 0, activation_bytes=acts + logits,
-                                torch_adam=torch_adam)
+                                torch_adam=torch_adam, first_step=first_step)
         if best is None or out["peak"] > best["peak"]:
             best = out
     assert best is not None
     return best
+
+
+def layout_peak_bytes(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0) -> float:
+    """What the planner's search ranks and rejects by: :func:`peak_estimate` with the
+    schedule simulator's micro-batches in flight per pipeline rank, DeepSpeed's default
+    bucket sizes, the fused Adam (no step temporary), plus the cluster's reserved bytes."""
+    inflight = _simulate(model, layout, cluster, param_bytes).peak_activations
+    peak = peak_estimate(model, layout, param_bytes=param_bytes, inflight=inflight)["peak"]
+    return peak + cluster.reserved_bytes

@@ -21,6 +21,7 @@ from engine.planner.cost import (
     MemoryEstimate,
     TimeEstimate,
     check_layout,
+    layout_peak_bytes,
     memory_estimate,
     memory_lower_bound,
     time_estimate,
@@ -39,6 +40,7 @@ class Plan:
     memory: Optional[MemoryEstimate]
     time: Optional[TimeEstimate]
     reasons: tuple[str, ...]  # empty: feasible
+    peak: Optional[float] = None  # predicted per-device peak bytes (cost.layout_peak_bytes): ranks and rejects
 
     @property
     def feasible(self) -> bool:
@@ -97,14 +99,16 @@ def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_byte
         return Plan(layout, None, None, (f"out of memory: needs at least {floor / GiB:.1f} GiB of "
                                           f"{cluster.memory_bytes / GiB:.1f} (model states, reserved, and the "
                                           "first stage's activations for min(pp, micro-batches) in flight)",))
-    mem = memory_estimate(model, layout, cluster, param_bytes=param_bytes)
+    mem = memory_estimate(model, layout, cluster, param_bytes=param_bytes)  # the between-steps breakdown
+    peak = layout_peak_bytes(model, layout, cluster, param_bytes=param_bytes)
     t = time_estimate(model, layout, cluster, param_bytes=param_bytes)
-    if mem.total > cluster.memory_bytes:
-        why.append(f"out of memory on stage {mem.stage}: needs {mem.total / GiB:.1f} GiB of "
+    if peak > cluster.memory_bytes:
+        why.append(f"out of memory on stage {mem.stage}: the predicted peak needs {peak / GiB:.1f} GiB of "
                    f"{cluster.memory_bytes / GiB:.1f} (states {mem.model_states / GiB:.1f}, activations "
                    f"{mem.activations / GiB:.1f} for {mem.inflight_microbatches} micro-batches in flight, "
-                   f"logits {mem.logits / GiB:.1f}, reserved {mem.reserved / GiB:.1f})")
-    return Plan(layout, mem, t, tuple(why))
+                   f"logits {mem.logits / GiB:.1f}, reserved {mem.reserved / GiB:.1f}, plus the step's buckets, "
+                   f"gathered parameters and gradients in flight)")
+    return Plan(layout, mem, t, tuple(why), peak)
 
 
 def plan(model: ModelConfig, cluster: Cluster, global_batch: int, *, param_bytes: float = 2.0,
@@ -113,7 +117,7 @@ def plan(model: ModelConfig, cluster: Cluster, global_batch: int, *, param_bytes
     ones (each with its reasons)."""
     plans = [evaluate(model, lay, cluster, param_bytes=param_bytes, extra_reasons=why)
              for lay, why in enumerate_layouts(model, cluster, global_batch, **enum_kwargs)]
-    ok = sorted((p for p in plans if p.feasible), key=lambda p: (p.time.step_s, p.memory.total))
+    ok = sorted((p for p in plans if p.feasible), key=lambda p: (p.time.step_s, p.peak))
     bad = [p for p in plans if not p.feasible]
     bad.sort(key=lambda p: (p.time is None, p.time.step_s if p.time else 0.0))
     return ok + bad
@@ -122,7 +126,7 @@ def plan(model: ModelConfig, cluster: Cluster, global_batch: int, *, param_bytes
 def format_plans(plans: Sequence[Plan], top: int = 15, rejected: int = 10) -> str:
     """A text table of the best ``top`` feasible plans and ``rejected`` rejected ones."""
     head = (f"{'#':>3} {'dp':>3} {'tp':>3} {'pp':>3} {'schedule':<18} {'mb':>3} {'m':>4} {'Z':>1} {'rc':>2} "
-            f"{'mem GiB':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>6} {'TP comm':>7} {'DP comm':>7}")
+            f"{'peak GiB':>8} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'bubble':>6} {'TP comm':>7} {'DP comm':>7}")
     lines = [head, "-" * len(head)]
     ok = [p for p in plans if p.feasible][:top]
     for i, p in enumerate(ok, 1):
@@ -137,9 +141,9 @@ def format_plans(plans: Sequence[Plan], top: int = 15, rejected: int = 10) -> st
 
 
 def _row(i: int, p: Plan) -> str:
-    lay, t, mem = p.layout, p.time, p.memory
+    lay, t = p.layout, p.time
     sched = lay.schedule + (f"(v{lay.virtual_stages})" if lay.virtual_stages > 1 else "")
     return (f"{i:>3} {lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {sched:<18} {lay.micro_batch:>3} {lay.num_microbatches:>4} "
-            f"{lay.zero_stage:>1} {'y' if lay.recompute else 'n':>2} {mem.total / GiB:>8.1f} {t.step_s:>8.3f} "
+            f"{lay.zero_stage:>1} {'y' if lay.recompute else 'n':>2} {(p.peak or 0.0) / GiB:>8.1f} {t.step_s:>8.3f} "
             f"{t.tokens_per_s:>10.0f} {100 * t.mfu:>5.1f}% {100 * t.bubble_fraction:>5.1f}% "
             f"{100 * t.tp_comm_s / t.step_s:>6.1f}% {t.dp_comm_s:>7.3f}")

@@ -61,20 +61,28 @@ class WeightSource:
 
     def read(self, name: str, dim: Optional[int], ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The concatenation along ``dim`` of ``ranges`` of tensor ``name`` (whole if ``dim`` is None)."""
+        merged: list[tuple[int, int]] = []
+        for a, b in ranges:  # adjacent ranges (fused parts at TP = 1) read as one
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        ranges = merged
         if self._tensors is not None:
             full = self._tensors[name]
-            if dim is None:
+            if dim is None or ranges == [(0, full.shape[dim])]:
                 return full.detach().clone()
             return torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
         from safetensors import safe_open
 
         # One open per tensor: the mapping (and the file pages it touched) is released at once.
         with safe_open(self._files[name], framework="pt") as f:
-            if dim is None:
-                return f.get_tensor(name)
             sl = f.get_slice(name)
+            if dim is None or ranges == [(0, sl.get_shape()[dim])]:  # the whole tensor: no slice + cat copies
+                return f.get_tensor(name)
             idx = [slice(None)] * dim
-            return torch.cat([sl[tuple(idx + [slice(a, b)])] for a, b in ranges], dim=dim).contiguous()
+            parts = [sl[tuple(idx + [slice(a, b)])] for a, b in ranges]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)).contiguous()
 
 
 def open_weights(source: SourceArg) -> WeightSource:
@@ -138,8 +146,10 @@ class LoadReport:
     max_read_bytes: int = 0
 
 
-def full_shape_of(param: torch.Tensor, tp_world: int) -> tuple[int, ...]:
-    shape = list(param.shape)
+def full_shape_of(param: torch.Tensor, tp_world: int, local_shape: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+    """The unsharded shape of ``param`` (``local_shape``: its TP-local shape when ``param``
+    does not carry it, e.g. partitioned by ZeRO-3)."""
+    shape = list(param.shape if local_shape is None else local_shape)
     if is_tp_sharded(param):
         shape[int(tp_partition_dim(param) or 0)] *= tp_world
     return tuple(shape)
@@ -148,11 +158,14 @@ def full_shape_of(param: torch.Tensor, tp_world: int) -> tuple[int, ...]:
 @torch.no_grad()
 def load_sharded_weights(model: nn.Module, source: SourceArg, tp_rank: int, tp_world: int, *,
                          strict: bool = True,
-                         sink: Optional[Callable[[str, nn.Parameter, torch.Tensor], None]] = None) -> LoadReport:
+                         sink: Optional[Callable[[str, nn.Parameter, torch.Tensor], None]] = None,
+                         shape_of: Optional[Callable[[nn.Parameter], tuple[int, ...]]] = None) -> LoadReport:
     """Fill ``model``'s parameters (and persistent buffers found in the source) with this
     rank's slices of ``source``. ``sink(name, param, local_fp)``: where each local tensor
     goes instead of ``param.copy_`` (the engine writes its fp32 master shards).
-    ``strict``: every parameter must be in the source."""
+    ``shape_of(param)``: its TP-local shape where ``param.shape`` is not (ZeRO-3 partitioned
+    parameters). ``strict``: every parameter must be in the source. One source tensor (this
+    rank's TP slice of it) is held at a time."""
     src = open_weights(source)
     names = src.names()
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -162,10 +175,11 @@ def load_sharded_weights(model: nn.Module, source: SourceArg, tp_rank: int, tp_w
         if key is None:
             report.missing.append(name)
             continue
-        local = read_local(src, key, p, tp_rank, tp_world, full_shape_of(p, tp_world))
-        if tuple(local.shape) != tuple(p.shape):
+        shape = tuple(p.shape) if shape_of is None else tuple(shape_of(p))
+        local = read_local(src, key, p, tp_rank, tp_world, full_shape_of(p, tp_world, shape))
+        if tuple(local.shape) != shape:
             raise ValueError(f"{name}: the source tensor {key} gives a local slice of shape {tuple(local.shape)} "
-                             f"where this rank's parameter is {tuple(p.shape)}: the checkpoint is for another model")
+                             f"where this rank's parameter is {shape}: the checkpoint is for another model")
         report.max_read_bytes = max(report.max_read_bytes, local.numel() * local.element_size())
         if sink is not None:
             sink(name, p, local)

@@ -27,13 +27,15 @@ Where gradients live between micro-batches (what decides the peak):
 
 - stages 0/1 keep a full fp32 accumulator per bucket for the whole step (ZeRO-1 must hold
   full gradients); the boundary decides when they are reduced, exactly once per step;
-- stages 2/3 never hold a full gradient beyond two buckets: a bucket's accumulator is
+- stages 2/3 never hold a full gradient beyond three buckets: a bucket's accumulator is
   borrowed from a :class:`~engine.zero.buckets.BufferPool` when its first gradient
   arrives and is reduce-scattered into the fp32 master-gradient shard as soon as every
   parameter of the bucket has delivered its gradient in this backward pass, at EVERY
-  micro-batch (boundary or not, pipeline or not), as DeepSpeed's ZeRO-2 does. At most one
-  reduction is in flight while the next bucket fills; when it completes, its received
-  shard is added into the master-gradient shard and the accumulator goes back to the pool.
+  micro-batch (boundary or not, pipeline or not), as DeepSpeed's ZeRO-2 does. At most two
+  reductions are in flight while the next bucket fills (three pooled full-size
+  accumulators at most); when one completes, its received shard (a pooled ``(shard,)``
+  buffer, two at most) is added into the master-gradient shard and both buffers go back
+  to their pools.
   Communication: ``ga`` reduce-scatters of the gradients per step instead of one (each
   ``(N-1)/N`` of the bucket per rank), the price of the sharded-size accumulation.
 
@@ -124,6 +126,9 @@ class ZeroOptimizer:
     # gradient accumulation) is reduced as it fills, like stage 2; its full accumulator exists
     # only across accumulating micro-steps and is freed after the step's reduction
     pools_on_boundary: bool = False
+    # pooled buckets: reduce-scatters in flight at once while the next bucket fills (so up to
+    # MAX_INFLIGHT + 1 full-size accumulators and MAX_INFLIGHT (shard,) receive buffers)
+    MAX_INFLIGHT: int = 2
 
     def __init__(self, params: ParamsArg, optimizer_factory: OptimizerFactory,
                  groups: Union[ParallelGroups, AxisGroup], *,
@@ -153,6 +158,7 @@ class ZeroOptimizer:
         self._norm_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._hooks: list[Any] = []
         self._pool = BufferPool(torch.device("cpu"))  # stages 2/3 accumulators; device set below
+        self._recv_pool = BufferPool(torch.device("cpu"))
         self._inflight: list[FlatBucket] = []  # pooled buckets whose reduce-scatter is in flight
 
         user_groups = normalize_param_groups(params)
@@ -172,7 +178,10 @@ class ZeroOptimizer:
             self.groups.append(group)
             self.buckets.extend(buckets)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._pool = BufferPool(self._device)
+        # pooled full-size fp32 accumulators (<= MAX_INFLIGHT + 1 alive) and (shard,) receive
+        # buffers (<= MAX_INFLIGHT) of stages 2/3, reused across micro-batches and steps
+        self._pool = BufferPool(self._device, capacity=self.MAX_INFLIGHT + 1)
+        self._recv_pool = BufferPool(self._device, capacity=self.MAX_INFLIGHT)
         for b in self.buckets:
             b.pooled = not self.keeps_full_grads
             self._init_bucket(b)
@@ -292,46 +301,72 @@ class ZeroOptimizer:
         """Stages 2/3: fill the bucket's pooled accumulator; reduce-scatter it as soon as every
         parameter of the bucket delivered its gradient in this backward pass."""
         if any(x is b for x in self._inflight):
-            self._drain_inflight()  # the previous pass's reduction of this bucket must land first
+            self._drain_through(b)  # the previous pass's reduction of this bucket must land first
         if i in b.arrived:
             # a new backward pass reached a bucket the previous one left incomplete (a
             # parameter unused there): reduce what the previous pass left first
             self._launch_sharded(b)
+        g = p.grad
+        assert g is not None  # a post-accumulate-grad hook: the gradient is there
+        if (len(b.params) == 1 and b.grad_acc is None and g.dtype == torch.float32 and g.is_contiguous()
+                and g.numel() == b.layout.padded_numel):
+            # a bucket of one fp32 parameter (a tied embedding, a large unit): reduce its
+            # gradient where autograd left it (ours alone: AccumulateGrad clones shared ones),
+            # scaled in place as the copy into a pooled buffer would be: no bucket-sized copy,
+            # and the pool's buffers stay the size of the ordinary buckets
+            b.grad_acc = g.view(-1).mul_(alpha) if alpha != 1.0 else g.view(-1)
+            b.borrowed = True
+            b.arrived.add(i)
+            p.grad = None
+            self._launch_sharded(b)
+            return
         if b.grad_acc is None:
             b.grad_acc = self._pool.acquire(b.layout.padded_numel)
-        b.accumulate(i, p.grad, alpha=alpha)
+        b.accumulate(i, g, alpha=alpha)
         p.grad = None
         if len(b.arrived) == len(b.params):
             self._launch_sharded(b)
 
     def _launch_sharded(self, b: FlatBucket) -> None:
-        """Reduce-scatter the pooled accumulator of ``b`` (async when overlapping) after
-        completing the reduction still in flight, so that at most two full-size
-        accumulators exist: the one filling and the one being reduced."""
-        self._drain_inflight()
+        """Reduce-scatter the pooled accumulator of ``b`` (async when overlapping). At most
+        ``MAX_INFLIGHT`` (2) reductions are in flight: the oldest completes before a third
+        is launched, so at most three full-size accumulators exist (two being reduced, one
+        filling) and at most two (shard,) receive buffers."""
+        self._drain_inflight(keep=self.MAX_INFLIGHT - 1)
         if b.grad_acc is None:
             b.grad_acc = self._pool.acquire(b.layout.padded_numel)
         b.zero_unfilled()
         # the step's first reduction lands in the master-gradient shard itself; later ones
-        # land in a (shard,) receive buffer that is added into it when they complete
+        # land in a pooled (shard,) receive buffer that is added into it when they complete
         if b.reductions > 0:
-            b.recv = torch.empty_like(b.shard_grad)
+            b.recv = self._recv_pool.acquire(b.layout.shard_numel)
         b.launch_reduce(self.dp_group, sharded=True, async_op=self.overlap_comm, out=b.recv)
         b.reductions += 1
         self._inflight.append(b)
         if not self.overlap_comm:
             self._drain_inflight()
 
-    def _drain_inflight(self) -> None:
-        for b in self._inflight:
-            b.wait()
-            if b.recv is not None:
-                b.shard_grad.add_(b.recv)
-                b.recv = None
+    def _drain_through(self, b: FlatBucket) -> None:
+        """Complete the reductions in flight up to and including ``b``'s (launch order)."""
+        while any(x is b for x in self._inflight):
+            self._complete(self._inflight.pop(0))
+
+    def _drain_inflight(self, keep: int = 0) -> None:
+        """Complete the oldest reductions in flight until at most ``keep`` remain."""
+        while len(self._inflight) > keep:
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, b: FlatBucket) -> None:
+        b.wait()
+        if b.recv is not None:
+            b.shard_grad.add_(b.recv)
+            self._recv_pool.release(b.recv)
+            b.recv = None
+        if not b.borrowed:
             self._pool.release(b.grad_acc)
-            b.grad_acc = None
-            b.arrived.clear()
-        self._inflight.clear()
+        b.grad_acc = None
+        b.borrowed = False
+        b.arrived.clear()
 
     def _launch(self, b: FlatBucket) -> None:
         # Always async: the hooks only launch with overlap_comm, and after backward the
@@ -544,7 +579,7 @@ class ZeroOptimizer:
         ``params`` (compute-dtype parameter storage), ``grads`` (gradient buffers, fp32
         accumulators of stages 0/1 and master gradients included), ``optimizer_state`` (fp32
         master shards and the inner optimizer's state), ``buckets`` (stages 2/3: the
-        reusable reduction buffers, at most two buckets)."""
+        reusable reduction buffers: at most three buckets and two receive shards)."""
         seen: set[int] = set()
 
         def size(ts: Iterable[Optional[torch.Tensor]]) -> int:
@@ -561,7 +596,7 @@ class ZeroOptimizer:
 
         grads = size([g.master.grad for g in self.groups] + [p.grad for b in self.buckets for p in b.params]
                      + [b.grad_acc for b in self.buckets if not b.pooled])
-        buckets = size(self._pool.buffers() + [b.recv for b in self.buckets])
+        buckets = size(self._pool.buffers() + self._recv_pool.buffers())
         opt_state = size([g.master for g in self.groups]
                          + [v for st in self.optimizer.state.values() for v in st.values()])
         return {"params": size(self._param_tensors()), "grads": grads, "optimizer_state": opt_state,

@@ -59,12 +59,13 @@ class FlatBucket:
         self.work: Any = None
         self.launched = False
         # stages 2/3 (pooled accumulator): which parameters the current fill holds, the
-        # (shard,) fp32 receive buffer of a reduction after the step's first, and how many
+        # pooled (shard,) fp32 receive buffer of a reduction after the step's first, and how many
         # reductions this bucket had this step
         self.pooled = False
         self.arrived: set[int] = set()
         self.recv: Optional[torch.Tensor] = None
         self.reductions = 0
+        self.borrowed = False  # grad_acc is the parameter's own fp32 gradient, not a pooled buffer
 
     # ----------------------------------------------------------------- parameter storage
     def flatten_params(self) -> torch.Tensor:
@@ -156,17 +157,25 @@ class FlatBucket:
 
 
 class BufferPool:
-    """Reusable fp32 flat buffers for the pooled gradient accumulators of stages 2/3.
+    """Reusable fp32 flat buffers: the pooled gradient accumulators of stages 2/3 (and their
+    ``(shard,)`` receive buffers).
 
-    ``acquire(n)`` hands out a ``(n,)`` view of a free buffer of at least ``n`` elements
-    (allocating one only when none is free); ``release`` returns it. The pool therefore
-    grows to the largest number of accumulators alive at once (one filling + one in flight:
-    two buckets) and is reused for every micro-batch and step. Contents are not zeroed:
-    the buckets overwrite on first arrival and zero the rest before reducing.
+    ``acquire(n)`` hands out a ``(n,)`` view of the smallest free buffer of at least ``n``
+    elements; ``release`` returns it. A new buffer is allocated only when none fits, and
+    the pool never owns more than ``capacity`` buffers (the most lent at once: with two
+    reductions in flight and one bucket filling, three accumulators): when it is full, the
+    largest free buffer is replaced by one of ``n`` elements. When backward fills more
+    buckets at once than that (gradients arriving out of bucket order), the extra buffers
+    are allocated and dropped on release. So between uses the pool keeps at most
+    ``capacity`` buffers (at most ``capacity`` x the largest bucket), reused for every
+    micro-batch and step.
+    Contents are not zeroed: the buckets overwrite on first arrival and zero the rest
+    before reducing.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, capacity: int = 3):
         self.device = device
+        self.capacity = int(capacity)
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of the view -> its base buffer
@@ -176,6 +185,8 @@ class BufferPool:
         if fits:
             base = self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
         else:
+            if len(self._all) >= self.capacity and self._free:
+                self._drop(self._free.pop(max(range(len(self._free)), key=lambda k: self._free[k].numel())))
             base = torch.empty(numel, dtype=torch.float32, device=self.device)
             self._all.append(base)
         view = base[:numel]
@@ -183,7 +194,14 @@ class BufferPool:
         return view
 
     def release(self, view: torch.Tensor) -> None:
-        self._free.append(self._lent.pop(view.data_ptr()))
+        base = self._lent.pop(view.data_ptr())
+        if len(self._all) > self.capacity:
+            self._drop(base)  # lent beyond the capacity (buckets filling out of order): not kept
+        else:
+            self._free.append(base)
+
+    def _drop(self, base: torch.Tensor) -> None:
+        self._all = [x for x in self._all if x is not base]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer the pool owns (for memory accounting)."""

@@ -10,14 +10,15 @@ state, and divides by ``N_d``:
     stage 1: 2 Psi + 2 Psi + K Psi / N_d        stage 3: (2 + 2 + K) Psi / N_d
 
 Our optimizers accumulate and reduce gradients in fp32, so the gradient term uses 4 bytes
-per element by default (``grad_bytes``); stage 1 additionally holds its fp32 master-gradient
-shard (``4 Psi / N_d``) next to the full accumulator.
+per element by default (``grad_bytes``); :func:`zero_state_bytes` adds this engine's
+corrections (stage 1's master-gradient shard; fp32 parameters that are the master).
 
 The paper's terms are what a rank holds BETWEEN steps. :func:`zero_peak_formula` adds what
 exists only DURING a step, which decides whether a run fits:
 
-- ``buckets`` (stages 2/3, and 1 without accumulation): two bucket-sized fp32 accumulators (one filling, one being
-  reduce-scattered; the pooled buffers of :mod:`engine.zero.base`);
+- ``buckets`` (stages 2/3, and 1 without accumulation): three bucket-sized fp32
+  accumulators (one filling, two being reduce-scattered) and two ``(shard,)`` receive
+  buffers: the pooled buffers of :mod:`engine.zero.base`, kept from step to step;
 - ``grad_in_flight``: the compute-dtype gradient autograd produces for a parameter before
   the hook moves it into the accumulator, the largest one; a tied weight (used twice)
   holds both contributions and their sum until its last use in backward: three copies;
@@ -30,13 +31,14 @@ exists only DURING a step, which decides whether a run fits:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from engine.metrics import peak_memory_bytes
 
-__all__ = ["zero_memory_formula", "zero_peak_formula", "optimizer_peak_inputs", "memory_report"]
+__all__ = ["zero_memory_formula", "zero_state_bytes", "zero_peak_formula", "optimizer_peak_inputs", "memory_report"]
 
 
 def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
@@ -55,11 +57,35 @@ def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: in
     }
 
 
+def zero_state_bytes(num_params: float, stage: int, dp: int, *, param_bytes: float = 2,
+                     accumulating: bool = True) -> dict[str, float]:
+    """Bytes per rank in ``params`` / ``grads`` / ``optimizer_state`` that OUR ZeRO
+    optimizers hold for ``num_params`` elements on ``dp`` ranks: the paper's formula
+    (:func:`zero_memory_formula`, fp32 gradients, K = 12) with this engine's corrections,
+    written once here (the planner and the peak formula call it):
+
+    - stage 1 holds its fp32 master-gradient shard (``4 Psi / N_d``) next to the full fp32
+      accumulator, which exists only while gradients accumulate (``accumulating``: GA > 1 or
+      a pipeline; otherwise only the shard, the buckets being pooled as at stage 2);
+    - in fp32 (``param_bytes`` 4) the parameters ARE the fp32 master weights where they are
+      not a separate copy: the whole model at stage 0, the compute shard at stage 3.
+    """
+    n = float(num_params)
+    f = zero_memory_formula(int(num_params), stage, dp, param_bytes=int(param_bytes), grad_bytes=4,
+                            optimizer_bytes=12)
+    f["params"] = param_bytes * n / (dp if stage >= 3 else 1)  # fractional param_bytes kept
+    if stage == 1:
+        f["grads"] = (f["grads"] if accumulating else 0.0) + 4.0 * n / dp
+    if param_bytes == 4 and stage in (0, 3):
+        f["optimizer_state"] -= 4.0 * n / (dp if stage == 3 else 1)
+    return f
+
+
 def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
                       bucket_numel: int = 0, largest_param_numel: int = 0, unit_numel: int = 0,
                       prefetch_numel: int = 0, tied_numel: int = 0, activation_bytes: float = 0.0,
                       accumulating: bool = True, torch_adam: bool = False, grad_bytes: int = 4,
-                      optimizer_bytes: int = 12) -> dict[str, float]:
+                      optimizer_bytes: int = 12, first_step: bool = False) -> dict[str, float]:
     """Per-rank peak bytes during a step, by term (see the module docstring) and ``peak``.
 
     ``bucket_numel``: the largest bucket (padded elements); ``largest_param_numel``: the
@@ -67,29 +93,40 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     and its prefetch window (``stage3_prefetch_bucket_size``); ``tied_numel``: a tied
     weight held whole on this rank (0 if none); ``accumulating``: gradients accumulate over
     several micro-batches (GA > 1 or a pipeline), the case in which stage 1 holds full
-    gradients (otherwise it reduces through two buckets as stage 2). ``states`` is the
-    paper's formula with our fp32 gradients (and stage 1's master-gradient shard; at stage 0
-    fp32 parameters ARE the master). The backward terms and the optimizer step's temporary
-    (``torch_adam``: torch's AdamW allocates one master-sized sqrt temporary; the fused kernel
-    none) do not coexist: ``peak = states + max(backward, step)``."""
-    f = zero_memory_formula(num_params, stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                            optimizer_bytes=optimizer_bytes)
-    states = sum(f.values()) + (4.0 * num_params / dp if stage == 1 else 0.0)
+    gradients (otherwise it reduces through pooled buckets as stage 2). ``states`` is the
+    engine's (:func:`zero_state_bytes`). The backward transients and the optimizer step's
+    temporaries (``torch_adam``: torch's update stepped in chunks, two chunk-sized
+    temporaries; the fused kernel none) do not coexist; the pooled buckets are in both, stage
+    1's full accumulator only in backward: ``peak = max(states + backward, states - full + step)``. ``first_step``: the peak of a run's FIRST
+    optimizer step, in which Adam's moments (``8 Psi / N_d`` bytes) are created by the
+    update, after backward: ``max(states - moments + backward, states + step)``."""
+    if (grad_bytes, optimizer_bytes) != (4, 12):
+        raise ValueError("zero_peak_formula models this engine's optimizers: fp32 gradients (grad_bytes 4) "
+                         "and Adam's K = 12 (optimizer_bytes 12)")
+    states = sum(zero_state_bytes(num_params, stage, dp, param_bytes=param_bytes,
+                                  accumulating=accumulating).values())
     pooled = stage >= 2 or (stage == 1 and not accumulating)
-    if stage == 1 and not accumulating:
-        states -= f["grads"]  # no full gradient: only the master-gradient shard
-    if stage == 0 and param_bytes == 4:
-        states -= 4.0 * num_params  # fp32 parameters are the master weights
+    # three pooled accumulators (two reductions in flight, one filling) + two receive shards,
+    # fewer when the model has fewer buckets
+    held = min(3, math.ceil(num_params / bucket_numel)) if bucket_numel > 0 else 0
     out = {
         "states": states,
-        "buckets": 2.0 * 4 * bucket_numel if pooled else 0.0,
+        "buckets": (held * 4.0 * bucket_numel + min(2, held) * 4.0 * bucket_numel / dp) if pooled else 0.0,
         "grad_in_flight": float(param_bytes * max(largest_param_numel, 3 * tied_numel)),
         "gathered": float(param_bytes * (unit_numel + prefetch_numel + tied_numel)) if stage == 3 else 0.0,
         "activations": float(activation_bytes),
     }
     out["backward"] = out["buckets"] + out["grad_in_flight"] + out["gathered"] + out["activations"]
-    out["step"] = 4.0 * num_params / (dp if stage >= 1 else 1) if torch_adam else 0.0
-    out["peak"] = states + max(out["backward"], out["step"])
+    from engine.optim.chunked_adam import DEFAULT_CHUNK_NUMEL
+
+    # the pooled buffers stay allocated through the step; torch's update is stepped in
+    # chunks (engine.optim.chunked_adam): two chunk-sized temporaries; the fused kernel none
+    master = num_params / (dp if stage >= 1 else 1)
+    out["step"] = out["buckets"] + (2.0 * 4 * min(master, DEFAULT_CHUNK_NUMEL) if torch_adam else 0.0)
+    moments = 8.0 * num_params / (dp if stage >= 1 else 1) if first_step else 0.0
+    # stage 1 frees its full fp32 accumulator after the step's reduce-scatter, before the update
+    full_acc = 4.0 * num_params if (stage == 1 and accumulating) else 0.0
+    out["peak"] = max(states - moments + out["backward"], states - full_acc + out["step"])
     return out
 
 

@@ -5,10 +5,10 @@ weights and optimizer moments. Full fp32 gradients exist only where ZeRO-1 needs
 while gradients accumulate over micro-steps (a full accumulator per bucket, from the first
 micro-step to the step's reduce-scatter, then freed). A bucket that has accumulated
 nothing when the boundary micro-step reaches it (no gradient accumulation) is reduced as
-it fills, through the two pooled bucket buffers, as in stage 2. After the update every
+it fills, through the pooled bucket buffers, as in stage 2. After the update every
 bucket's shard is all-gathered back into the parameters.
 Memory per rank: 2 Psi + 12 Psi / N_d + 4 Psi / N_d (master gradient) + 4 Psi while
-accumulating (two buckets otherwise).
+accumulating (three pooled buckets otherwise).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """ZeRO stage 2: optimizer state and gradients sharded over the DP group.
 
-As stage 1, but no full gradient lives beyond two buckets: a bucket's fp32 accumulator
+As stage 1, but no full gradient lives beyond three buckets: a bucket's fp32 accumulator
 is borrowed from a reusable pool when its first gradient arrives and reduce-scattered into
 the master-gradient shard as soon as every parameter of the bucket delivered its gradient
 in this backward pass, at every micro-batch (gradient accumulation and pipeline
-micro-batches included, as DeepSpeed's ZeRO-2); at most one reduction is in flight while
+micro-batches included, as DeepSpeed's ZeRO-2); at most two reductions are in flight while
 the next bucket fills. Between micro-batches and steps a rank holds only its gradient
-shard (plus the pool: two bucket buffers). The cost: ``ga`` reduce-scatters per step.
+shard (plus the pools: three bucket buffers, two shard-sized receive buffers). The cost: ``ga`` reduce-scatters per step.
 Memory per rank between steps: 2 Psi + (4 + 12) Psi / N_d.
 """
 

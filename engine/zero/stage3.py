@@ -2,7 +2,8 @@
 
 Each submodule that owns parameters is a *unit*: its parameters (per group key) form flat
 buckets partitioned over DP, and between uses a rank holds only its compute-dtype chunk
-(``compute_shard``) plus the fp32 master shard; ``p.data`` is an empty placeholder.
+(``compute_shard``) plus the fp32 master shard (in fp32 they are one tensor); ``p.data`` is
+an empty placeholder.
 
 - forward pre-hook: gather the unit (all-gather of the chunks into a full buffer, the
   parameters become views of it), then prefetch the units that came next in the first
@@ -20,7 +21,8 @@ each backward gathers and releases independently. Parameters of at most
 Gradients are handled exactly as in stage 2. A parameter owned by several modules (weight
 sharing within a stage) gets a bucket of its own that each owner gathers.
 
-Memory per rank between steps: (2 + 4 + 12) Psi / N_d (+ persistent parameters).
+Memory per rank between steps: (2 + 4 + 12) Psi / N_d (+ persistent parameters); in fp32
+(4 + 4 + 8) Psi / N_d, the compute shard being the master shard.
 """
 
 from __future__ import annotations
@@ -145,6 +147,10 @@ class Zero3Optimizer(Zero2Optimizer):
             return
         b.compute_shard = self._compute_shard(b)
         b.shard_master.copy_(b.compute_shard)
+        if b.dtype == torch.float32:
+            # fp32 training: the compute shard IS the master shard (same values after every
+            # step), as fp32 parameters are the master weights at stage 0; 4 Psi / N bytes saved
+            b.compute_shard = b.shard_master
         b.unbind()
         b.gather_buf = _empty_storage_buffer(b)
 
@@ -311,7 +317,7 @@ class Zero3Optimizer(Zero2Optimizer):
         for b in self.buckets:
             if b.persistent:
                 works.append(self._gather_bucket(b))
-            else:
+            elif b.compute_shard is not b.shard_master:
                 b.compute_shard.copy_(b.shard_master)  # gathered again on the next use
         for w in works:
             if w is not None:
@@ -344,7 +350,8 @@ class Zero3Optimizer(Zero2Optimizer):
                 comm.broadcast(b.full, src, self.dp_group)
                 shard = b.shard_of(b.full)
                 b.compute_shard.copy_(shard)
-                b.shard_master.copy_(shard)
+                if b.compute_shard is not b.shard_master:
+                    b.shard_master.copy_(shard)
             self._release_bucket(b)
 
     @contextlib.contextmanager
