@@ -12,10 +12,11 @@ under real DeepSpeed it wrote the pp2 / pp4 entries of tests/assets/ds_pipe_trai
 import argparse
 import json
 
-import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+import deepspeed
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 V, H, BLOCKS, MICRO, GA, STEPS, LR = 16, 8, 6, 2, 4, 3, 1e-2
