@@ -14,10 +14,11 @@ import argparse
 import json
 import os
 
-import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+import deepspeed
 
 MICRO, GA, STEPS, SAVE_AT = 2, 2, 4, 2
 
