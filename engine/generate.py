@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
-from engine.engine import Engine
 from engine.dist.groups import NO_TP
+from engine.engine import Engine
 from engine.models import GPT
 from engine.pipeline.partition import layers_of
 from engine.pipeline.stages import reference_layer_params, stage_bounds
@@ -79,7 +79,7 @@ def _receive_later_stages(model: GPT, cfg, groups, dtype: torch.dtype, device: t
     for stage in range(1, cfg.pp):
         for c in range(cfg.pipeline.virtual_stages):
             for idx in layers_of(bounds, stage, cfg.pp, c):
-                for name, target in model.layers[idx].named_parameters():
+                for _name, target in model.layers[idx].named_parameters():
                     buf = torch.empty(target.shape, dtype=dtype, device=device)
                     op = comm.p2p_op(dist.irecv, buf, groups.pp_ranks[stage], groups.pp_group)
                     for work in comm.batch_isend_irecv([op]):

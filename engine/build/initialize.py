@@ -115,7 +115,7 @@ def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Opti
                       collate_fn=collate_fn, drop_last=True, pin_memory=device.type != "cpu")
 
 
-def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], None] = None,
+def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], None] = None,  # noqa: PLR0913 (deepspeed.initialize's signature, plus three keyword-only options)
                optimizer: Any = None, model_parameters: Optional[Iterable[Any]] = None,
                training_data: Any = None, lr_scheduler: Any = None, distributed_port: Optional[int] = None,
                mpu: Any = None, dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable] = None,

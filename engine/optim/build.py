@@ -22,9 +22,9 @@ import torch.distributed as dist
 from engine.config import Config, MuonParams, OptimizerConfig
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
+from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
 from engine.optim.client import ClientLRScheduler
 from engine.optim.fused_adamw import FusedAdamW
-from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler
 from engine.optim.muon import Muon

@@ -101,7 +101,7 @@ class PipelineModule(nn.Module):
     ``pipeline.stages`` may be left out or must equal it); ``topology`` (DeepSpeed's
     ``PipeDataParallelTopology``) is not taken: give ``num_stages``."""
 
-    def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None, topology: Any = None,
+    def __init__(self, layers: Sequence[Any], num_stages: Optional[int] = None, topology: Any = None,  # noqa: PLR0913 (DeepSpeed's PipelineModule signature)
                  loss_fn: Optional[Callable] = None, seed_layers: bool = False, seed_fn: Optional[Callable] = None,
                  base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Any = None, checkpointable_layers: Any = None,

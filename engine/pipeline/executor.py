@@ -111,7 +111,7 @@ class PipelineExecutor:
     coordinates (``ParallelGroups.pp_ranks`` or ``Topology.ranks_along("pp", rank)``).
     """
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], *, stage: int, stage_ranks: Sequence[int],
+    def __init__(self, chunks: Sequence[torch.nn.Module], *, stage: int, stage_ranks: Sequence[int],  # noqa: PLR0913 (keyword-only, each option independent and defaulted)
                  pp_group: AxisGroup, num_microbatches: int,
                  activation_shape: Sequence[int], loss_fn: Optional[LossFn] = None,
                  schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,

@@ -144,45 +144,55 @@ def _check_rank(rank: int, actions: Sequence[Action], p: int, m: int, v: int, fo
     where = f"rank {rank}"
     for idx, a in enumerate(actions):
         at = f"{where}, action #{idx} ({a})"
-        if forward_only and a.kind in _BACKWARD_KINDS:
-            raise ScheduleError(f"{at}: a forward-only (evaluation) schedule has no backward or gradient transfer")
-        if a.microbatch >= m:
-            raise ScheduleError(f"{at}: microbatch {a.microbatch} is outside [0, {m})")
-        if a.chunk >= v:
-            raise ScheduleError(f"{at}: chunk {a.chunk} is outside [0, {v})")
-        key = (a.microbatch, a.chunk)
-        has_prev = prev_hop(rank, a.chunk, p) is not None
-        has_next = next_hop(rank, a.chunk, p, v) is not None
-
-        def need(kind: ActionKind, why: str) -> None:
-            if not seen[(kind, key)]:
-                raise ScheduleError(f"{at}: comes before {Action(kind, *key)} ({why})")
-
-        if seen[(a.kind, key)]:
-            raise ScheduleError(f"{at}: duplicate action")
-        k = a.kind
-        if k is K.RECV_ACT and not has_prev or k is K.SEND_ACT and not has_next:
-            raise ScheduleError(f"{at}: this chunk has no neighbour in that direction")
-        if k is K.RECV_GRAD and not has_next or k is K.SEND_GRAD and not has_prev:
-            raise ScheduleError(f"{at}: this chunk has no neighbour in that direction")
-        if k is K.FORWARD and has_prev:
-            need(K.RECV_ACT, "a forward needs its input activation")
-        if k is K.SEND_ACT:
-            need(K.FORWARD, "the activation is sent after the forward")
-        if k in (K.BACKWARD, K.BACKWARD_INPUT):
-            need(K.FORWARD, "a backward needs its forward")
-            if has_next:
-                need(K.RECV_GRAD, "a backward needs its output gradient")
-            other = K.BACKWARD_INPUT if k is K.BACKWARD else K.BACKWARD
-            if seen[(other, key)]:
-                raise ScheduleError(f"{at}: mixes a full backward with a split one")
-        if k is K.BACKWARD_WEIGHT:
-            need(K.BACKWARD_INPUT, "the weight grad follows the input grad")
-        if k is K.SEND_GRAD and not (seen[(K.BACKWARD, key)] or seen[(K.BACKWARD_INPUT, key)]):
-            raise ScheduleError(f"{at}: the input gradient is sent before it is computed")
-        seen[(a.kind, key)] += 1
+        _check_bounds(a, at, m, v, forward_only)
+        _check_order(rank, a, at, seen, p, v)
+        seen[(a.kind, (a.microbatch, a.chunk))] += 1
 
     _check_complete(rank, seen, p, m, v, forward_only)
+
+
+def _check_bounds(a: Action, at: str, m: int, v: int, forward_only: bool) -> None:
+    """``a`` names a micro-batch and chunk that exist, and no backward in an evaluation schedule."""
+    if forward_only and a.kind in _BACKWARD_KINDS:
+        raise ScheduleError(f"{at}: a forward-only (evaluation) schedule has no backward or gradient transfer")
+    if a.microbatch >= m:
+        raise ScheduleError(f"{at}: microbatch {a.microbatch} is outside [0, {m})")
+    if a.chunk >= v:
+        raise ScheduleError(f"{at}: chunk {a.chunk} is outside [0, {v})")
+
+
+def _check_order(rank: int, a: Action, at: str, seen: Counter, p: int, v: int) -> None:
+    """Every action ``a`` depends on on this rank (``seen``, the actions before it) came first."""
+    key = (a.microbatch, a.chunk)
+    has_prev = prev_hop(rank, a.chunk, p) is not None
+    has_next = next_hop(rank, a.chunk, p, v) is not None
+
+    def need(kind: ActionKind, why: str) -> None:
+        if not seen[(kind, key)]:
+            raise ScheduleError(f"{at}: comes before {Action(kind, *key)} ({why})")
+
+    if seen[(a.kind, key)]:
+        raise ScheduleError(f"{at}: duplicate action")
+    k = a.kind
+    if k is K.RECV_ACT and not has_prev or k is K.SEND_ACT and not has_next:
+        raise ScheduleError(f"{at}: this chunk has no neighbour in that direction")
+    if k is K.RECV_GRAD and not has_next or k is K.SEND_GRAD and not has_prev:
+        raise ScheduleError(f"{at}: this chunk has no neighbour in that direction")
+    if k is K.FORWARD and has_prev:
+        need(K.RECV_ACT, "a forward needs its input activation")
+    if k is K.SEND_ACT:
+        need(K.FORWARD, "the activation is sent after the forward")
+    if k in (K.BACKWARD, K.BACKWARD_INPUT):
+        need(K.FORWARD, "a backward needs its forward")
+        if has_next:
+            need(K.RECV_GRAD, "a backward needs its output gradient")
+        other = K.BACKWARD_INPUT if k is K.BACKWARD else K.BACKWARD
+        if seen[(other, key)]:
+            raise ScheduleError(f"{at}: mixes a full backward with a split one")
+    if k is K.BACKWARD_WEIGHT:
+        need(K.BACKWARD_INPUT, "the weight grad follows the input grad")
+    if k is K.SEND_GRAD and not (seen[(K.BACKWARD, key)] or seen[(K.BACKWARD_INPUT, key)]):
+        raise ScheduleError(f"{at}: the input gradient is sent before it is computed")
 
 
 def _check_complete(rank: int, seen: Counter, p: int, m: int, v: int, forward_only: bool) -> None:
@@ -232,7 +242,8 @@ def check_actions(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
         raise ScheduleError("no ranks given")
     for r, acts in enumerate(per_rank):
         _check_rank(r, acts, p, m, v, forward_only)
-    sends, recvs = Counter(), Counter()
+    sends: Counter[tuple] = Counter()
+    recvs: Counter[tuple] = Counter()
     for r, acts in enumerate(per_rank):
         for a in acts:
             if a.is_comm:

@@ -206,34 +206,14 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
     the embedding group). Sharing between any other stages is an error.
     """
     layers = list(layers)
-    if not layers or not all(isinstance(m, nn.Module) for m in layers):
-        raise TypeError("model must be a non-empty list of nn.Module layers")
-    if cfg.data.document_masking and not any(getattr(m, "takes_attention_inputs", False) for m in layers):
-        raise ConfigError("data.document_masking: none of the given layers takes an attention mask (layers with "
-                          "takes_attention_inputs = True get attn_mask= and position_ids=, like "
-                          "engine.models' blocks); set data.document_masking to false")
-    if cfg.fp8.enabled and not any(fp8_states(m) for m in layers):
-        raise ConfigError("fp8.enabled: the given layers hold no FP8 layer (only the reference model's blocks "
-                          "are made FP8 from the config; use engine.precision.fp8.Fp8Linear in your layers), "
-                          "or set fp8.enabled to false")
+    _check_layers(layers, cfg)
     if bounds is None:
         bounds = stage_bounds([sum(p.numel() for p in m.parameters()) for m in layers], cfg)
     elif len(bounds) != cfg.pp * cfg.pipeline.virtual_stages + 1:
         raise ValueError(f"bounds cut {len(bounds) - 1} pieces, the pipeline has "
                          f"{cfg.pp * cfg.pipeline.virtual_stages}")
     interval = cfg.pipeline.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
-    pieces = len(bounds) - 1
-    owner: dict[int, set[int]] = {}
-    for k in range(pieces):
-        rank = k % cfg.pp
-        for m in layers[bounds[k]:bounds[k + 1]]:
-            for p in m.parameters():
-                owner.setdefault(id(p), set()).add(rank)
-    shared = {pid for pid, ranks in owner.items() if len(ranks) > 1}
-    for pid in shared:
-        if owner[pid] != {0, cfg.pp - 1}:
-            raise ConfigError(f"a parameter is shared by layers on pipeline stages {sorted(owner[pid])}: only "
-                              "the first and the last stage may share one (a tied embedding and head)")
+    shared = _shared_across_stages(layers, bounds, cfg.pp)
     # first layer using each shared parameter, taken before the last stage swaps in its copies
     # (a module shared by two layers, e.g. a TiedLayerSpec, gets the copy in both places)
     first_use = {pid: min(i for i, m in enumerate(layers) if any(id(q) == pid for q in m.parameters()))
@@ -244,14 +224,7 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
         rng = layers_of(bounds, pp_rank, cfg.pp, c)
         mine = layers[rng.start:rng.stop]
         if pp_rank == cfg.pp - 1 and cfg.pp > 1:
-            for m in mine:
-                for mod in m.modules():
-                    for name, p in list(mod._parameters.items()):
-                        if p is not None and id(p) in shared:
-                            if id(p) not in copies:
-                                copies[id(p)] = nn.Parameter(p.detach().clone())
-                                mark_tied_copy(copies[id(p)])
-                            mod._parameters[name] = copies[id(p)]
+            _swap_in_tied_copies(mine, shared, copies)
         chunks.append(StageChunk(mine, rng.start, len(layers), interval, document_masking=cfg.data.document_masking))
     if cfg.pp > 1:
         local = {id(p): p for ch in chunks for p in ch.parameters()}
@@ -261,3 +234,46 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
             if p is not None:
                 tied.append(p)
     return chunks, tied
+
+
+def _check_layers(layers: list[nn.Module], cfg: Config) -> None:
+    """The layer list is usable with this config (document masking and FP8 need layers that support them)."""
+    if not layers or not all(isinstance(m, nn.Module) for m in layers):
+        raise TypeError("model must be a non-empty list of nn.Module layers")
+    if cfg.data.document_masking and not any(getattr(m, "takes_attention_inputs", False) for m in layers):
+        raise ConfigError("data.document_masking: none of the given layers takes an attention mask (layers with "
+                          "takes_attention_inputs = True get attn_mask= and position_ids=, like "
+                          "engine.models' blocks); set data.document_masking to false")
+    if cfg.fp8.enabled and not any(fp8_states(m) for m in layers):
+        raise ConfigError("fp8.enabled: the given layers hold no FP8 layer (only the reference model's blocks "
+                          "are made FP8 from the config; use engine.precision.fp8.Fp8Linear in your layers), "
+                          "or set fp8.enabled to false")
+
+
+def _shared_across_stages(layers: list[nn.Module], bounds: Sequence[int], pp: int) -> set[int]:
+    """ids of the parameters used by layers on more than one pipeline stage (piece ``k`` is on
+    stage ``k % pp``); only the first and the last stage may share one."""
+    owner: dict[int, set[int]] = {}
+    for k in range(len(bounds) - 1):
+        rank = k % pp
+        for m in layers[bounds[k]:bounds[k + 1]]:
+            for p in m.parameters():
+                owner.setdefault(id(p), set()).add(rank)
+    shared = {pid for pid, ranks in owner.items() if len(ranks) > 1}
+    for pid in shared:
+        if owner[pid] != {0, pp - 1}:
+            raise ConfigError(f"a parameter is shared by layers on pipeline stages {sorted(owner[pid])}: only "
+                              "the first and the last stage may share one (a tied embedding and head)")
+    return shared
+
+
+def _swap_in_tied_copies(mine: list[nn.Module], shared: set[int], copies: dict[int, nn.Parameter]) -> None:
+    """On the last stage: each shared parameter in ``mine`` replaced by its marked copy (made once, in ``copies``)."""
+    for m in mine:
+        for mod in m.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in shared:
+                    if id(p) not in copies:
+                        copies[id(p)] = nn.Parameter(p.detach().clone())
+                        mark_tied_copy(copies[id(p)])
+                    mod._parameters[name] = copies[id(p)]

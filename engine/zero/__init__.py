@@ -33,7 +33,7 @@ __all__ = ["build_zero_optimizer", "ZeroOptimizer", "DataParallelOptimizer", "Ze
 STAGES = {0: DataParallelOptimizer, 1: Zero1Optimizer, 2: Zero2Optimizer, 3: Zero3Optimizer}
 
 
-def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_factory: OptimizerFactory,
+def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_factory: OptimizerFactory,  # noqa: PLR0913 (keyword-only options named as DeepSpeed's zero_optimization keys)
                          groups: Union[ParallelGroups, AxisGroup], *,
                          module: Optional[torch.nn.Module] = None,
                          tied_params: Sequence[torch.nn.Parameter] = (),

@@ -81,7 +81,7 @@ def zero_state_bytes(num_params: float, stage: int, dp: int, *, param_bytes: flo
     return f
 
 
-def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
+def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,  # noqa: PLR0913 (keyword-only terms of one formula, each defaulted)
                       bucket_numel: int = 0, largest_param_numel: int = 0, unit_numel: int = 0,
                       prefetch_numel: int = 0, tied_numel: int = 0, activation_bytes: float = 0.0,
                       accumulating: bool = True, torch_adam: bool = False, grad_bytes: int = 4,
