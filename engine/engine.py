@@ -95,7 +95,7 @@ class Engine(nn.Module):
     _step_losses: list[torch.Tensor]
     _data_iter: Optional[Iterator[Any]]
     _step_skipped: bool
-    _last_grad_norm: Optional[float]
+    _last_grad_norm: Optional[torch.Tensor]
     _last_lr: Optional[list[float]]
     _dp_group: Optional[AxisGroup]
     _fp8_states: list[Any]
@@ -372,8 +372,10 @@ class Engine(nn.Module):
             comm.all_reduce(out, self._dp_group)
             out /= self.config.dp
         if self.pipeline is not None:
-            last = self.groups.topology.rank(dp=self.groups.dp_rank, tp=self.groups.tp_rank, pp=self.config.pp - 1)
-            comm.broadcast(out, last, self.groups.pp_group)
+            groups = self.groups
+            assert groups is not None  # destroy() drops the pipeline with the groups
+            last = groups.topology.rank(dp=groups.dp_rank, tp=groups.tp_rank, pp=self.config.pp - 1)
+            comm.broadcast(out, last, groups.pp_group)
         return out
 
     # ------------------------------------------------------------------ teardown

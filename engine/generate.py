@@ -15,7 +15,7 @@ gets a model.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from engine.models import GPT
 from engine.pipeline.partition import layers_of
 from engine.pipeline.stages import reference_layer_params, stage_bounds
 from engine.tensor_parallel.layers import gather_full_tensor
+from engine.zero.stage3 import Zero3Optimizer
 
 __all__ = ["gather_reference_model", "greedy_generate"]
 
@@ -56,7 +57,9 @@ def gather_reference_model(engine: Engine) -> Optional[GPT]:
         raise RuntimeError("gather_reference_model: the engine was destroyed")
     tp_group = groups.tp_group
     holder = groups.dp_rank == 0 and groups.tp_rank == 0  # sends (or, on rank 0, keeps) full tensors
-    gathered = engine.optimizer.gathered_params() if cfg.zero.stage == 3 else contextlib.nullcontext()
+    # stage 3 builds a Zero3Optimizer (the only one that gathers)
+    gathered = (cast(Zero3Optimizer, engine.optimizer).gathered_params() if cfg.zero.stage == 3
+                else contextlib.nullcontext())
     model = GPT(cfg.model, tp_group=NO_TP, seed=cfg.seed) if dist.get_rank() == 0 else None
     with gathered:
         for idx, name, full in _local_full_params(chunks, tp_group):

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 ConfigArg = Union[str, "os.PathLike[str]", dict, Config, None]
 
 
-def _config_source(args: Any, config: ConfigArg, config_params: ConfigArg) -> Union[str, dict, Config]:
+def _config_source(args: Any, config: ConfigArg, config_params: ConfigArg) -> Union[str, "os.PathLike[str]", dict, Config]:
     given = [c for c in (config, config_params) if c is not None]
     from_args = None
     if args is not None:
@@ -80,7 +80,7 @@ def _device_of_default_group() -> torch.device:
     bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
     kind, index = device_for_initialised_group(backend, bound.index if bound is not None else None,
                                                torch.cuda.current_device(), torch.cuda.device_count())
-    dev = torch.device(kind, index)
+    dev = torch.device(kind) if index is None else torch.device(kind, index)
     torch.cuda.set_device(dev)
     return dev
 
@@ -109,7 +109,7 @@ def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Opti
     batches are pinned, so the engine's non-blocking copy to the device overlaps compute."""
     if not isinstance(data, Dataset):
         raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(data).__name__}")
-    sampler = DistributedSampler(data, num_replicas=groups.dp_size, rank=groups.dp_rank, shuffle=True,
+    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=groups.dp_size, rank=groups.dp_rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     return DataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=True, pin_memory=device.type != "cpu")

@@ -129,8 +129,8 @@ class _TorchStreamWriter:
         if data.nbytes != nbytes:
             raise CheckpointError(f"{self.path}: {name} has {data.nbytes} bytes, its record holds {nbytes}")
         self._f.seek(offset)
-        self._f.write(memoryview(data))
-        self._crc[record] = zlib.crc32(memoryview(data))
+        self._f.write(data.data)  # ndarray.data: the array's memoryview
+        self._crc[record] = zlib.crc32(data.data)
 
     def close(self) -> None:
         missing = [n for n, (_, _, rec) in self._records.items() if rec not in self._crc]

@@ -470,6 +470,7 @@ class SafetensorsWriter:
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
     def _emit(self, b: Any) -> None:
+        assert self._f is not None, f"{self.path}: written after close()"
         self._f.write(b)
         self._sha.update(b)
         self.bytes += len(b) if isinstance(b, (bytes, bytearray)) else memoryview(b).nbytes
@@ -482,16 +483,18 @@ class SafetensorsWriter:
         flat = tensor.detach().reshape(-1)
         for lo in range(0, flat.numel(), chunk_numel):   # bounded host copies for device tensors
             part = flat[lo:lo + chunk_numel].cpu().contiguous()
-            self._emit(memoryview(part.view(torch.uint8).numpy()))
+            self._emit(part.view(torch.uint8).numpy().data)  # ndarray.data: the array's memoryview
         self._next += 1
 
     def close(self) -> str:
         """Flush and fsync; returns the file's sha256."""
         if self._next != len(self._specs):
             raise ValueError(f"{self.path}: {len(self._specs) - self._next} declared tensors were not written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        f = self._f
+        assert f is not None, f"{self.path}: closed twice"
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
         self._f = None
         return self._sha.hexdigest()
 

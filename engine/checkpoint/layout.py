@@ -43,7 +43,7 @@ class LocalPiece:
     param: Any  # the nn.Parameter (identity only: under ZeRO-3 its data may be empty)
 
 
-def stage_chunks(module: nn.Module) -> Optional[list[nn.Module]]:
+def stage_chunks(module: nn.Module) -> Optional[list[StageChunk]]:
     """The StageChunks behind an engine's module (pipeline list, ReferenceModel or one
     chunk), or None for a plain module."""
     if isinstance(module, StageChunk):
@@ -51,7 +51,7 @@ def stage_chunks(module: nn.Module) -> Optional[list[nn.Module]]:
     if isinstance(module, ReferenceModel):
         return [module.chunk]
     if isinstance(module, nn.ModuleList) and len(module) and all(isinstance(m, StageChunk) for m in module):
-        return list(module)
+        return [m for m in module if isinstance(m, StageChunk)]  # all of them (checked above)
     return None
 
 

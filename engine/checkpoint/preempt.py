@@ -115,6 +115,7 @@ class Checkpointer:
     def save(self) -> str:
         from engine.checkpoint.save import save_checkpoint
 
+        assert self.save_dir is not None, "Checkpointer.save needs a save_dir"
         self.last_path = save_checkpoint(self.engine, self.save_dir, keep_last=self.keep_last)
         self.saved_at = self.engine.global_steps
         return self.last_path
@@ -123,6 +124,7 @@ class Checkpointer:
         """Collective, after every optimizer step: save if due; True when the loop must stop."""
         if self.save_dir is None:
             return False
+        assert self.preempt is not None  # made whenever save_dir is given
         self.preempted = self.preempt.stop_requested(self.engine.device)
         step = self.engine.global_steps
         if self.preempted or (self.interval and step % self.interval == 0):

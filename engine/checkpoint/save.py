@@ -330,7 +330,7 @@ def prune_tags(save_dir: str, keep_last: int, keep: str) -> list[str]:
     nor the tag ``latest`` names. Returns the deleted tags."""
     latest = read_latest(save_dir)
     tags = sorted((t for t in os.listdir(save_dir) if tag_step(t) is not None
-                   and os.path.isdir(os.path.join(save_dir, t))), key=lambda t: tag_step(t))
+                   and os.path.isdir(os.path.join(save_dir, t))), key=lambda t: tag_step(t) or 0)  # never None here
     doomed = [t for t in tags[:max(0, len(tags) - keep_last)] if t not in (keep, latest)]
     for t in doomed:
         shutil.rmtree(os.path.join(save_dir, t), ignore_errors=True)
@@ -435,6 +435,7 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Optional[str] = 
     dist.gather_object(local, parts, dst=0)
     status = None
     if rank == 0:
+        assert parts is not None  # rank 0 gathered into it
         status = _finish(engine.config, training, save_dir, tmp_dir, tag, nonce, parts, client_state, keep_last,
                          save_latest)
     status = _broadcast(status)

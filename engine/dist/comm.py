@@ -14,7 +14,7 @@ headers, the per-group sequence of collectives).
 from __future__ import annotations
 
 import zlib
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,15 @@ def group_rank(group: AxisGroup) -> int:
     return group.rank
 
 
-def _op_code(op: dist.ReduceOp) -> int:
+# torch's stubs type ``dist.ReduceOp.SUM`` etc. as the nested ``RedOpType`` enum, not ``ReduceOp``
+ReduceOpLike = Union[dist.ReduceOp, dist.ReduceOp.RedOpType]
+
+
+def _op_code(op: ReduceOpLike) -> int:
     return zlib.crc32(str(op).encode()) % 1000
 
 
-def all_reduce(t: torch.Tensor, group: AxisGroup, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce(t: torch.Tensor, group: AxisGroup, op: ReduceOpLike = dist.ReduceOp.SUM,
                async_op: bool = False):
     """In place; a no-op on a group of one."""
     if group_size(group) == 1:
@@ -51,7 +55,7 @@ def all_reduce(t: torch.Tensor, group: AxisGroup, op: dist.ReduceOp = dist.Reduc
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
+                   op: ReduceOpLike = dist.ReduceOp.SUM, async_op: bool = False):
     """``out`` (N,) <- this rank's slice of the reduction of ``inp`` (world*N,) along dim 0."""
     world = group_size(group)
     if inp.shape[0] != out.shape[0] * world or inp.shape[1:] != out.shape[1:]:

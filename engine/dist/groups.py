@@ -58,7 +58,8 @@ def _default_timeout() -> datetime.timedelta:
     world = dist.group.WORLD
     for device in ("cpu", "cuda"):
         try:
-            return world._get_backend(torch.device(device)).options._timeout
+            if world is not None:  # None before init: falls through to the error below, as before
+                return world._get_backend(torch.device(device)).options._timeout
         except (RuntimeError, AttributeError):
             continue
     raise RuntimeError("cannot read the default group's timeout: pass timeout_s= to "

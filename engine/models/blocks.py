@@ -153,7 +153,7 @@ def attention_inputs(seq_len: Optional[int], doc_ids: Optional[torch.Tensor] = N
     return attn_mask, position_ids
 
 
-def forward_layers(layers: Sequence[nn.Module], x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
+def forward_layers(layers: Union[Sequence[nn.Module], nn.ModuleList], x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                    position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run ``layers`` in order; blocks (``takes_attention_inputs``) also get the mask and
     positions, other layers (embedding, head) only the activation."""

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from engine.config import Config, MuonParams, OptimizerConfig
+from engine.config import AdamParams, Config, LionParams, MuonParams, OptimizerConfig
 from engine.dist.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
@@ -65,7 +65,8 @@ def optimizer_factory(opt: Optional[OptimizerConfig]) -> OptimizerFactory:
                           "{\"lr\": ...}}) or pass optimizer= to initialize")
     p = opt.params
     if opt.type in ("Adam", "AdamW"):
-        kw = dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
+        assert isinstance(p, AdamParams)  # the config parses Adam/AdamW params as AdamParams
+        kw: dict[str, Any] = dict(lr=p.lr, betas=(p.betas[0], p.betas[1]), eps=p.eps, weight_decay=p.weight_decay)
         # torch's update stepped in chunks of the flat master (engine.optim.chunked_adam: the
         # same bits and state dict as torch.optim.Adam/AdamW, chunk-sized temporaries instead
         # of master-sized ones). Multi-tensor path: bit-identical to its default per-tensor
@@ -76,7 +77,10 @@ def optimizer_factory(opt: Optional[OptimizerConfig]) -> OptimizerFactory:
             return lambda groups: ChunkedAdamW(groups, foreach=True, **kw)
         return lambda groups: FusedAdamW(groups, **kw)
     if opt.type == "Lion":
-        return lambda groups: Lion(groups, lr=p.lr, betas=tuple(p.betas), weight_decay=p.weight_decay)
+        assert isinstance(p, LionParams)  # the config parses Lion params as LionParams
+        lion = p
+        return lambda groups: Lion(groups, lr=lion.lr, betas=(lion.betas[0], lion.betas[1]),
+                                   weight_decay=lion.weight_decay)
     if isinstance(p, MuonParams):
         return _muon_factory(p)
     raise ConfigError(f"optimizer.type {opt.type!r} is not one of Adam, AdamW, Lion, Muon")

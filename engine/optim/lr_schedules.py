@@ -272,7 +272,7 @@ SCHEDULERS: dict[str, type] = {
 }
 
 
-def build_lr_scheduler(optimizer: Any, type: str, params: Mapping[str, Any]) -> LRScheduler:
+def build_lr_scheduler(optimizer: Any, type: str, params: object) -> LRScheduler:
     """The scheduler named ``type`` (the config's ``scheduler.type``) with ``params``
     (``scheduler.params``, a dict or a config dataclass).
 

@@ -252,7 +252,8 @@ class PipelineExecutor:
         assert not leftovers, f"state left after the step: {leftovers}"
 
     def _reset(self, data_iter: Optional[Iterator]) -> None:
-        self._data_iter, self._drawn, self._batches = data_iter, 0, {}
+        self._data_iter, self._drawn = data_iter, 0
+        self._batches: dict[int, list[Any]] = {}  # microbatch -> [inputs, targets], None once used
         self._side: dict[int, list] = {}  # microbatch -> [kwargs, forwards left on this rank]
         self._losses: list[torch.Tensor] = []
         # per (microbatch, chunk): stage input, forward root (output edge or scaled loss),
@@ -292,7 +293,7 @@ class PipelineExecutor:
         return loss
 
     # ------------------------------------------------------------------ data
-    def _microbatch(self, mb: int) -> tuple[Any, Any]:
+    def _microbatch(self, mb: int) -> list[Any]:
         self._draw_upto(mb)
         return self._batches[mb]
 

@@ -38,10 +38,12 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def activation_shape(cfg: Config) -> tuple[int, int, int]:
     """What crosses a stage boundary: hidden states (micro_batch, S, H), or (micro_batch,
     S/tp, H) with sequence parallelism."""
-    s = cfg.model.seq_len
+    model = cfg.model
+    assert model is not None  # only the reference GPT's pipeline asks (it needs a model section)
+    s = model.seq_len
     if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
         s //= cfg.tp
-    return (cfg.train_micro_batch_size_per_gpu, s, cfg.model.hidden_size)
+    return (cfg.train_micro_batch_size_per_gpu, s, model.hidden_size)
 
 
 def microbatch_doc_ids(mb: Any) -> Optional[torch.Tensor]:
@@ -98,7 +100,10 @@ class PipelineRunner:
     def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
         """One step's forward and backward; the mean loss (unscaled) on the last stage."""
         loss = self.executor.train_batch(iter([self._item(mb) for mb in microbatches]))
-        return [loss] if self.is_last else None
+        if not self.is_last:
+            return None
+        assert loss is not None  # the last stage computes the loss
+        return [loss]
 
     def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
         """The forward-only schedule over ``microbatches``: each one's loss on the last stage."""

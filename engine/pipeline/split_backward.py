@@ -152,8 +152,9 @@ def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Option
             handles.append(j.register_prehook(capture))
     try:
         with _in_phase("input"):
-            (dx,) = torch.autograd.grad([root], [stage_input], grad_outputs=None if grad is None else [grad],
-                                        retain_graph=True)
+            # torch's stub takes a sequence of Tensors or of GradientEdges, not a list typed with both
+            (dx,) = torch.autograd.grad([root], [stage_input],  # type: ignore[arg-type]
+                                        grad_outputs=None if grad is None else [grad], retain_graph=True)
     finally:
         for h in handles:
             h.remove()

@@ -150,8 +150,10 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
     """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded; with
     ``fp8.enabled`` the blocks' linear layers are FP8 (embedding and LM head stay bf16)."""
     check_reference_support(cfg)
-    total = num_stage_layers(cfg.model)
-    bounds = stage_bounds(reference_layer_params(cfg.model), cfg)
+    model = cfg.model
+    assert model is not None  # the reference GPT is built only from a config with a model section
+    total = num_stage_layers(model)
+    bounds = stage_bounds(reference_layer_params(model), cfg)
     recipe = fp8_recipe_from_config(cfg.fp8)
     if recipe is not None:
         logger.info("FP8 GEMMs in the blocks' linear layers (recipe %s, format %s); embedding and LM head in %s",
@@ -159,7 +161,7 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
     chunks = []
     for c in range(cfg.pipeline.virtual_stages):
         rng = layers_of(bounds, pp_rank, cfg.pp, c)
-        layers = build_stage_layers(cfg.model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+        layers = build_stage_layers(model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                                     seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype,
                                     fp8_recipe=recipe)
         chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval,
@@ -179,6 +181,7 @@ def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: AxisGro
                 src = src_layer.get_parameter(name).detach().to(torch.float32).cpu()
                 if is_tp_sharded(p):
                     dim = tp_partition_dim(p)
+                    assert dim is not None  # a TP-sharded parameter records its partition dim
                     padded = getattr(p, "tp_unpadded_size", None)
                     if padded is not None:  # pad the vocabulary to V_pad before slicing
                         extra = p.shape[dim] * world - src.shape[dim]

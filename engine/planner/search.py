@@ -46,6 +46,12 @@ class Plan:
     def feasible(self) -> bool:
         return not self.reasons
 
+    @property
+    def feasible_time(self) -> TimeEstimate:
+        """The time estimate of a feasible plan (evaluate() times every layout it does not reject)."""
+        assert self.time is not None, f"{self.layout.describe()}: a rejected plan may have no time estimate"
+        return self.time
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -117,7 +123,7 @@ def plan(model: ModelConfig, cluster: Cluster, global_batch: int, *, param_bytes
     ones (each with its reasons)."""
     plans = [evaluate(model, lay, cluster, param_bytes=param_bytes, extra_reasons=why)
              for lay, why in enumerate_layouts(model, cluster, global_batch, **enum_kwargs)]
-    ok = sorted((p for p in plans if p.feasible), key=lambda p: (p.time.step_s, p.peak))
+    ok = sorted((p for p in plans if p.feasible), key=lambda p: (p.feasible_time.step_s, p.peak))
     bad = [p for p in plans if not p.feasible]
     bad.sort(key=lambda p: (p.time is None, p.time.step_s if p.time else 0.0))
     return ok + bad
@@ -141,7 +147,7 @@ def format_plans(plans: Sequence[Plan], top: int = 15, rejected: int = 10) -> st
 
 
 def _row(i: int, p: Plan) -> str:
-    lay, t = p.layout, p.time
+    lay, t = p.layout, p.feasible_time  # only feasible plans get a row
     sched = lay.schedule + (f"(v{lay.virtual_stages})" if lay.virtual_stages > 1 else "")
     return (f"{i:>3} {lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {sched:<18} {lay.micro_batch:>3} {lay.num_microbatches:>4} "
             f"{lay.zero_stage:>1} {'y' if lay.recompute else 'n':>2} {(p.peak or 0.0) / GiB:>8.1f} {t.step_s:>8.3f} "

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.groups import AxisGroup
 from engine.errors import ConfigError
 
 __all__ = ["PrecisionPolicy", "resolve_compute_dtype", "local_nonfinite_count", "any_rank_true"]
@@ -76,7 +77,7 @@ def local_nonfinite_count(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return total if total is not None else torch.zeros((), dtype=torch.float32)
 
 
-def any_rank_true(flag: torch.Tensor, groups: Sequence[Optional[dist.ProcessGroup]]) -> bool:
+def any_rank_true(flag: torch.Tensor, groups: Sequence[Optional[AxisGroup]]) -> bool:
     """True when ``flag`` (0-dim, > 0 means true) is true on any rank of the mesh spanned by
     ``groups`` (e.g. the DP, TP and PP groups). One host sync."""
     t = flag.detach().to(torch.float32).reshape(1).clone()

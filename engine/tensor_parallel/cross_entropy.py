@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
+from engine.dist.comm import ReduceOpLike
 from engine.dist.groups import AxisGroup
 from engine.dist.strict import host_sync_allowed
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
@@ -27,7 +28,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 
 
-def _all_reduce(t: torch.Tensor, group: AxisGroup, op: dist.ReduceOp) -> None:
+def _all_reduce(t: torch.Tensor, group: AxisGroup, op: ReduceOpLike) -> None:
     if tp_world_size(group) > 1:  # a group of one: no TP, nothing to reduce
         comm.all_reduce(t, group, op=op)
 

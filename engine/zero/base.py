@@ -116,6 +116,13 @@ def _mesh(groups: Union[ParallelGroups, AxisGroup],
     return groups.dp_group, groups.tp_group, groups.pp_group, emb
 
 
+def _master_grad(master: torch.nn.Parameter) -> torch.Tensor:
+    """A group's fp32 master gradient (the bucket shard grads are views into it)."""
+    grad = master.grad
+    assert grad is not None  # bound once in the group's _init_grad_storage, only ever zeroed in place
+    return grad
+
+
 class ZeroOptimizer:
     """Base class; use :func:`engine.zero.build_zero_optimizer` or a stage class."""
 
@@ -363,6 +370,7 @@ class ZeroOptimizer:
             self._recv_pool.release(b.recv)
             b.recv = None
         if not b.borrowed:
+            assert b.grad_acc is not None  # a bucket in flight holds its pooled accumulator
             self._pool.release(b.grad_acc)
         b.grad_acc = None
         b.borrowed = False
@@ -416,7 +424,7 @@ class ZeroOptimizer:
         """Sum tied-weight gradients between the pipeline stages that hold a copy (same DP
         shard on each: a tied weight's bucket has the same layout everywhere)."""
         tied = sorted((g for g in self.groups if g.key.tied_index >= 0), key=lambda g: g.key.tied_index)
-        sum_tied_grads([g.master.grad for g in tied], self.embedding_group)
+        sum_tied_grads([_master_grad(g.master) for g in tied], self.embedding_group)
 
     # ------------------------------------------------------------------ norm and step
     def _mesh_groups(self) -> list[AxisGroup]:
@@ -503,7 +511,7 @@ class ZeroOptimizer:
             # leaves the gradients unchanged (DeepSpeed clips when norm + 1e-6 > clip, as here)
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
             for g in self.groups:
-                g.master.grad.mul_(coef)
+                _master_grad(g.master).mul_(coef)
         return True
 
     def _publish(self) -> None:
@@ -535,12 +543,14 @@ class ZeroOptimizer:
                 b.pooled = not self.keeps_full_grads  # stage 1 decides again next step
             elif self.pools_on_boundary:
                 b.grad_acc = None  # freed (a zero_grad without a step)
-            elif b.grad_acc.data_ptr() != b.shard_grad.data_ptr():  # stage 0: zeroed as the master grad
-                b.grad_acc.zero_()
+            else:
+                assert b.grad_acc is not None  # unpooled stages keep their accumulator bound
+                if b.grad_acc.data_ptr() != b.shard_grad.data_ptr():  # stage 0: zeroed as the master grad
+                    b.grad_acc.zero_()
             for p in b.params:
                 p.grad = None
         for g in self.groups:
-            g.master.grad.zero_()
+            _master_grad(g.master).zero_()
         self._reduced = False
         self._norm_cache = None
 

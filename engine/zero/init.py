@@ -50,7 +50,7 @@ class PartitionedParameter(Protocol):
     ds_tensor: torch.Tensor  # (ceil(numel / world),) this rank's shard
     ds_numel: int
     ds_shape: torch.Size
-    ds_process_group: Optional[dist.ProcessGroup]
+    ds_process_group: AxisGroup  # the data-parallel axis it is sharded over
 
 
 def is_partitioned(p: torch.Tensor) -> TypeGuard[PartitionedParameter]:

@@ -318,6 +318,7 @@ class Zero3Optimizer(Zero2Optimizer):
             if b.persistent:
                 works.append(self._gather_bucket(b))
             elif b.compute_shard is not b.shard_master:
+                assert b.compute_shard is not None  # set for every ZeRO-3 bucket (_init_bucket)
                 b.compute_shard.copy_(b.shard_master)  # gathered again on the next use
         for w in works:
             if w is not None:
@@ -345,6 +346,8 @@ class Zero3Optimizer(Zero2Optimizer):
         if modifier_rank is not None and not 0 <= modifier_rank < self.dp_size:
             raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the data-parallel group of {self.dp_size}")
         for b in self._buckets_of(params):
+            # gather_for_modification bound b.full; every ZeRO-3 bucket has a compute shard
+            assert b.full is not None and b.compute_shard is not None
             if modifier_rank is not None:
                 src = self.dp_group.global_rank_of(modifier_rank)
                 comm.broadcast(b.full, src, self.dp_group)
