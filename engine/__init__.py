@@ -7,9 +7,8 @@ topology and launch detection) does not import torch.
 
 from typing import Any
 
-__version__ = "0.1.0"
-
 from engine.topology import Axis, Coord, Topology, TopologyError  # noqa: E402
+from engine.version import __version__
 
 __all__ = ["Axis", "Coord", "Topology", "TopologyError", "__version__", "initialize", "Engine", "init_distributed",
            "add_config_arguments"]

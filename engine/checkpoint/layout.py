@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from engine.checkpoint.format import TPSlice
-from engine.pipeline.stages import ReferenceModel, StageChunk
+from engine.pipeline.names import parameter_names, stage_chunks
 from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded, tp_partition_dim
 from engine.zero.shard_view import ShardView
 
@@ -41,41 +41,6 @@ class LocalPiece:
     tp: Optional[TPSlice]
     name: str
     param: Any  # the nn.Parameter (identity only: under ZeRO-3 its data may be empty)
-
-
-def stage_chunks(module: nn.Module) -> Optional[list[StageChunk]]:
-    """The StageChunks behind an engine's module (pipeline list, ReferenceModel or one
-    chunk), or None for a plain module."""
-    if isinstance(module, StageChunk):
-        return [module]
-    if isinstance(module, ReferenceModel):
-        return [module.chunk]
-    if isinstance(module, nn.ModuleList) and len(module) and all(isinstance(m, StageChunk) for m in module):
-        return [m for m in module if isinstance(m, StageChunk)]  # all of them (checked above)
-    return None
-
-
-def parameter_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
-    """``({id(param): name}, {alias: name})`` for every parameter of ``module``."""
-    names: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-
-    def add(full: str, p: torch.Tensor) -> None:
-        if id(p) in names:
-            aliases[full] = names[id(p)]
-        else:
-            names[id(p)] = full
-
-    chunks = stage_chunks(module)
-    if chunks is None:
-        for n, p in module.named_parameters(remove_duplicate=False):
-            add(n, p)
-    else:
-        for ch in chunks:
-            for j, layer in enumerate(ch.layers):
-                for n, p in layer.named_parameters(remove_duplicate=False):
-                    add(f"layers.{ch.start + j}.{n}", p)
-    return names, aliases
 
 
 def tp_slice_of(param: torch.Tensor, tp_rank: int, tp_world: int) -> Optional[TPSlice]:

@@ -39,7 +39,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-import engine as _engine_pkg
 from engine.checkpoint.format import (
     CLIENT_STATE_FILE,
     FORMAT,
@@ -70,6 +69,7 @@ from engine.config import Config
 from engine.dist.groups import ParallelGroups
 from engine.dist.lock import held_here, pid_running
 from engine.training_state import capture_rng
+from engine.version import __version__
 from engine.zero.shard_view import Scalar, ShardView
 
 __all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
@@ -266,7 +266,7 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
     _json_state(training["loss_scaler"], "loss scaler")
     # per-group lists in the scheduler state follow rank 0's inner groups: their user param groups
     return CheckpointMetadata(
-        tag=tag, engine_version=_engine_pkg.__version__, torch_version=torch.__version__, time=time.time(),
+        tag=tag, engine_version=__version__, torch_version=torch.__version__, time=time.time(),
         topology=SavedTopology(cfg.dp, cfg.tp, cfg.pp, cfg.world_size, cfg.zero.stage,
                                cfg.pipeline.virtual_stages),
         config=cfg.to_dict(), training={k: training[k] for k in CheckpointMetadata.TRAINING_KEYS},

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from engine.pipeline.names import parameter_names  # names as the reference model has them
 from engine.tensor_parallel.attrs import is_tied_copy
 from engine.zero.init import param_shape
 
@@ -73,8 +74,6 @@ def split_muon_groups(params: Any, module: Optional[nn.Module], muon_patterns: S
     are kept on both halves). Both halves are always returned, empty or not, so the user
     param-group indices are the same on every pipeline stage and layout (checkpoints key
     their state by them)."""
-    from engine.checkpoint.layout import parameter_names  # names as the reference model has them
-
     if isinstance(params, nn.Module):
         module = params if module is None else module
         params = [p for p in params.parameters()]

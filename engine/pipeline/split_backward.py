@@ -18,45 +18,25 @@ Without a stage input that requires grad (the first stage: token ids) there is n
 path; the input pass is empty and the weight pass is the whole backward.
 
 Autograd functions whose one backward computes both the input and the weight gradient
-(the FP8 linear, engine.precision.fp8) ask :func:`backward_phase` which half is running and
+(the FP8 linear, engine.precision.fp8) ask :func:`backward_phase` (engine.precision.backward_phase) which half is running and
 compute only that half, so the junction's backward does not run its GEMMs twice.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from engine.precision.backward_phase import backward_phase
+from engine.precision.backward_phase import in_phase as _in_phase
+
 __all__ = ["WeightGradState", "backward_input", "backward_weight", "full_backward", "backward_phase"]
 
 Root = Union[torch.Tensor, GradientEdge]
-Phase = Literal["input", "weight"]
-
-# A process-wide value, not thread-local: on CUDA autograd runs the backward on its own
-# device thread. One backward runs at a time per process.
-_PHASE: Optional[Phase] = None
-
-
-def backward_phase() -> Optional[Phase]:
-    """The half of a split backward now running: ``"input"`` (:func:`backward_input`: only
-    input gradients are wanted), ``"weight"`` (:func:`backward_weight`'s restarted
-    junctions: only parameter gradients), None for an ordinary backward (both)."""
-    return _PHASE
-
-
-@contextmanager
-def _in_phase(phase: Phase) -> Iterator[None]:
-    global _PHASE
-    prev, _PHASE = _PHASE, phase
-    try:
-        yield
-    finally:
-        _PHASE = prev
 
 
 @dataclass

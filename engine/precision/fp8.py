@@ -42,7 +42,7 @@ from engine.dist.comm import all_reduce
 from engine.dist.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.ops.fp8 import fp8_cast, fp8_max
-from engine.pipeline.split_backward import backward_phase
+from engine.precision.backward_phase import backward_phase
 from engine.validate import check_int
 
 __all__ = [
