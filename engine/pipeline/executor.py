@@ -141,6 +141,11 @@ class PipelineExecutor:
         self.activation_checkpointing = activation_checkpointing
         self.free_sent_outputs = free_sent_outputs
         self.grads: GradientStep = grads if grads is not None else LocalGradients()
+        if (isinstance(self.grads, LocalGradients) and self.grads.tied_params and self.num_stages > 1
+                and self.grads.embedding_group.size == 1):
+            raise ValueError("tied parameters on a multi-stage pipeline need LocalGradients(tied, embedding_group) "
+                             "with the first and last stage's group (ParallelGroups.embedding_group) to sum "
+                             "their gradients over")
         self._last_grad = last_grad_actions(self.actions)  # chunk -> its boundary action
         self._eval = False  # running the forward-only schedule
         self._m = num_microbatches  # microbatches of the run in progress

@@ -50,6 +50,7 @@ import torch
 
 from engine.dist import comm
 from engine.dist.groups import AxisGroup
+from engine.validate import check_int
 
 NO_TIES = AxisGroup.single("embedding")  # no tied weights across stages: nothing to sum
 
@@ -83,10 +84,8 @@ class StepFactors:
 
 def step_factors(ga: int, dp: int, loss_scale: float = 1.0) -> StepFactors:
     """The contract's factors for ``ga`` micro-batches on ``dp`` replicas at loss scale ``S``."""
-    if isinstance(ga, bool) or not isinstance(ga, int) or ga < 1:
-        raise ValueError(f"gradient accumulation steps must be an integer >= 1, got {ga!r}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"the data-parallel size must be an integer >= 1, got {dp!r}")
+    check_int("gradient accumulation steps", ga, minimum=1, error=ValueError)
+    check_int("the data-parallel size", dp, minimum=1, error=ValueError)
     if not loss_scale > 0:
         raise ValueError(f"the loss scale must be > 0, got {loss_scale!r}")
     return StepFactors(ga=ga, dp=dp, loss_scale=float(loss_scale))
