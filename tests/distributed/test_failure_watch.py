@@ -12,15 +12,16 @@ import subprocess
 import sys
 import time
 
-from test_bringup import WORKER, _free_port, _launch
+from test_bringup import WORKER, _launch
 
+from engine.dist.spawn import free_port
 from engine.dist.watch import EXIT_PEER_FAILED
 
 FAST = dict(ENGINE_FAILURE_WATCH_INTERVAL=0.3, ENGINE_FAILURE_WATCH_GRACE=2)
 
 
 def _start(world: int, **extra) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen([sys.executable, WORKER, "linger"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                                  LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
