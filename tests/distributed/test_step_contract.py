@@ -105,6 +105,7 @@ class _PlantedSync:
 
     @staticmethod
     def build(scaled):
+        from engine.dist.groups import AxisGroup
         from engine.precision.loss_scaler import StaticLossScaler
         from engine.precision.mixed import PrecisionPolicy
         from engine.zero import DataParallelOptimizer
@@ -117,7 +118,7 @@ class _PlantedSync:
         model = torch.nn.Linear(4, 3)
         kw = dict(precision=PrecisionPolicy(torch.float16), loss_scaler=StaticLossScaler(8.0)) if scaled else {}
         cls = DataParallelOptimizer if scaled else Planted
-        opt = cls(model, lambda g: torch.optim.SGD(g, lr=0.1), torch.distributed.group.WORLD, clip_grad=1.0, **kw)
+        opt = cls(model, lambda g: torch.optim.SGD(g, lr=0.1), AxisGroup.world(), clip_grad=1.0, **kw)
         x = torch.randn(2, 4, dtype=torch.float16 if scaled else torch.float32)
         if scaled:
             model.half()
