@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from engine.dist.spawn import RankFailure, RankTimeout, spawn
 
-__all__ = ["run_ranks", "RankFailure", "RankTimeout"]
+__all__ = ["run_ranks", "dense_adamw_run", "RankFailure", "RankTimeout"]
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
@@ -28,3 +28,22 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               **kwargs: Any) -> list[Any]:
     return spawn(fn, world_size, args, kwargs, rendezvous="gloo", timeout=timeout,
                  collective_timeout=collective_timeout, env=env)
+
+
+def dense_adamw_run(model: Any, batches: Callable[[int], list], steps: int, lr: float = 1e-2
+                    ) -> tuple[list[float], list[float]]:
+    """The dense single-process reference: ``steps`` AdamW steps of ``model`` on the mean loss
+    of ``batches(step)`` (a list of ``(inputs, targets)``); returns each step's loss and
+    global gradient norm (before the update)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for s in range(steps):
+        loss = torch.stack([model(x, y) for x, y in batches(s)]).mean()
+        loss.backward()
+        norms.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms

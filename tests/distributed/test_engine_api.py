@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-from harness import run_ranks
+from harness import dense_adamw_run, run_ranks
 
 import engine
 from engine.dist.groups import NO_TP
@@ -278,17 +278,7 @@ def _layer_list(rank, world):
 def _dense_reference(mcfg, seed, steps, lr=1e-2):
     from engine.models import GPT
 
-    ref = GPT(mcfg, seed=seed)
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    losses, norms = [], []
-    for s in range(steps):
-        loss = torch.stack([ref(x, y) for x, y in _tiny_batches(s)]).mean()
-        loss.backward()
-        norms.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters())).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+    return dense_adamw_run(GPT(mcfg, seed=seed), _tiny_batches, steps, lr)
 
 
 def _gpt_and_fp16(rank, world):

@@ -26,7 +26,7 @@ activations and gradients). A factor 2 (sum instead of mean) or 1024 (scale) is 
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import dense_adamw_run, run_ranks
 
 import engine
 from engine.pipeline.actions import ActionKind
@@ -160,17 +160,7 @@ def _run(rank, world):
 def _dense():
     from engine.models import GPT, ModelConfig
 
-    ref = GPT(ModelConfig(**_TINY), seed=SEED)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses, norms = [], []
-    for s in range(STEPS):
-        loss = torch.stack([ref(x, y) for x, y in _global_batch(s)]).mean()
-        loss.backward()
-        norms.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters())).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+    return dense_adamw_run(GPT(ModelConfig(**_TINY), seed=SEED), _global_batch, STEPS)
 
 
 def _cases(out):
