@@ -21,6 +21,7 @@ from engine.config.sections import (
     parse_bf16,
     parse_checkpoint,
     parse_data,
+    parse_data_types,
     parse_fp8,
     parse_fp16,
     parse_model,
@@ -37,7 +38,7 @@ __all__ = ["load_config", "resolve_batch_sizes"]
 
 _TOP_LEVEL = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "fp8", "gradient_clipping", "zero_optimization",
+    "optimizer", "scheduler", "fp16", "bf16", "fp8", "data_types", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb",
 )
@@ -46,8 +47,7 @@ _TOP_LEVEL_REJECTED = {
     "amp": "NVIDIA Apex AMP is replaced by the bf16 / fp16 sections: use those instead",
     "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
     "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
-    "data_types": "gradients are accumulated in fp32 and parameters follow bf16 / fp16; remove the section",
-    "communication_data_type": "gradients are accumulated and reduced in fp32; remove the key",
+    "communication_data_type": "gradients are reduced in fp32; remove the key",
     "sequence_parallel_size": ("DeepSpeed-Ulysses sequence parallelism is not implemented; use "
                                "tensor_parallel.sequence_parallel (Megatron-style) instead"),
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
@@ -116,6 +116,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         fp16=parse_fp16(top),
         bf16=parse_bf16(top),
         fp8=parse_fp8(top),
+        data_types=parse_data_types(top),
         zero=parse_zero(top, None if model is None else model.hidden_size),
         activation_checkpointing=parse_activation_checkpointing(top),
         pipeline=pipeline,
@@ -201,6 +202,12 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.fp8.enabled and not cfg.bf16.enabled:
         raise ConfigError("fp8.enabled needs bf16.enabled true: the FP8 GEMMs take bf16 inputs and every "
                           "other op runs in bf16 (fp16 loss scaling is not combined with FP8 scaling)")
+    accum = cfg.data_types.grad_accum_dtype
+    if accum not in (None, "fp32", cfg.precision):
+        allowed = "\"fp32\"" + ("" if cfg.precision == "fp32" else f" or \"{cfg.precision}\"")
+        raise ConfigError(f"data_types.grad_accum_dtype is \"{accum}\" but the model computes in {cfg.precision}: "
+                          f"gradients accumulate in fp32 or in the compute dtype; set it to {allowed}, or remove "
+                          "it (the default follows the compute dtype, as DeepSpeed)")
     if cfg.model is None:
         return  # the checks below are about the reference GPT's shape
     _check_pipeline_schedule(cfg.pipeline, cfg.model, cfg.gradient_accumulation_steps)

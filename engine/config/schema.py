@@ -18,7 +18,7 @@ __all__ = [
     "AdamParams", "LionParams", "MuonParams", "OptimizerConfig",
     "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "CosineParams", "WSDParams",
     "SchedulerParams", "SchedulerConfig",
-    "FP16Config", "BF16Config", "FP8Config", "ZeroConfig", "ActivationCheckpointingConfig",
+    "FP16Config", "BF16Config", "FP8Config", "DataTypesConfig", "ZeroConfig", "ActivationCheckpointingConfig",
     "PipelineConfig", "AutoTPLayerSpecConfig", "AutoTPPartitionConfig",
     "TensorParallelConfig", "CheckpointConfig", "DataConfig", "Config",
 ]
@@ -190,6 +190,15 @@ class FP8Config(_Section):
     margin: int = 0  # scale = 2**-margin * fp8_max / amax
 
 
+@dataclass(frozen=True)
+class DataTypesConfig(_Section):
+    """``data_types`` (DeepSpeed's section). ``grad_accum_dtype``: ``"fp32"`` | ``"bf16"`` |
+    ``"fp16"``, the dtype of ZeRO-1's full gradient accumulated over micro-batches; None (the
+    default): the compute dtype, as DeepSpeed (:class:`engine.precision.mixed.PrecisionPolicy`)."""
+
+    grad_accum_dtype: Optional[str] = None
+
+
 # --------------------------------------------------------------------- ZeRO
 @dataclass(frozen=True)
 class ZeroConfig(_Section):
@@ -359,6 +368,7 @@ class Config:
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
     fp8: FP8Config = FP8Config()
+    data_types: DataTypesConfig = DataTypesConfig()
     zero: ZeroConfig = ZeroConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -413,6 +423,7 @@ class Config:
             "fp16": self.fp16.to_dict(),
             "bf16": self.bf16.to_dict(),
             "fp8": self.fp8.to_dict(),
+            "data_types": self.data_types.to_dict(),
             "zero_optimization": self.zero.to_dict(),
             "activation_checkpointing": self.activation_checkpointing.to_dict(),
             "pipeline": self.pipeline.to_dict(),

@@ -18,6 +18,7 @@ from engine.config.schema import (
     BF16Config,
     CheckpointConfig,
     DataConfig,
+    DataTypesConfig,
     FP8Config,
     FP16Config,
     PipelineConfig,
@@ -28,7 +29,7 @@ from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 
 __all__ = [
-    "parse_fp16", "parse_bf16", "parse_fp8", "parse_zero", "parse_activation_checkpointing",
+    "parse_fp16", "parse_bf16", "parse_fp8", "parse_data_types", "parse_zero", "parse_activation_checkpointing",
     "parse_pipeline", "parse_tensor_parallel", "parse_checkpoint", "parse_data", "parse_model",
     "PIPELINE_SCHEDULES",
 ]
@@ -70,6 +71,22 @@ def parse_bf16(top: Section) -> BF16Config:
     })
     return BF16Config(enabled=s.bool("enabled", False, auto_hint=_PRECISION_AUTO),
                       check_grad_overflow=s.bool("check_grad_overflow", True))
+
+
+# DeepSpeed's DtypeEnum spellings of the dtypes a gradient may accumulate in
+_DTYPE_NAMES = {
+    "fp32": "fp32", "float32": "fp32", "torch.float32": "fp32", "float": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "torch.float16": "fp16", "half": "fp16",
+}
+
+
+def parse_data_types(top: Section) -> DataTypesConfig:
+    s = top.sub("data_types", _names(DataTypesConfig))
+    if s.raw("grad_accum_dtype") is None:
+        return DataTypesConfig()
+    name = s.choice("grad_accum_dtype", tuple(_DTYPE_NAMES), case_insensitive=True)
+    return DataTypesConfig(grad_accum_dtype=_DTYPE_NAMES[name])
 
 
 def parse_fp8(top: Section) -> FP8Config:

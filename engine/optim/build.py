@@ -131,7 +131,7 @@ def client_optimizer_factory(client: Any) -> OptimizerFactory:
 
 def precision_policy(cfg: Config) -> PrecisionPolicy:
     check = cfg.bf16.check_grad_overflow if cfg.bf16.enabled else None
-    return PrecisionPolicy.from_name(cfg.precision, check_nonfinite=check)
+    return PrecisionPolicy.from_name(cfg.precision, check_nonfinite=check, grad_accum=cfg.data_types.grad_accum_dtype)
 
 
 def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, *,

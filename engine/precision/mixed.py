@@ -41,17 +41,31 @@ def resolve_compute_dtype(fp16_enabled: bool = False, bf16_enabled: bool = False
 class PrecisionPolicy:
     """``compute_dtype`` for parameters, activations and the gradients autograd produces;
     ``master_dtype`` for master weights, reduced gradients and optimizer state;
-    ``check_nonfinite``: skip (and count) steps whose gradients hold inf/NaN anywhere."""
+    ``check_nonfinite``: skip (and count) steps whose gradients hold inf/NaN anywhere;
+    ``grad_accum_dtype``: DeepSpeed's ``data_types.grad_accum_dtype``, the dtype of a FULL
+    gradient accumulated over micro-batches (ZeRO-1's; stage 0's is the fp32 master gradient and
+    stages 2/3 add each micro-batch's reduced shard into the fp32 master gradient). None: the
+    compute dtype, DeepSpeed's default; fp32 or the compute dtype only."""
 
     compute_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
     check_nonfinite: Optional[bool] = None  # None: on for fp16/bf16, off for fp32
+    grad_accum_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in _DTYPES.values():
             raise ConfigError(f"compute dtype must be one of fp32/bf16/fp16, got {self.compute_dtype}")
         if self.master_dtype != torch.float32:
             raise ConfigError(f"master weights and optimizer state are kept in fp32, got {self.master_dtype}")
+        if self.grad_accum_dtype not in (None, torch.float32, self.compute_dtype):
+            raise ConfigError(f"data_types.grad_accum_dtype {self.grad_accum_dtype} with compute dtype "
+                              f"{self.compute_dtype}: gradients accumulate in fp32 or in the compute dtype; "
+                              "set it to \"fp32\" or remove it (the default follows the compute dtype)")
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        """The resolved ``grad_accum_dtype`` (the compute dtype when unset, as DeepSpeed)."""
+        return self.compute_dtype if self.grad_accum_dtype is None else self.grad_accum_dtype
 
     @property
     def checks_nonfinite(self) -> bool:
@@ -62,10 +76,14 @@ class PrecisionPolicy:
         return bool(self.check_nonfinite)
 
     @classmethod
-    def from_name(cls, name: str, check_nonfinite: Optional[bool] = None) -> "PrecisionPolicy":
-        if name not in _DTYPES:
-            raise ConfigError(f"precision {name!r} is not one of {sorted(_DTYPES)}")
-        return cls(compute_dtype=_DTYPES[name], check_nonfinite=check_nonfinite)
+    def from_name(cls, name: str, check_nonfinite: Optional[bool] = None,
+                  grad_accum: Optional[str] = None) -> "PrecisionPolicy":
+        """From ``"fp32"`` / ``"bf16"`` / ``"fp16"`` (and ``grad_accum``, the same names)."""
+        for n in (name, grad_accum):
+            if n is not None and n not in _DTYPES:
+                raise ConfigError(f"precision {n!r} is not one of {sorted(_DTYPES)}")
+        return cls(compute_dtype=_DTYPES[name], check_nonfinite=check_nonfinite,
+                   grad_accum_dtype=None if grad_accum is None else _DTYPES[grad_accum])
 
 
 def local_nonfinite_count(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -191,6 +191,8 @@ class ZeroOptimizer:
         self._recv_pool = BufferPool(self._device, capacity=self.MAX_INFLIGHT)
         for b in self.buckets:
             b.pooled = not self.keeps_full_grads
+            if self.pools_on_boundary:  # stage 1: the full accumulator of accumulating micro-steps
+                b.acc_dtype = self.precision.accum_dtype
             self._init_bucket(b)
         self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
         attach = getattr(self.optimizer, "attach_shard_view", None)
@@ -297,7 +299,9 @@ class ZeroOptimizer:
                 "call set_boundary(True) only before the LAST backward of the step, or run every "
                 "backward before reduce_gradients()")
         assert p.grad is not None  # called from the parameter's gradient hook
-        b.accumulate(i, p.grad, alpha=alpha)
+        # a low-precision accumulator holds raw sums (a scaled fp16 gradient stays in range);
+        # the factor is applied when it is copied to fp32 for the reduction (_launch)
+        b.accumulate(i, p.grad, alpha=alpha if b.acc_dtype == torch.float32 else 1.0)
         p.grad = None  # the fp32 accumulator holds it now
         if self._boundary and self.overlap_comm:
             b.ready += 1
@@ -380,7 +384,28 @@ class ZeroOptimizer:
         # Always async: the hooks only launch with overlap_comm, and after backward the
         # remaining buckets are queued back to back and waited together (gloo, 2 ranks,
         # 11 x 500k fp32: 30 ms one at a time, 20 ms queued).
+        if b.grad_acc is not None and b.grad_acc.dtype != torch.float32:
+            self._launch_upcast(b)
+            return
         b.launch_reduce(self.dp_group, sharded=self.shards_optimizer_state, async_op=True)
+
+    def _launch_upcast(self, b: FlatBucket) -> None:
+        """ZeRO-1 with a low-precision full accumulator (``grad_accum_dtype``): reduce-scatter
+        it in fp32 through a pooled buffer (``factor * raw sum``, as the fp32 path adds), so the
+        reduction and the master gradient keep fp32 and the low-precision bucket is freed now.
+        The bucket turns pooled for the rest of the step (at most MAX_INFLIGHT in flight)."""
+        self._drain_inflight(keep=self.MAX_INFLIGHT - 1)
+        low = b.grad_acc
+        assert low is not None  # a bucket with a low-precision accumulator
+        acc = self._pool.acquire(b.layout.padded_numel)
+        acc.copy_(low)
+        alpha = step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad
+        if alpha != 1.0:
+            acc.mul_(alpha)
+        b.grad_acc = acc
+        b.pooled = True
+        b.arrived.update(range(len(b.params)))
+        self._launch_sharded(b)
 
     def _launch_remaining(self) -> None:
         """Launch the reduction of every bucket the hooks did not launch."""
@@ -401,13 +426,13 @@ class ZeroOptimizer:
         for b in self.buckets:
             if b.pooled and (b.grad_acc is not None or b.reductions == 0):
                 self._launch_sharded(b)
-        self._drain_inflight()
         if not all(b.pooled for b in self.buckets):  # full accumulators: one reduction each
             self._launch_remaining()
-            for b in self.buckets:
-                if not b.pooled:
-                    b.wait()
-                    self._after_reduce(b)
+        self._drain_inflight()  # pooled ones (and low-precision accumulators upcast at launch)
+        for b in self.buckets:
+            if not b.pooled:
+                b.wait()
+                self._after_reduce(b)
         self._reduce_tied()  # the hooks already divided by dp * loss scale
         for b in self.buckets:
             b.reset_step()

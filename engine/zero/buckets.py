@@ -43,7 +43,11 @@ class FlatBucket:
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.shapes = [param_shape(p) for p in self.params]
         self.full: Optional[torch.Tensor] = None  # (padded,) compute dtype
-        self.grad_acc: Optional[torch.Tensor] = None  # (padded,) fp32
+        self.grad_acc: Optional[torch.Tensor] = None  # (padded,) fp32 (or acc_dtype)
+        # dtype of a full accumulator kept across micro-batches (ZeRO-1's grad_accum_dtype): a
+        # low-precision one holds raw gradient sums; the step's factor is applied as it is
+        # copied into an fp32 pooled buffer to be reduced (engine.zero.base._launch)
+        self.acc_dtype = torch.float32
         # set by the group (FlatGroup) right after the buckets are built:
         self.shard_master: torch.Tensor  # (shard,) fp32 view into the group master
         self.shard_grad: torch.Tensor  # (shard,) fp32 view into the group master grad
@@ -95,10 +99,10 @@ class FlatBucket:
 
     # ----------------------------------------------------------------- gradients
     def accumulate(self, i: int, grad: torch.Tensor, alpha: float = 1.0) -> None:
-        """Add ``alpha`` times parameter ``i``'s gradient into the fp32 accumulator
-        (allocated on demand); the scaling rides on the add for free."""
+        """Add ``alpha`` times parameter ``i``'s gradient into the accumulator (allocated on
+        demand, ``acc_dtype``); the scaling rides on the add for free."""
         if self.grad_acc is None:
-            self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=self.acc_dtype, device=self.device)
         lo, hi = self.layout.param_range(i)
         if self.pooled and i not in self.arrived:
             # a reused buffer holds stale values: the first gradient overwrites its slice

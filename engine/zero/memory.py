@@ -32,7 +32,7 @@ exists only DURING a step, which decides whether a run fits:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -58,15 +58,17 @@ def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: in
 
 
 def zero_state_bytes(num_params: float, stage: int, dp: int, *, param_bytes: float = 2,
-                     accumulating: bool = True) -> dict[str, float]:
+                     accumulating: bool = True, accum_bytes: Optional[float] = None) -> dict[str, float]:
     """Bytes per rank in ``params`` / ``grads`` / ``optimizer_state`` that OUR ZeRO
     optimizers hold for ``num_params`` elements on ``dp`` ranks: the paper's formula
     (:func:`zero_memory_formula`, fp32 gradients, K = 12) with this engine's corrections,
     written once here (the planner and the peak formula call it):
 
-    - stage 1 holds its fp32 master-gradient shard (``4 Psi / N_d``) next to the full fp32
-      accumulator, which exists only while gradients accumulate (``accumulating``: GA > 1 or
-      a pipeline; otherwise only the shard, the buckets being pooled as at stage 2);
+    - stage 1 holds its fp32 master-gradient shard (``4 Psi / N_d``) next to the full
+      accumulator (``accum_bytes`` per element: ``data_types.grad_accum_dtype``, by default the
+      compute dtype's ``param_bytes`` as DeepSpeed), which exists only while gradients
+      accumulate (``accumulating``: GA > 1 or a pipeline; otherwise only the shard, the
+      buckets being pooled as at stage 2);
     - in fp32 (``param_bytes`` 4) the parameters ARE the fp32 master weights where they are
       not a separate copy: the whole model at stage 0, the compute shard at stage 3.
     """
@@ -75,7 +77,8 @@ def zero_state_bytes(num_params: float, stage: int, dp: int, *, param_bytes: flo
                             optimizer_bytes=12)
     f["params"] = param_bytes * n / (dp if stage >= 3 else 1)  # fractional param_bytes kept
     if stage == 1:
-        f["grads"] = (f["grads"] if accumulating else 0.0) + 4.0 * n / dp
+        full = (param_bytes if accum_bytes is None else accum_bytes) * n
+        f["grads"] = (full if accumulating else 0.0) + 4.0 * n / dp
     if param_bytes == 4 and stage in (0, 3):
         f["optimizer_state"] -= 4.0 * n / (dp if stage == 3 else 1)
     return f
@@ -85,7 +88,8 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
                       bucket_numel: int = 0, largest_param_numel: int = 0, unit_numel: int = 0,
                       prefetch_numel: int = 0, tied_numel: int = 0, activation_bytes: float = 0.0,
                       accumulating: bool = True, torch_adam: bool = False, grad_bytes: int = 4,
-                      optimizer_bytes: int = 12, first_step: bool = False) -> dict[str, float]:
+                      optimizer_bytes: int = 12, first_step: bool = False,
+                      accum_bytes: Optional[float] = None) -> dict[str, float]:
     """Per-rank peak bytes during a step, by term (see the module docstring) and ``peak``.
 
     ``bucket_numel``: the largest bucket (padded elements); ``largest_param_numel``: the
@@ -93,7 +97,8 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     and its prefetch window (``stage3_prefetch_bucket_size``); ``tied_numel``: a tied
     weight held whole on this rank (0 if none); ``accumulating``: gradients accumulate over
     several micro-batches (GA > 1 or a pipeline), the case in which stage 1 holds full
-    gradients (otherwise it reduces through pooled buckets as stage 2). ``states`` is the
+    gradients (otherwise it reduces through pooled buckets as stage 2), ``accum_bytes`` per
+    element (default ``param_bytes``: DeepSpeed's default ``grad_accum_dtype``). ``states`` is the
     engine's (:func:`zero_state_bytes`). The backward transients and the optimizer step's
     temporaries (``torch_adam``: torch's update stepped in chunks, two chunk-sized
     temporaries; the fused kernel none) do not coexist; the pooled buckets are in both, stage
@@ -103,9 +108,12 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     if (grad_bytes, optimizer_bytes) != (4, 12):
         raise ValueError("zero_peak_formula models this engine's optimizers: fp32 gradients (grad_bytes 4) "
                          "and Adam's K = 12 (optimizer_bytes 12)")
+    accum = float(param_bytes if accum_bytes is None else accum_bytes)
     states = sum(zero_state_bytes(num_params, stage, dp, param_bytes=param_bytes,
-                                  accumulating=accumulating).values())
-    pooled = stage >= 2 or (stage == 1 and not accumulating)
+                                  accumulating=accumulating, accum_bytes=accum).values())
+    # stage 1 reduces through the pooled buckets without accumulation, and with a
+    # low-precision accumulator (copied to a pooled fp32 bucket to be reduced)
+    pooled = stage >= 2 or (stage == 1 and (not accumulating or accum < 4))
     # three pooled accumulators (two reductions in flight, one filling) + two receive shards,
     # fewer when the model has fewer buckets
     held = min(3, math.ceil(num_params / bucket_numel)) if bucket_numel > 0 else 0
@@ -124,8 +132,8 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     master = num_params / (dp if stage >= 1 else 1)
     out["step"] = out["buckets"] + (2.0 * 4 * min(master, DEFAULT_CHUNK_NUMEL) if torch_adam else 0.0)
     moments = 8.0 * num_params / (dp if stage >= 1 else 1) if first_step else 0.0
-    # stage 1 frees its full fp32 accumulator after the step's reduce-scatter, before the update
-    full_acc = 4.0 * num_params if (stage == 1 and accumulating) else 0.0
+    # stage 1 frees its full accumulator after the step's reduce-scatter, before the update
+    full_acc = accum * num_params if (stage == 1 and accumulating) else 0.0
     out["peak"] = max(states - moments + out["backward"], states - full_acc + out["step"])
     return out
 

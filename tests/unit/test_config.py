@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import pytest
@@ -248,6 +249,33 @@ def test_precision_sections():
                            ("fp8.format", "E4M3"), ("fp8.amax_compute_algo", "most_recent"), ("fp8.margin", 1),
                            ("bf16.check_grad_overflow", True)), world_size=2)
     assert cfg.precision == "bf16" and cfg.fp8.enabled and cfg.fp8.format == "e4m3" and cfg.fp8.recipe == "current"
+
+
+@pytest.mark.parametrize("precision,given,resolved", [
+    ("bf16", None, "bf16"), ("bf16", "fp32", "fp32"), ("bf16", "torch.bfloat16", "bf16"), ("bf16", "BF16", "bf16"),
+    ("fp16", "half", "fp16"), ("fp16", None, "fp16"), ("fp32", "float32", "fp32"), ("fp32", None, "fp32")])
+def test_data_types_grad_accum_dtype_follows_deepspeed(precision, given, resolved):
+    """DeepSpeed's spellings; unset = the compute dtype; the policy ZeRO builds follows it;
+    the resolved config round-trips."""
+    from engine.optim.build import precision_policy
+    from engine.precision.mixed import _DTYPES
+
+    edits = [] if precision == "fp32" else [(f"{precision}.enabled", True)]
+    if given is not None:
+        edits.append(("data_types", {"grad_accum_dtype": given}))
+    cfg = load_config(make(*edits), world_size=2)
+    assert cfg.data_types.grad_accum_dtype == (None if given is None else resolved)
+    assert precision_policy(cfg).accum_dtype == _DTYPES[resolved]
+    assert load_config(json.loads(json.dumps(cfg.to_dict())), world_size=2) == cfg
+
+
+@pytest.mark.parametrize("precision,given,needle", [
+    ("fp32", "bf16", 'set it to "fp32", or remove it'), ("bf16", "fp16", 'set it to "fp32" or "bf16"'),
+    ("bf16", "int8", "must be one of"), ("bf16", 16, "must be one of")])
+def test_data_types_bad_grad_accum_dtype_is_an_error(precision, given, needle):
+    edits = [] if precision == "fp32" else [(f"{precision}.enabled", True)]
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(make(*edits, ("data_types", {"grad_accum_dtype": given})), world_size=2)
 
 
 def test_zero_section():
