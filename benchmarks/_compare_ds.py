@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 from benchmarks._compare_common import System, alternate, ds_style_step
 from benchmarks._compare_model import ModelSpec, PlainGPT, ds_config, make_batches
@@ -17,7 +17,7 @@ __all__ = ["rank_ds_vs_ours"]
 
 
 def rank_ds_vs_ours(spec_d: dict, stage: int, steps: int, warmup: int, timeout: float,
-                    bf16: bool = False) -> dict[str, Any]:
+                    bf16: bool = False, zero: Optional[dict] = None) -> dict[str, Any]:
     """One rank of the comparison at one ZeRO stage; DeepSpeed's failure (if any) is
     returned as its reason, not raised, so our row still prints. ``bf16``: both compute in
     bf16 with fp32 masters (for GPUs; the losses then agree only to bf16 rounding)."""
@@ -31,7 +31,7 @@ def rank_ds_vs_ours(spec_d: dict, stage: int, steps: int, warmup: int, timeout: 
     comm.device = env.device
     spec = ModelSpec(**spec_d)
     dp = dist.get_world_size()
-    cfg = ds_config(spec, stage, dp=dp, bf16=bf16)
+    cfg = ds_config(spec, stage, dp=dp, bf16=bf16, zero=zero)
     base = PlainGPT(spec, seed=0).to(env.device)
     systems = []
     ours, *_ = engine.initialize(model=base.clone(), config=cfg, dist_env=env)

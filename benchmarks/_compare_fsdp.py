@@ -29,7 +29,8 @@ def rank_fsdp(spec_d: dict, steps: int, warmup: int, timeout: float, stage: int 
     comm.device = env.device
     spec = ModelSpec(**spec_d)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = ds_config(spec, stage, dp=world)
+    # FSDP2 reshards after forward by default (gathers again in backward): reuse distance 0
+    cfg = ds_config(spec, stage, dp=world, zero={"stage3_max_reuse_distance": 0})
     clip = cfg["gradient_clipping"]
     opt_kw = {k: v for k, v in cfg["optimizer"]["params"].items() if k != "torch_adam"}
     base = PlainGPT(spec, seed=0).to(env.device)

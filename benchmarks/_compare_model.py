@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -120,11 +120,13 @@ def make_batches(s: ModelSpec, step: int, rank: int, device: Any = "cpu",
 
 
 def ds_config(s: ModelSpec, stage: int, *, dp: int, lr: float = 1e-3, clip: float = 1.0, bf16: bool = False,
-              torch_adam: bool = True, bucket: int = 500_000, overlap_comm: bool = False) -> dict:
+              torch_adam: bool = True, bucket: int = 500_000, overlap_comm: bool = False,
+              zero: Optional[dict] = None) -> dict:
     """The one DeepSpeed JSON config both systems read (fp32 unless ``bf16``).
 
     ``torch_adam``: both sides step ``torch.optim.AdamW`` (DeepSpeed's fused CPU Adam and
-    ours differ; this compares the ZeRO machinery, not the Adam kernels).
+    ours differ; this compares the ZeRO machinery, not the Adam kernels). ``zero``: more
+    ``zero_optimization`` keys (compare.py's ``--zero KEY=VALUE``), the same for both.
     """
     return {
         "train_batch_size": s.micro_batch * s.grad_accum * dp,
@@ -138,7 +140,11 @@ def ds_config(s: ModelSpec, stage: int, *, dp: int, lr: float = 1e-3, clip: floa
         "zero_optimization": {
             "stage": stage, "overlap_comm": overlap_comm, "contiguous_gradients": True,
             "reduce_scatter": True, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+            # stage 3: DeepSpeed's defaults for the reuse distance and live parameters written
+            # out (ours defaults to reuse distance 0), so both systems keep a parameter
+            # gathered from its forward to its backward: the same all-gathers on both sides
             **({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 10_000,
-                "stage3_max_live_parameters": 10 ** 9} if stage == 3 else {}),
+                "stage3_max_live_parameters": 10 ** 9, "stage3_max_reuse_distance": 10 ** 9} if stage == 3 else {}),
+            **(zero or {}),
         },
     }

@@ -29,6 +29,7 @@ reason. CPU ranks use gloo; with GPUs the same code runs on CUDA/NCCL, one rank 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -64,9 +65,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step (ds, fsdp)")
     ap.add_argument("--pp-microbatches", type=int, default=8, help="micro-batches per step (pp)")
     ap.add_argument("--bf16", action="store_true", help="ds suite in bf16 (GPUs); pp and fsdp stay fp32")
+    ap.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
+                    help="a zero_optimization key for both systems of the ds suite (VALUE is JSON), e.g. "
+                         "--zero stage3_max_reuse_distance=0; repeatable")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", default=None, metavar="PATH", help="write every number as JSON")
     args = ap.parse_args(argv)
+    try:
+        args.zero = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.zero)}
+    except ValueError as exc:
+        ap.error(f"--zero takes KEY=VALUE with a JSON value (e.g. stage3_max_reuse_distance=0): {exc}")
     if min(args.steps, args.repeats, args.nproc) < 1 or args.warmup < 0:
         ap.error("--steps, --repeats and --nproc must be >= 1, --warmup >= 0")
     if any(s not in (0, 1, 2, 3) for s in args.stages):
@@ -93,7 +101,7 @@ def _cases(args) -> list[tuple[str, str, object, tuple, int, ModelSpec]]:
         tokens = s.micro_batch * s.grad_accum * args.nproc * s.seq
         for st in args.stages:
             cases.append(("ds", f"ZeRO-{st} dp{args.nproc} vs DeepSpeed", rank_ds_vs_ours,
-                          (s.to_dict(), st, args.steps, args.warmup, args.timeout, args.bf16), tokens, s))
+                          (s.to_dict(), st, args.steps, args.warmup, args.timeout, args.bf16, args.zero), tokens, s))
     if "pp" in args.suite:
         s = _spec(args, args.pp_microbatches)
         cases.append(("pp", f"1F1B pp{args.nproc} m{s.grad_accum} vs torch Schedule1F1B", rank_pp,

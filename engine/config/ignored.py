@@ -9,7 +9,8 @@ fails when a schema field is neither read by the engine nor listed here, and whe
 listed here is read.
 
 Keys are JSON paths (``section.key``). DeepSpeed's alternative spellings of a listed key
-(``max_reuse_distance`` for ``stage3_max_reuse_distance``) are reported under the listed name.
+(``module_granularity_threshold`` for ``stage3_module_granularity_threshold``) are reported
+under the listed name.
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ IGNORED_KEYS: Mapping[str, str] = {
                                    "(reduce_bucket_size sets both)"),
     _Z + "use_multi_rank_bucket_allreduce": "a DeepSpeed reduce-op detail; buckets are always reduced collectively",
     _Z + "stage3_model_persistence_threshold": "caps persistent parameters for offload / inference",
-    _Z + "stage3_max_reuse_distance": ("stage 3 releases a gathered parameter after its module has run "
-                                       "(stage3_max_live_parameters bounds what stays resident)"),
     _Z + "stage3_module_granularity_threshold": _DS_HOOKS,
     _Z + "stage3_use_all_reduce_for_fetch_params": "parameters are fetched with all-gather",
     _Z + "stage3_allgather_sequential": "a DeepSpeed bucketing bypass",
@@ -78,7 +77,6 @@ IGNORED_KEYS: Mapping[str, str] = {
 # DeepSpeed's other spellings of listed keys (engine/config/sections.py accepts them)
 _ALIASES: Mapping[str, str] = {
     _Z + "model_persistence_threshold": _Z + "stage3_model_persistence_threshold",
-    _Z + "max_reuse_distance": _Z + "stage3_max_reuse_distance",
     _Z + "module_granularity_threshold": _Z + "stage3_module_granularity_threshold",
     _Z + "use_all_reduce_for_fetch_params": _Z + "stage3_use_all_reduce_for_fetch_params",
     _Z + "allgather_sequential": _Z + "stage3_allgather_sequential",

@@ -217,7 +217,9 @@ class ZeroConfig(_Section):
     stage3_param_persistence_threshold: int = 100_000
     stage3_model_persistence_threshold: int = 9223372036854775807  # sys.maxsize, as DeepSpeed
     stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
+    # ours: 0 (release after every use); DeepSpeed's 1e9 keeps a model of fewer elements
+    # gathered from its forward to its backward (docs/config.md)
+    stage3_max_reuse_distance: int = 0
     stage3_gather_16bit_weights_on_model_save: bool = False
     stage3_module_granularity_threshold: int = 0
     stage3_use_all_reduce_for_fetch_params: bool = False

@@ -155,6 +155,7 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
         reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm, clip_grad=cfg.gradient_clipping,
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=z.stage3_max_live_parameters,
+        stage3_max_reuse_distance=z.stage3_max_reuse_distance,
         stage3_param_persistence_threshold=z.stage3_param_persistence_threshold)
 
 

@@ -43,6 +43,7 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
                          alignment: int = 8, clip_grad: float = 0.0,
                          stage3_prefetch_bucket_size: int = 50_000_000,
                          stage3_max_live_parameters: int = 1_000_000_000,
+                         stage3_max_reuse_distance: int = 0,
                          stage3_param_persistence_threshold: int = 100_000) -> ZeroOptimizer:
     """The ZeRO optimizer for ``stage`` (0-3) over the run's ``groups`` (its DP group; or the
     DP :class:`~engine.dist.groups.AxisGroup` alone for data parallelism without TP/PP).
@@ -69,5 +70,6 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
         return Zero3Optimizer(params_or_module, optimizer_factory, groups, module=mod,
                               prefetch_bucket_size=stage3_prefetch_bucket_size,
                               max_live_parameters=stage3_max_live_parameters,
+                              max_reuse_distance=stage3_max_reuse_distance,
                               param_persistence_threshold=stage3_param_persistence_threshold, **common)
     return STAGES[stage](params_or_module, optimizer_factory, groups, **common)

@@ -9,10 +9,16 @@ an empty placeholder.
   parameters become views of it), then prefetch the units that came next in the first
   step's recorded order, bounded by ``prefetch_bucket_size`` elements in flight and
   ``max_live_parameters`` elements gathered;
-- forward post-hook: release the unit, and wrap its outputs in an identity autograd node
-  whose backward gathers the unit again (pre-backward);
+- forward post-hook: release the unit (unless it is used again soon, below), and wrap its
+  outputs in an identity autograd node whose backward gathers the unit again (pre-backward);
 - after backward: when every parameter of the unit has delivered its gradient in this
   backward pass (post-accumulate-grad hooks), release it again.
+
+``max_reuse_distance`` (DeepSpeed's ``stage3_max_reuse_distance``): a unit whose next use in
+the recorded order comes after fewer than this many elements of other units' gathers stays
+gathered instead (e.g. the last blocks from their forward to their backward), within
+``max_live_parameters``; 0 releases after every use. Everything is released at the end of
+the step's backward.
 
 Because every use is preceded by its own gather, a module may run forward for several
 micro-batches before their backwards (pipeline micro-batches in flight): each forward and
@@ -82,10 +88,11 @@ class Zero3Optimizer(Zero2Optimizer):
 
     def __init__(self, params: Any, optimizer_factory: Any, groups: Union[ParallelGroups, AxisGroup], *, module: torch.nn.Module,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
-                 param_persistence_threshold: int = 100_000, **kwargs: Any):
+                 param_persistence_threshold: int = 100_000, max_reuse_distance: int = 0, **kwargs: Any):
         self.module = module
         self.prefetch_bucket_size = int(prefetch_bucket_size)
         self.max_live_parameters = int(max_live_parameters)
+        self.max_reuse_distance = int(max_reuse_distance)
         self.persistence_threshold = int(param_persistence_threshold)
         self._owners: dict[int, list[torch.nn.Module]] = {}
         for m in module.modules():
@@ -112,6 +119,11 @@ class Zero3Optimizer(Zero2Optimizer):
         self._trace: list[torch.nn.Module] = []
         self._tracing = True
         self._trace_pos = 0
+        # once the trace is recorded: for trace position i, the next position using the same
+        # unit (or None) and the elements gathered by the uses before i (a prefix sum)
+        self._next_use: list[Optional[int]] = []
+        self._gathered_before: list[int] = []
+        self._last_use: dict[torch.nn.Module, Optional[int]] = {}  # this pass's trace position of each unit
         self.gather_count = 0  # all-gathers launched (demand + prefetch), for tests and logs
         self.prefetch_count = 0
         for m in self._units:
@@ -212,13 +224,31 @@ class Zero3Optimizer(Zero2Optimizer):
         self._prefetch()
 
     def _release_unit(self, unit: torch.nn.Module) -> None:
+        """After a use: release the unit's buckets unless it is reused soon (``_reused_soon``)."""
+        self._fired[unit].clear()
+        if not self._reused_soon(unit):
+            self._drop_unit(unit)
+
+    def _drop_unit(self, unit: torch.nn.Module) -> None:
         for b in self._units[unit]:
             self._release_bucket(b)
         self._fired[unit].clear()
 
     def _release_all(self) -> None:
         for unit in self._units:
-            self._release_unit(unit)
+            self._drop_unit(unit)
+
+    def _reused_soon(self, unit: torch.nn.Module) -> bool:
+        """Whether ``unit``'s next use in the recorded order follows fewer than
+        ``max_reuse_distance`` gathered elements of other uses, and keeping it stays within
+        ``max_live_parameters`` (DeepSpeed's reuse rule, on the unit's own trace position)."""
+        if self.max_reuse_distance <= 0 or self._tracing or self._live_numel > self.max_live_parameters:
+            return False
+        i = self._last_use.get(unit)
+        if i is None:
+            return False
+        j = self._next_use[i]
+        return j is not None and self._gathered_before[j] - self._gathered_before[i + 1] < self.max_reuse_distance
 
     # ------------------------------------------------------------------ prefetch
     def _advance_trace(self, unit: torch.nn.Module) -> None:
@@ -229,12 +259,28 @@ class Zero3Optimizer(Zero2Optimizer):
         trace, pos = self._trace, self._trace_pos
         if pos < len(trace) and trace[pos] is unit:
             self._trace_pos = pos + 1
+            self._last_use[unit] = pos
             return
         for i in range(pos, len(trace)):  # the order changed: resynchronise or stop prefetching
             if trace[i] is unit:
                 self._trace_pos = i + 1
+                self._last_use[unit] = i
                 return
         self._trace_pos = len(trace)
+        self._last_use[unit] = None  # off the recorded order: no reuse known
+
+    def _index_trace(self) -> None:
+        """Next-use links and gathered-element prefix sums of the recorded trace."""
+        size = {m: sum(b.layout.padded_numel for b in bs) for m, bs in self._units.items()}
+        n = len(self._trace)
+        self._next_use = [None] * n
+        upcoming: dict[torch.nn.Module, int] = {}
+        for i in range(n - 1, -1, -1):
+            self._next_use[i] = upcoming.get(self._trace[i])
+            upcoming[self._trace[i]] = i
+        self._gathered_before = [0] * (n + 1)
+        for i, m in enumerate(self._trace):
+            self._gathered_before[i + 1] = self._gathered_before[i] + size[m]
 
     def _prefetch(self) -> None:
         if self._tracing or self.prefetch_bucket_size <= 0:
@@ -328,7 +374,9 @@ class Zero3Optimizer(Zero2Optimizer):
         super().zero_grad(set_to_none)
         if self._tracing and self._trace:
             self._tracing = False  # the first step's fetch order is recorded
+            self._index_trace()
         self._trace_pos = 0
+        self._last_use.clear()
 
     # ------------------------------------------------------------------ GatheredParameters
     def _buckets_of(self, params: list[torch.Tensor]) -> list[FlatBucket]:

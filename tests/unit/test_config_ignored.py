@@ -79,7 +79,7 @@ def test_listed_keys_name_real_keys_with_reasons():
 def _config_with_every_ignored_key() -> dict:
     cfg: dict = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
                  "zero_optimization": {"stage": 1, "contiguous_gradients": False, "reduce_scatter": False,
-                                       "max_reuse_distance": 10, "leaf_module": {"classes": ["Block"]}},
+                                       "leaf_module": {"classes": ["Block"]}},
                  "fp16": {"enabled": False, "auto_cast": False},
                  "pipeline": {"seed_layers": True, "pipe_partitioned": False},
                  "activation_checkpointing": {"profile": True, "number_checkpoints": 4},
@@ -92,11 +92,10 @@ def test_listed_keys_load_and_are_reported_once_on_rank_0(caplog):
     cfg = load_config(_config_with_every_ignored_key(), world_size=1)
     assert cfg.ignored_keys == (
         "zero_allow_untested_optimizer", "fp16.auto_cast", "zero_optimization.contiguous_gradients",
-        "zero_optimization.reduce_scatter", "zero_optimization.stage3_max_reuse_distance",
-        "zero_optimization.leaf_module", "activation_checkpointing.number_checkpoints",
+        "zero_optimization.reduce_scatter", "zero_optimization.leaf_module", "activation_checkpointing.number_checkpoints",
         "activation_checkpointing.profile", "pipeline.seed_layers", "pipeline.pipe_partitioned",
         "checkpoint.parallel_write")
-    assert cfg.zero.stage3_max_reuse_distance == 10  # still validated and written back
+    assert not cfg.zero.contiguous_gradients  # still validated and written back
     assert load_config({"train_batch_size": 2}, world_size=1).ignored_keys == ()
     assert cfg == load_config(cfg.to_dict(), world_size=1)  # not part of the config's value
     log = logging.getLogger("test.ignored")
@@ -106,7 +105,7 @@ def test_listed_keys_load_and_are_reported_once_on_rank_0(caplog):
         log_ignored_keys(cfg.ignored_keys, 0, log)
     assert len(caplog.records) == 1
     text = caplog.records[0].getMessage()
-    assert "11 config key(s)" in text and "no effect" in text
+    assert "10 config key(s)" in text and "no effect" in text
     assert f"zero_optimization.reduce_scatter: {IGNORED_KEYS['zero_optimization.reduce_scatter']}" in text
 
 
