@@ -19,9 +19,12 @@ its gradient only after every use contributed: autograd would hold the first use
 (V, H) contribution, and keep that unit gathered, through the whole backward in between.
 Instead each forward use of such a unit finds the autograd nodes it created that feed the
 shared parameter's ``AccumulateGrad`` and hooks them (node post-hooks): each use's
-contribution is handed to the optimizer (reduce-scattered into the gradient shard) the
-moment it exists, and the unit is released once all of its use's nodes have run. Cost: one
-reduce-scatter of the shared parameter per use instead of one per backward.
+contribution is taken from autograd as soon as it is computed and reduce-scattered into the
+gradient shard (and waited for) once autograd has let go of the node's buffers, and the unit
+is released once all of its use's nodes have run (and no other use's backward is under
+way). Cost: one reduce-scatter of the shared parameter per use instead of one per backward.
+This relies on the autograd engine running a unit's nodes between that use's pre-backward
+and its hooked nodes, as the release-after-a-unit's-backward of DeepSpeed and FSDP does.
 
 Because every use is preceded by its own gather, a module may run forward for several
 micro-batches before their backwards (pipeline micro-batches in flight): each forward and
@@ -94,12 +97,14 @@ def _tensors_in(x: Any) -> list[torch.Tensor]:
 
 class _SharedUse:
     """One forward use of a unit owning shared parameters: how many of the autograd nodes it
-    created that produce a shared parameter's gradient have yet to run."""
+    created that produce a shared parameter's gradient have yet to run, and whether its
+    backward has begun (its pre-backward gathered the unit) and not yet ended."""
 
-    __slots__ = ("remaining",)
+    __slots__ = ("remaining", "open")
 
     def __init__(self, remaining: int):
         self.remaining = remaining
+        self.open = False
 
 
 class _PreBackward(torch.autograd.Function):
@@ -107,14 +112,14 @@ class _PreBackward(torch.autograd.Function):
     backward nodes run (they consume the gradient this node passes on)."""
 
     @staticmethod
-    def forward(ctx, opt: "Zero3Optimizer", unit: torch.nn.Module, *tensors: torch.Tensor):
-        ctx.opt, ctx.unit = opt, unit
+    def forward(ctx, opt: "Zero3Optimizer", unit: torch.nn.Module, use: Optional[_SharedUse], *tensors: torch.Tensor):
+        ctx.opt, ctx.unit, ctx.use = opt, unit, use
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.opt._pre_backward(ctx.unit)
-        return (None, None) + grads
+        ctx.opt._pre_backward(ctx.unit, ctx.use)
+        return (None, None, None) + grads
 
 
 class Zero3Optimizer(Zero2Optimizer):
@@ -155,6 +160,7 @@ class Zero3Optimizer(Zero2Optimizer):
                 self._shared[m] = shared
         self._use_start: dict[torch.nn.Module, list[Optional[int]]] = {m: [] for m in self._shared}
         self._deferred: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (param, one use's gradient)
+        self._open_uses: dict[torch.nn.Module, int] = {m: 0 for m in self._shared}  # backwards begun, not ended
         self._fired: dict[torch.nn.Module, set[int]] = {m: set() for m in self._units}
         self._live_numel = 0
         self._trace: list[torch.nn.Module] = []
@@ -267,6 +273,8 @@ class Zero3Optimizer(Zero2Optimizer):
     def _release_all(self) -> None:
         for unit in self._units:
             self._release_unit(unit)
+        for unit in self._open_uses:  # backward is over (or not begun): no use is open
+            self._open_uses[unit] = 0
 
     # ------------------------------------------------------------------ prefetch
     def _advance_trace(self, unit: torch.nn.Module) -> None:
@@ -308,13 +316,12 @@ class Zero3Optimizer(Zero2Optimizer):
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         start = self._use_start[module].pop() if self._use_start.get(module) else None
         if torch.is_grad_enabled():
-            if start is not None:
-                self._hook_shared_uses(module, output, start)
-            output = self._wrap_outputs(module, output)
+            use = self._hook_shared_uses(module, output, start) if start is not None else None
+            output = self._wrap_outputs(module, output, use)
         self._release_unit(module)
         return output
 
-    def _hook_shared_uses(self, unit: torch.nn.Module, output: Any, start: int) -> None:
+    def _hook_shared_uses(self, unit: torch.nn.Module, output: Any, start: int) -> Optional[_SharedUse]:
         """Hook the nodes this forward of ``unit`` created (sequence numbers in [start, end))
         that feed a shared parameter's ``AccumulateGrad``, so that this use's contribution is
         taken when it is computed (:meth:`_on_use_grad`)."""
@@ -338,24 +345,29 @@ class Zero3Optimizer(Zero2Optimizer):
                 elif nxt not in seen:
                     stack.append(nxt)
         if not edges:
-            return
+            return None
         use = _SharedUse(len(edges))
         for node, where in edges.items():
             node.register_hook(functools.partial(self._on_use_grad, unit, use, where))
+        return use
 
     def _on_use_grad(self, unit: torch.nn.Module, use: _SharedUse, where: list[tuple[int, torch.nn.Parameter]],
                      grad_inputs: tuple[Optional[torch.Tensor], ...],
                      grad_outputs: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
         """Node post-hook: hand this use's gradient of each shared parameter to its bucket
         (the node passes nothing on to ``AccumulateGrad``); when the use's last such node has
-        run, the unit's shared parameters count as delivered for its release. The
-        contribution is reduced after the hook returns (:meth:`_flush_deferred`)."""
+        run, the unit's shared parameters count as delivered for its release (unless the
+        backward of another use of the unit has begun and not ended). The contribution is
+        reduced after the hook returns (:meth:`_flush_deferred`)."""
         self._flush_deferred()
         use.remaining -= 1
         if use.remaining == 0:  # the use's last node has run: its gathered values are not needed
+            if use.open:
+                use.open = False
+                self._open_uses[unit] -= 1
             fired = self._fired[unit]
             fired.update(id(p) for p in self._shared[unit])
-            if len(fired) == self._unit_size[unit]:
+            if len(fired) == self._unit_size[unit] and self._open_uses[unit] == 0:
                 self._release_unit(unit)
         out = list(grad_inputs)
         for k, p in where:
@@ -372,7 +384,7 @@ class Zero3Optimizer(Zero2Optimizer):
             self._deferred.append((p, g))
         return tuple(out)
 
-    def _wrap_outputs(self, unit: torch.nn.Module, output: Any) -> Any:
+    def _wrap_outputs(self, unit: torch.nn.Module, output: Any, use: Optional[_SharedUse] = None) -> Any:
         flat: list[torch.Tensor] = []
 
         def collect(x: Any) -> None:
@@ -389,7 +401,7 @@ class Zero3Optimizer(Zero2Optimizer):
         collect(output)
         if not flat:
             return output
-        wrapped = dict(zip(map(id, flat), _PreBackward.apply(self, unit, *flat)))
+        wrapped = dict(zip(map(id, flat), _PreBackward.apply(self, unit, use, *flat)))
 
         def rebuild(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
@@ -418,10 +430,13 @@ class Zero3Optimizer(Zero2Optimizer):
             del g
             self._drain_through(b)
 
-    def _pre_backward(self, unit: torch.nn.Module) -> None:
+    def _pre_backward(self, unit: torch.nn.Module, use: Optional[_SharedUse] = None) -> None:
         self._flush_deferred()
         self._fetch_unit(unit)
         self._fired[unit].clear()  # count this backward pass's gradients from here
+        if use is not None and use.remaining > 0 and not use.open:
+            use.open = True
+            self._open_uses[unit] += 1
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._flush_deferred()

@@ -74,8 +74,9 @@ class _TwiceHead(nn.Module):
 
 
 class _TiedTwiceModel(nn.Module):
-    """ZeRO-3 takes a shared parameter's gradient per use (node hooks): a unit used twice,
-    two nodes per use, beside the owner that uses it once."""
+    """ZeRO-3 takes a shared parameter's gradient per use (node hooks): a unit used three
+    times (twice in sequence, once in a parallel branch), two nodes per use, beside the owner
+    that uses it once."""
 
     def __init__(self):
         super().__init__()
@@ -85,7 +86,8 @@ class _TiedTwiceModel(nn.Module):
         self.proj = nn.Linear(9, 5)
 
     def forward(self, x):
-        return self.proj(self.head(self.head(torch.tanh(self.mid(self.inp(x))))))
+        h = torch.tanh(self.mid(self.inp(x)))
+        return self.proj(self.head(self.head(h)) + self.head(0.5 * h))  # in sequence and side by side
 
 
 def _tied_twice_model(seed=0):
