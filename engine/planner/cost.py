@@ -429,8 +429,9 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
     - ``states`` and the step-only terms of :func:`engine.zero.memory.zero_peak_formula`
       (three pooled fp32 buckets and two receive shards at stages 2/3; the largest
       parameter's gradient in flight, three
-      copies of a tied embedding summed by autograd; at stage 3 the gathered unit, the
-      prefetch window and the tied embedding kept gathered through backward);
+      copies of a tied embedding summed by autograd, two at stage 3, which takes each use's
+      contribution apart; at stage 3 the gathered unit (the tied embedding's owner
+      included) and the prefetch window);
     - ``activations``: the blocks' saved activations (:func:`activation_bytes_per_token`)
       plus the logits (compute dtype, fp32 log-softmax and its gradient).
 

@@ -308,16 +308,19 @@ class ZeroOptimizer:
             if b.ready == len(b.params):
                 self._launch(b)
 
-    def _on_grad_sharded(self, b: FlatBucket, i: int, p: torch.Tensor, alpha: float) -> None:
+    def _on_grad_sharded(self, b: FlatBucket, i: int, p: torch.Tensor, alpha: float,
+                         grad: Optional[torch.Tensor] = None) -> None:
         """Stages 2/3: fill the bucket's pooled accumulator; reduce-scatter it as soon as every
-        parameter of the bucket delivered its gradient in this backward pass."""
+        parameter of the bucket delivered its gradient in this backward pass. ``grad``: one
+        use's gradient contribution handed over directly (ZeRO-3's shared parameters), instead
+        of ``p.grad``; the caller owns it (it may be scaled in place and borrowed)."""
         if any(x is b for x in self._inflight):
             self._drain_through(b)  # the previous pass's reduction of this bucket must land first
         if i in b.arrived:
             # a new backward pass reached a bucket the previous one left incomplete (a
             # parameter unused there): reduce what the previous pass left first
             self._launch_sharded(b)
-        g = p.grad
+        g = p.grad if grad is None else grad
         assert g is not None  # a post-accumulate-grad hook: the gradient is there
         if (len(b.params) == 1 and b.grad_acc is None and g.dtype == torch.float32 and g.is_contiguous()
                 and g.numel() == b.layout.padded_numel):

@@ -20,11 +20,12 @@ exists only DURING a step, which decides whether a run fits:
   accumulators (one filling, two being reduce-scattered) and two ``(shard,)`` receive
   buffers: the pooled buffers of :mod:`engine.zero.base`, kept from step to step;
 - ``grad_in_flight``: the compute-dtype gradient autograd produces for a parameter before
-  the hook moves it into the accumulator, the largest one; a tied weight (used twice)
-  holds both contributions and their sum until its last use in backward: three copies;
-- ``gathered`` (stage 3): the unit in use, the prefetch window in flight, and a tied
-  weight, which stays gathered from its last use in forward to its first in backward
-  when both ends are on one rank;
+  the hook moves it into the accumulator, the largest one; at stages 0-2 a tied weight
+  (used twice) holds both contributions and their sum until its last use in backward:
+  three copies; stage 3 takes each use's contribution as it is computed
+  (:mod:`engine.zero.stage3`): two copies (a transposed contribution and its contiguous copy);
+- ``gathered`` (stage 3): the unit in use (a tied weight's owner included: it is released
+  after its own use's backward), and the prefetch window in flight;
 - ``activations``: one micro-batch's activations (given by the caller; measured or
   estimated), since every stage keeps them alike.
 """
@@ -120,8 +121,8 @@ def zero_peak_formula(num_params: int, stage: int, dp: int, *, param_bytes: int 
     out = {
         "states": states,
         "buckets": (held * 4.0 * bucket_numel + min(2, held) * 4.0 * bucket_numel / dp) if pooled else 0.0,
-        "grad_in_flight": float(param_bytes * max(largest_param_numel, 3 * tied_numel)),
-        "gathered": float(param_bytes * (unit_numel + prefetch_numel + tied_numel)) if stage == 3 else 0.0,
+        "grad_in_flight": float(param_bytes * max(largest_param_numel, (2 if stage == 3 else 3) * tied_numel)),
+        "gathered": float(param_bytes * (max(unit_numel, tied_numel) + prefetch_numel)) if stage == 3 else 0.0,
         "activations": float(activation_bytes),
     }
     out["backward"] = out["buckets"] + out["grad_in_flight"] + out["gathered"] + out["activations"]

@@ -128,6 +128,10 @@ class LiveMemoryTracker(TorchDispatchMode):
             self._open.remove(entry)
             self.phases[name] = max(self.phases.get(name, 0), entry[1])
 
+    def live_storage_bytes(self) -> list[int]:
+        """The size of every tracked storage alive now (bytes, one entry per storage)."""
+        return [nbytes for nbytes, _ in self._live.values()]
+
     def reset_peak(self) -> None:
         """Start a new high-water mark from the bytes alive now."""
         self.peak = self.current

@@ -20,6 +20,18 @@ gathered instead (e.g. the last blocks from their forward to their backward), wi
 ``max_live_parameters``; 0 releases after every use. Everything is released at the end of
 the step's backward.
 
+A parameter owned by several units (a tied embedding and LM head) would otherwise receive
+its gradient only after every use contributed: autograd would hold the first use's full
+(V, H) contribution, and keep that unit gathered, through the whole backward in between.
+Instead each forward use of such a unit finds the autograd nodes it created that feed the
+shared parameter's ``AccumulateGrad`` and hooks them (node post-hooks): each use's
+contribution is taken from autograd as soon as it is computed and reduce-scattered into the
+gradient shard (and waited for) once autograd has let go of the node's buffers, and the unit
+is released once all of its use's nodes have run (and no other use's backward is under
+way). Cost: one reduce-scatter of the shared parameter per use instead of one per backward.
+This relies on the autograd engine running a unit's nodes between that use's pre-backward
+and its hooked nodes, as the release-after-a-unit's-backward of DeepSpeed and FSDP does.
+
 Because every use is preceded by its own gather, a module may run forward for several
 micro-batches before their backwards (pipeline micro-batches in flight): each forward and
 each backward gathers and releases independently. Parameters of at most
@@ -34,6 +46,7 @@ Memory per rank between steps: (2 + 4 + 12) Psi / N_d (+ persistent parameters);
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -44,6 +57,7 @@ from engine.zero.buckets import FlatBucket
 from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
 from engine.zero.partition import GroupKey, bucketize
 from engine.zero.stage2 import Zero2Optimizer
+from engine.zero.step import step_factors
 
 __all__ = ["Zero3Optimizer"]
 
@@ -68,19 +82,50 @@ def _empty_storage_buffer(b: FlatBucket) -> torch.Tensor:
     return buf
 
 
+def _next_sequence_nr() -> int:
+    """A number above every autograd node created so far on this thread and below every
+    later one (the sequence number of a throwaway node, plus one)."""
+    probe = torch.empty(0, requires_grad=True).view(0)
+    assert probe.grad_fn is not None  # a view of a tensor requiring grad has a ViewBackward
+    return int(probe.grad_fn._sequence_nr()) + 1
+
+
+def _tensors_in(x: Any) -> list[torch.Tensor]:
+    """The tensors in a module output (nested tuples, lists, dicts)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors_in(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _tensors_in(y)]
+    return []
+
+
+class _SharedUse:
+    """One forward use of a unit owning shared parameters: how many of the autograd nodes it
+    created that produce a shared parameter's gradient have yet to run, and whether its
+    backward has begun (its pre-backward gathered the unit) and not yet ended."""
+
+    __slots__ = ("remaining", "open")
+
+    def __init__(self, remaining: int):
+        self.remaining = remaining
+        self.open = False
+
+
 class _PreBackward(torch.autograd.Function):
     """Identity on a unit's outputs; its backward gathers the unit before the unit's own
     backward nodes run (they consume the gradient this node passes on)."""
 
     @staticmethod
-    def forward(ctx, opt: "Zero3Optimizer", unit: torch.nn.Module, *tensors: torch.Tensor):
-        ctx.opt, ctx.unit = opt, unit
+    def forward(ctx, opt: "Zero3Optimizer", unit: torch.nn.Module, use: Optional[_SharedUse], *tensors: torch.Tensor):
+        ctx.opt, ctx.unit, ctx.use = opt, unit, use
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.opt._pre_backward(ctx.unit)
-        return (None, None) + grads
+        ctx.opt._pre_backward(ctx.unit, ctx.use)
+        return (None, None, None) + grads
 
 
 class Zero3Optimizer(Zero2Optimizer):
@@ -114,6 +159,15 @@ class Zero3Optimizer(Zero2Optimizer):
                     self._units_of.setdefault(id(p), []).append(m)
         register_managed([p for b in self.buckets if not b.persistent for p in b.params], self)
         self._unit_size = {m: len({id(p) for b in bs for p in b.params}) for m, bs in self._units.items()}
+        # unit -> its parameters that other units own too (their gradients are taken per use)
+        self._shared: dict[torch.nn.Module, list[torch.nn.Parameter]] = {}
+        for m, bs in self._units.items():
+            shared = [p for b in bs for p in b.params if len(self._units_of[id(p)]) > 1]
+            if shared:
+                self._shared[m] = shared
+        self._use_start: dict[torch.nn.Module, list[Optional[int]]] = {m: [] for m in self._shared}
+        self._deferred: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (param, one use's gradient)
+        self._open_uses: dict[torch.nn.Module, int] = {m: 0 for m in self._shared}  # backwards begun, not ended
         self._fired: dict[torch.nn.Module, set[int]] = {m: set() for m in self._units}
         self._live_numel = 0
         self._trace: list[torch.nn.Module] = []
@@ -237,6 +291,8 @@ class Zero3Optimizer(Zero2Optimizer):
     def _release_all(self) -> None:
         for unit in self._units:
             self._drop_unit(unit)
+        for unit in self._open_uses:  # backward is over (or not begun): no use is open
+            self._open_uses[unit] = 0
 
     def _reused_soon(self, unit: torch.nn.Module) -> bool:
         """Whether ``unit``'s next use in the recorded order follows fewer than
@@ -300,14 +356,81 @@ class Zero3Optimizer(Zero2Optimizer):
     # ------------------------------------------------------------------ module hooks
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         self._fetch_unit(module)
+        if module in self._shared:  # a stack: a unit may run inside its own forward
+            self._use_start[module].append(_next_sequence_nr() if torch.is_grad_enabled() else None)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        start = self._use_start[module].pop() if self._use_start.get(module) else None
         if torch.is_grad_enabled():
-            output = self._wrap_outputs(module, output)
+            use = self._hook_shared_uses(module, output, start) if start is not None else None
+            output = self._wrap_outputs(module, output, use)
         self._release_unit(module)
         return output
 
-    def _wrap_outputs(self, unit: torch.nn.Module, output: Any) -> Any:
+    def _hook_shared_uses(self, unit: torch.nn.Module, output: Any, start: int) -> Optional[_SharedUse]:
+        """Hook the nodes this forward of ``unit`` created (sequence numbers in [start, end))
+        that feed a shared parameter's ``AccumulateGrad``, so that this use's contribution is
+        taken when it is computed (:meth:`_on_use_grad`)."""
+        end = _next_sequence_nr()
+        targets = {id(p) for p in self._shared[unit]}
+        edges: dict[Any, list[tuple[int, torch.nn.Parameter]]] = {}
+        seen: set[Any] = set()
+        stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node in seen or not start <= node._sequence_nr() < end:
+                continue
+            seen.add(node)
+            for k, (nxt, _) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)  # AccumulateGrad nodes only
+                if var is not None:
+                    if id(var) in targets:
+                        edges.setdefault(node, []).append((k, var))
+                elif nxt not in seen:
+                    stack.append(nxt)
+        if not edges:
+            return None
+        use = _SharedUse(len(edges))
+        for node, where in edges.items():
+            node.register_hook(functools.partial(self._on_use_grad, unit, use, where))
+        return use
+
+    def _on_use_grad(self, unit: torch.nn.Module, use: _SharedUse, where: list[tuple[int, torch.nn.Parameter]],
+                     grad_inputs: tuple[Optional[torch.Tensor], ...],
+                     grad_outputs: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
+        """Node post-hook: hand this use's gradient of each shared parameter to its bucket
+        (the node passes nothing on to ``AccumulateGrad``); when the use's last such node has
+        run, the unit's shared parameters count as delivered for its release (unless the
+        backward of another use of the unit has begun and not ended). The contribution is
+        reduced after the hook returns (:meth:`_flush_deferred`)."""
+        self._flush_deferred()
+        use.remaining -= 1
+        if use.remaining == 0:  # the use's last node has run: its gathered values are not needed
+            if use.open:
+                use.open = False
+                self._open_uses[unit] -= 1
+            fired = self._fired[unit]
+            fired.update(id(p) for p in self._shared[unit])
+            if len(fired) == self._unit_size[unit] and self._open_uses[unit] == 0:
+                self._release_unit(unit)
+        out = list(grad_inputs)
+        for k, p in where:
+            g = out[k]
+            if g is None:
+                continue
+            out[k] = None
+            others = {t.untyped_storage()._cdata for j, t in enumerate(grad_inputs + grad_outputs)
+                      if t is not None and j != k}
+            if g._base is not None or g.untyped_storage()._cdata in others:
+                g = g.clone(memory_format=torch.contiguous_format)  # autograd may pass it on elsewhere
+            if not self._deferred:
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush_deferred)  # end of this backward
+            self._deferred.append((p, g))
+        return tuple(out)
+
+    def _wrap_outputs(self, unit: torch.nn.Module, output: Any, use: Optional[_SharedUse] = None) -> Any:
         flat: list[torch.Tensor] = []
 
         def collect(x: Any) -> None:
@@ -324,7 +447,7 @@ class Zero3Optimizer(Zero2Optimizer):
         collect(output)
         if not flat:
             return output
-        wrapped = dict(zip(map(id, flat), _PreBackward.apply(self, unit, *flat)))
+        wrapped = dict(zip(map(id, flat), _PreBackward.apply(self, unit, use, *flat)))
 
         def rebuild(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
@@ -339,12 +462,32 @@ class Zero3Optimizer(Zero2Optimizer):
 
         return rebuild(output)
 
-    def _pre_backward(self, unit: torch.nn.Module) -> None:
+    def _flush_deferred(self) -> None:
+        """Reduce-scatter the shared-parameter contributions :meth:`_on_use_grad` took, and
+        wait: once its hook has returned, autograd has let go of the node's own buffers (the
+        one a transposed gradient is a view of), so at most one (V, H)-sized copy and, on
+        gloo, the backend's copy of it are alive; in flight they would stay alive through the
+        next units' backward."""
+        while self._deferred:
+            p, g = self._deferred.pop(0)
+            b, i = self._where[id(p)]
+            self._reduced = False
+            self._on_grad_sharded(b, i, p, step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad, grad=g)
+            del g
+            self._drain_through(b)
+
+    def _pre_backward(self, unit: torch.nn.Module, use: Optional[_SharedUse] = None) -> None:
+        self._flush_deferred()
         self._fetch_unit(unit)
         self._fired[unit].clear()  # count this backward pass's gradients from here
+        if use is not None and use.remaining > 0 and not use.open:
+            use.open = True
+            self._open_uses[unit] += 1
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        super()._on_grad(p)
+        self._flush_deferred()
+        if p.grad is not None:  # None: every use's contribution was taken by _on_use_grad
+            super()._on_grad(p)
         for unit in self._units_of.get(id(p), ()):
             fired = self._fired[unit]
             fired.add(id(p))
@@ -353,6 +496,7 @@ class Zero3Optimizer(Zero2Optimizer):
 
     # ------------------------------------------------------------------ step
     def reduce_gradients(self) -> None:
+        self._flush_deferred()
         if not self._reduced:
             self._release_all()  # backward is over; units left gathered had unused parameters
         super().reduce_gradients()

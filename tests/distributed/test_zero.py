@@ -61,6 +61,40 @@ def _tied_model(seed=0):
     return _TiedModel()
 
 
+class _TwiceHead(nn.Module):
+    """Reads the shared weight in two autograd nodes per call, once transposed (F.linear:
+    its gradient arrives as a view), and is called twice per forward."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight  # (9, 7), the same Parameter as inp.weight
+
+    def forward(self, h):
+        return torch.tanh(nn.functional.linear(h @ self.weight, self.weight))  # (B, 9) -> (B, 7) -> (B, 9)
+
+
+class _TiedTwiceModel(nn.Module):
+    """ZeRO-3 takes a shared parameter's gradient per use (node hooks): a unit used three
+    times (twice in sequence, once in a parallel branch), two nodes per use, beside the owner
+    that uses it once."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 9, bias=False)
+        self.mid = nn.Linear(9, 9)
+        self.head = _TwiceHead(self.inp.weight)
+        self.proj = nn.Linear(9, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(self.inp(x)))
+        return self.proj(self.head(self.head(h)) + self.head(0.5 * h))  # in sequence and side by side
+
+
+def _tied_twice_model(seed=0):
+    torch.manual_seed(seed)
+    return _TiedTwiceModel()
+
+
 def _data(step):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(BATCH, 7, generator=g), torch.randn(BATCH, 5, generator=g)
@@ -122,7 +156,7 @@ _SHORT = ((1, "hooks", {}), (4, "hooks", {}))
 
 def _equivalence_rank(rank, world, configs, tied_configs=()):
     out = {}
-    for model_fn, cfgs in ((_model, configs), (_tied_model, tied_configs)):
+    for model_fn, cfgs in ((_model, configs), (_tied_model, tied_configs), (_tied_twice_model, tied_configs)):
         if not cfgs:
             continue
         ref = _reference(model_fn)
@@ -155,10 +189,10 @@ def _check_equivalence(results, n_configs):
 
 def test_stages_match_single_process_adamw_dp2():
     """Stages 0-3 at DP=2: GA 1 and 4 with hook-launched reduction, GA 4 with the explicit
-    reduce-once path the pipeline uses, and overlap_comm off; plus a model whose input and
-    output layers share one weight."""
+    reduce-once path the pipeline uses, and overlap_comm off; plus models whose input and
+    output layers share one weight (the output layer once, or twice with two uses each)."""
     results = run_ranks(_equivalence_rank, 2, _FULL, _SHORT, timeout=240)
-    _check_equivalence(results[0], len(_FULL) + len(_SHORT))
+    _check_equivalence(results[0], len(_FULL) + 2 * len(_SHORT))
 
 
 # ------------------------------------------------------------------ DP=4: equivalence + memory

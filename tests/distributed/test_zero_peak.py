@@ -140,6 +140,36 @@ def _init_case(rank, world):
     return out
 
 
+def _tied_case(rank, world):
+    """ZeRO-3 at DP = 4, the reference GPT with its tied embedding / LM head: at the start of
+    every block's backward (after the head's, before the embedding's) no storage of the tied
+    weight's size is alive: the head released its gathered copy, and its (V, H) gradient
+    contribution is not held by autograd until the embedding's backward adds its own."""
+    import engine
+    from engine.models.blocks import Block
+    from engine.tensor_parallel.layers import VocabParallelEmbedding
+    from engine.zero.peak import LiveMemoryTracker
+
+    gc.collect()
+    seen: list[int] = []
+    with LiveMemoryTracker() as t:
+        eng, *_ = engine.initialize(config=_cfg(3, 1, 1, world))
+        emb = next(m for m in eng.module.modules() if isinstance(m, VocabParallelEmbedding))
+        tied_bytes = emb.padded_num_embeddings * emb.embedding_dim * 4  # (V_pad, H) fp32
+
+        def count(module, grad_output):
+            seen.append(sum(1 for n in t.live_storage_bytes() if n == tied_bytes))
+
+        blocks = [m for m in eng.module.modules() if isinstance(m, Block)]
+        handles = [b.register_full_backward_pre_hook(count) for b in blocks]
+        losses = [eng.train_batch(iter(_batches(s, rank, world, 1))).item() for s in range(STEPS)]
+        for h in handles:
+            h.remove()
+        del eng
+        gc.collect()
+    return {"tied_alive_in_blocks_backward": seen, "blocks": len(blocks), "losses": losses}
+
+
 def _write_full(rank):
     """A full state dict of the dense GPT (seed ``STREAM_SEED``, the engine module's names)
     as one safetensors file written by rank 0; its path on every rank."""
@@ -212,7 +242,7 @@ def _all_rank(rank, world):
     # + bf16 ZeRO-1 with accumulation: its full gradient in bf16 (data_types.grad_accum_dtype default)
     cases = [(s, ga, 1) for s in (1, 2, 3) for ga in (1, 4)] + [(2, 4, 2), (3, 4, 2), (1, 4, 1, True)]
     peaks = [_peak_case(rank, world, *c) for c in cases]
-    return peaks, _init_case(rank, world)
+    return peaks, _init_case(rank, world), _tied_case(rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -279,5 +309,19 @@ def test_full_state_dict_streams_into_zero3_shard_by_shard(results):
         r = rank_out[1]["stream"]
         assert r["load_peak"] - r["before"] <= r["largest"] + 64 * 1024, r
         assert r["largest"] < r["total"] / 3
+        assert r["losses"][0] == pytest.approx(dense[0], rel=2e-6)
+        assert r["losses"] == pytest.approx(dense, rel=2e-5)
+
+
+def test_zero3_tied_weight_is_not_held_through_the_blocks_backward(results):
+    """The tied embedding / LM head at ZeRO-3: neither the head's gathered (V, H) weight nor
+    its (V, H) gradient contribution is alive while the blocks run backward (before the
+    change both were, 2 x V x H x 4 bytes, until the embedding's backward); the losses are
+    the dense model's (tolerances as above)."""
+    dense = _dense_losses(4, 1)
+    for rank_out in results:
+        r = rank_out[2]
+        assert len(r["tied_alive_in_blocks_backward"]) == STEPS * r["blocks"]
+        assert r["tied_alive_in_blocks_backward"] == [0] * (STEPS * r["blocks"]), r
         assert r["losses"][0] == pytest.approx(dense[0], rel=2e-6)
         assert r["losses"] == pytest.approx(dense, rel=2e-5)
