@@ -45,6 +45,7 @@ Memory per rank between steps: (2 + 4 + 12) Psi / N_d (+ persistent parameters);
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 from typing import Any, Iterator, Optional, Union
@@ -173,9 +174,9 @@ class Zero3Optimizer(Zero2Optimizer):
         self._trace: list[torch.nn.Module] = []
         self._tracing = True
         self._trace_pos = 0
-        # once the trace is recorded: for trace position i, the next position using the same
-        # unit (or None) and the elements gathered by the uses before i (a prefix sum)
-        self._next_use: list[Optional[int]] = []
+        # once the trace is recorded: each bucket's trace positions (ascending) and the elements
+        # gathered by the uses before position i (a prefix sum)
+        self._bucket_uses: dict[int, list[int]] = {}
         self._gathered_before: list[int] = []
         self._last_use: dict[torch.nn.Module, Optional[int]] = {}  # this pass's trace position of each unit
         self.gather_count = 0  # all-gathers launched (demand + prefetch), for tests and logs
@@ -278,10 +279,11 @@ class Zero3Optimizer(Zero2Optimizer):
         self._prefetch()
 
     def _release_unit(self, unit: torch.nn.Module) -> None:
-        """After a use: release the unit's buckets unless it is reused soon (``_reused_soon``)."""
+        """After a use: release the unit's buckets but those reused soon (``_reused_soon``)."""
         self._fired[unit].clear()
-        if not self._reused_soon(unit):
-            self._drop_unit(unit)
+        for b in self._units[unit]:
+            if not self._reused_soon(unit, b):
+                self._release_bucket(b)
 
     def _drop_unit(self, unit: torch.nn.Module) -> None:
         for b in self._units[unit]:
@@ -294,17 +296,20 @@ class Zero3Optimizer(Zero2Optimizer):
         for unit in self._open_uses:  # backward is over (or not begun): no use is open
             self._open_uses[unit] = 0
 
-    def _reused_soon(self, unit: torch.nn.Module) -> bool:
-        """Whether ``unit``'s next use in the recorded order follows fewer than
-        ``max_reuse_distance`` gathered elements of other uses, and keeping it stays within
-        ``max_live_parameters`` (DeepSpeed's reuse rule, on the unit's own trace position)."""
+    def _reused_soon(self, unit: torch.nn.Module, b: FlatBucket) -> bool:
+        """Whether bucket ``b``'s next use (by any unit owning it) in the recorded order follows
+        ``unit``'s current use after fewer than ``max_reuse_distance`` gathered elements, and
+        keeping it stays within ``max_live_parameters`` (DeepSpeed's per-parameter reuse rule)."""
         if self.max_reuse_distance <= 0 or self._tracing or self._live_numel > self.max_live_parameters:
             return False
         i = self._last_use.get(unit)
         if i is None:
             return False
-        j = self._next_use[i]
-        return j is not None and self._gathered_before[j] - self._gathered_before[i + 1] < self.max_reuse_distance
+        uses = self._bucket_uses[b.index]
+        k = bisect.bisect_right(uses, i)
+        if k == len(uses):
+            return False
+        return self._gathered_before[uses[k]] - self._gathered_before[i + 1] < self.max_reuse_distance
 
     # ------------------------------------------------------------------ prefetch
     def _advance_trace(self, unit: torch.nn.Module) -> None:
@@ -326,14 +331,13 @@ class Zero3Optimizer(Zero2Optimizer):
         self._last_use[unit] = None  # off the recorded order: no reuse known
 
     def _index_trace(self) -> None:
-        """Next-use links and gathered-element prefix sums of the recorded trace."""
+        """Each bucket's use positions and the gathered-element prefix sums of the recorded trace."""
         size = {m: sum(b.layout.padded_numel for b in bs) for m, bs in self._units.items()}
         n = len(self._trace)
-        self._next_use = [None] * n
-        upcoming: dict[torch.nn.Module, int] = {}
-        for i in range(n - 1, -1, -1):
-            self._next_use[i] = upcoming.get(self._trace[i])
-            upcoming[self._trace[i]] = i
+        self._bucket_uses = {}
+        for i, m in enumerate(self._trace):
+            for b in self._units[m]:
+                self._bucket_uses.setdefault(b.index, []).append(i)
         self._gathered_before = [0] * (n + 1)
         for i, m in enumerate(self._trace):
             self._gathered_before[i + 1] = self._gathered_before[i] + size[m]
