@@ -10,6 +10,12 @@ whole fp32 model through rank 0 (``gather_object`` stages ``max size x world`` b
 rank 0's GPU under NCCL) runs out of memory for any multi-billion model at the end of a
 successful run. Collective: every rank calls :func:`gather_reference_model`; only rank 0
 gets a model.
+
+At ZeRO-3 without pipeline stages the model is never whole anywhere, not even for the sample:
+:func:`greedy_generate_sharded` runs the same greedy loop on every rank through the engine's
+own module, each unit gathered for its forward and released after it (as in training), the
+vocabulary-parallel logits of the last position gathered over TP, and rank 0's token sent to
+all so the ranks stay in lockstep.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.dist import comm
-from engine.dist.groups import NO_TP
+from engine.dist.groups import NO_TP, AxisGroup
 from engine.engine import Engine
 from engine.models import GPT
 from engine.pipeline.partition import layers_of
@@ -29,7 +35,7 @@ from engine.pipeline.stages import reference_layer_params, stage_bounds
 from engine.tensor_parallel.layers import gather_full_tensor
 from engine.zero.stage3 import Zero3Optimizer
 
-__all__ = ["gather_reference_model", "greedy_generate"]
+__all__ = ["gather_reference_model", "greedy_generate", "generates_sharded", "greedy_generate_sharded"]
 
 
 def _local_full_params(chunks, tp_group) -> Iterator[tuple[int, str, torch.Tensor]]:
@@ -106,4 +112,45 @@ def greedy_generate(model: GPT, prompt_ids: Sequence[int], max_new_tokens: int,
         ids = torch.cat([ids, nxt], dim=1)
         if stop_id is not None and int(nxt) == stop_id:
             break
+    return ids[0].tolist()
+
+
+def generates_sharded(engine: Engine) -> bool:
+    """Whether the sample runs through the sharded module (:func:`greedy_generate_sharded`):
+    ZeRO-3 on the reference model without pipeline stages."""
+    return engine.config.zero.stage == 3 and engine.config.pp == 1 and engine.parts.reference
+
+
+@torch.no_grad()
+def greedy_generate_sharded(engine: Engine, prompt_ids: Sequence[int], max_new_tokens: int,
+                            stop_id: Optional[int] = None) -> list[int]:
+    """:func:`greedy_generate` on every rank through the engine's module (``pp == 1``; at
+    ZeRO-3 each unit is gathered for its forward and released after it, so no rank holds
+    more than its shards plus the units in use). Collective over the whole world; every rank
+    returns the same ids."""
+    cfg, groups = engine.config, engine.groups
+    if cfg.model is None or cfg.pp != 1 or groups is None:
+        raise ValueError("greedy_generate_sharded needs a live engine on the reference model without pipeline stages")
+    if not prompt_ids:
+        raise ValueError("greedy_generate_sharded needs a non-empty prompt")
+    module, device = engine.module, engine.device
+    was_training = module.training
+    module.eval()
+    world = AxisGroup.world()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)   # (1, n)
+    vocab, window, tp = cfg.model.vocab_size, cfg.model.seq_len, groups.tp_group
+    try:
+        for _ in range(max_new_tokens):
+            last = module(ids[:, -window:])[0, -1].contiguous()                # (V_pad/tp,)
+            if tp.size > 1:
+                full = torch.empty(last.numel() * tp.size, dtype=last.dtype, device=device)
+                comm.all_gather(full, last, tp)                                  # (V_pad,)
+                last = full
+            nxt = last[:vocab].argmax().view(1, 1)
+            comm.broadcast(nxt, 0, world)  # the same on every rank; rank 0's keeps them in lockstep
+            ids = torch.cat([ids, nxt], dim=1)
+            if stop_id is not None and int(nxt) == stop_id:
+                break
+    finally:
+        module.train(was_training)
     return ids[0].tolist()

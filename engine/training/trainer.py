@@ -40,7 +40,7 @@ from engine.dist.env import DistEnv
 from engine.dist.groups import ParallelGroups
 from engine.engine import Engine
 from engine.errors import ConfigError
-from engine.generate import gather_reference_model, greedy_generate
+from engine.generate import gather_reference_model, generates_sharded, greedy_generate, greedy_generate_sharded
 from engine.metrics import MetricsWriter, StepTimer, device_peak_flops, mfu, peak_memory_bytes
 from engine.models import ModelConfig, flops_per_token
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
@@ -327,9 +327,13 @@ class Trainer:
         result.final_step, result.preempted = eng.global_steps, ckpt.preempted
         if not ckpt.preempted:
             write_memory_report(eng, o.output)
-            model = gather_reference_model(eng) if o.sample_tokens > 0 else None  # collective
-            if model is not None:
-                tok = self.dataset.tokenizer
-                result.sample = tok.decode(greedy_generate(model, tok.encode(o.prompt), o.sample_tokens))
+            tok = self.dataset.tokenizer
+            if o.sample_tokens > 0 and generates_sharded(eng):  # ZeRO-3: never a whole copy, every rank
+                ids = greedy_generate_sharded(eng, tok.encode(o.prompt), o.sample_tokens)  # collective
+                result.sample = tok.decode(ids) if dist.get_rank() == 0 else None
+            else:
+                model = gather_reference_model(eng) if o.sample_tokens > 0 else None  # collective
+                if model is not None:
+                    result.sample = tok.decode(greedy_generate(model, tok.encode(o.prompt), o.sample_tokens))
         eng.destroy()  # let the process groups go before shutdown() tears them down
         return result
