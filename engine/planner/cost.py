@@ -465,11 +465,10 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
         logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if has_head else 0.0
         largest = vh if (has_embed or has_head) else largest_block_unit
         pooled = min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 1 else 0
-        if param_bytes == 4:
-            # fp32 gradients of a one-parameter bucket are reduced where autograd left them
-            # (engine.zero.base): only buckets of several parameters use the pool; at stage 3
-            # those hold just the small persistent ones (the norms)
-            pooled = min(pooled, (2 * model.num_layers + 1) * h if layout.zero_stage == 3 else int(numel))
+        # the gradient of a one-parameter bucket is reduced where autograd left it (fp32) or
+        # through its own fp32 copy (bf16/fp16; engine.zero.base): only buckets of several
+        # parameters use the pool; at stage 3 those hold just the small persistent ones (the norms)
+        pooled = min(pooled, (2 * model.num_layers + 1) * h if layout.zero_stage == 3 else int(numel))
         out = zero_peak_formula(int(numel), layout.zero_stage, layout.dp, param_bytes=int(param_bytes),
                                 bucket_numel=pooled,
                                 accumulating=layout.num_microbatches > 1 or layout.pp > 1,

@@ -322,12 +322,14 @@ class ZeroOptimizer:
             self._launch_sharded(b)
         g = p.grad if grad is None else grad
         assert g is not None  # a post-accumulate-grad hook: the gradient is there
-        if (len(b.params) == 1 and b.grad_acc is None and g.dtype == torch.float32 and g.is_contiguous()
-                and g.numel() == b.layout.padded_numel):
-            # a bucket of one fp32 parameter (a tied embedding, a large unit): reduce its
+        if len(b.params) == 1 and b.grad_acc is None and g.numel() == b.layout.padded_numel:
+            # a bucket of one parameter (a tied embedding, a large unit): reduce its fp32
             # gradient where autograd left it (ours alone: AccumulateGrad clones shared ones),
-            # scaled in place as the copy into a pooled buffer would be: no bucket-sized copy,
-            # and the pool's buffers stay the size of the ordinary buckets
+            # scaled in place as the copy into a pooled buffer would be; a bf16/fp16 one through
+            # its own fp32 copy, freed after the reduction. Either way the pool's buffers stay
+            # the size of the ordinary buckets (not kept at a large parameter's size between steps)
+            if g.dtype != torch.float32 or not g.is_contiguous():
+                g = g.reshape(-1).to(torch.float32, copy=True)
             b.grad_acc = g.view(-1).mul_(alpha) if alpha != 1.0 else g.view(-1)
             b.borrowed = True
             b.arrived.add(i)
