@@ -47,3 +47,17 @@ def dense_adamw_run(model: Any, batches: Callable[[int], list], steps: int, lr: 
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms
+
+
+def watch_gathered_numel(opt: Any) -> list[int]:
+    """Record the most elements a ZeRO-3 optimizer ever has gathered at once: a one-element
+    list updated after each of its all-gathers (wraps ``opt._start_gather``)."""
+    peak = [0]
+    start = opt._start_gather
+
+    def watched(b: Any) -> None:
+        start(b)
+        peak[0] = max(peak[0], opt._live_numel)
+
+    opt._start_gather = watched
+    return peak

@@ -10,7 +10,7 @@ from, exactly (copies, no arithmetic).
 
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import run_ranks, watch_gathered_numel
 
 MODEL = {"vocab_size": 64, "hidden_size": 16, "num_layers": 2, "num_heads": 2, "seq_len": 8}
 
@@ -89,14 +89,7 @@ def _sharded(rank, world, layout):
     full = GPT(cfg.model, tp_group=NO_TP, seed=7)  # the reference built sharded equals it (zero.Init)
     eng, *_ = engine.initialize(config=cfg)
     opt = eng.optimizer
-    live = [0]
-    start = opt._start_gather
-
-    def watched(b):
-        start(b)
-        live[0] = max(live[0], opt._live_numel)
-
-    opt._start_gather = watched
+    live = watch_gathered_numel(opt)
     assert generate.generates_sharded(eng)
     prompt = [1, 5, 9]
     got = generate.greedy_generate_sharded(eng, prompt, 12)

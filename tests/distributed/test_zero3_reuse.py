@@ -15,7 +15,7 @@ instead of being released and gathered again. Checked after the first (recording
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, watch_gathered_numel
 
 TINY = {"vocab_size": 256, "hidden_size": 64, "num_layers": 3, "num_heads": 4, "seq_len": 16}
 GA, STEPS = 2, 3
@@ -41,14 +41,7 @@ def _run(rank, reuse, live=None):
 
     eng, *_ = engine.initialize(config=_cfg(reuse, live))
     opt = eng.optimizer
-    peak = [0]
-    start = opt._start_gather
-
-    def watched(b):
-        start(b)
-        peak[0] = max(peak[0], opt._live_numel)
-
-    opt._start_gather = watched
+    peak = watch_gathered_numel(opt)
     losses, gathers = [], []
     for s in range(STEPS):
         before = opt.gather_count
