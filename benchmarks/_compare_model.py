@@ -141,8 +141,7 @@ def ds_config(s: ModelSpec, stage: int, *, dp: int, lr: float = 1e-3, clip: floa
             "stage": stage, "overlap_comm": overlap_comm, "contiguous_gradients": True,
             "reduce_scatter": True, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
             # stage 3: DeepSpeed's defaults for the reuse distance and live parameters written
-            # out (ours defaults to reuse distance 0), so both systems keep a parameter
-            # gathered from its forward to its backward: the same all-gathers on both sides
+            # out (ours defaults to reuse distance 0), so both systems run with the same setting
             **({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 10_000,
                 "stage3_max_live_parameters": 10 ** 9, "stage3_max_reuse_distance": 10 ** 9} if stage == 3 else {}),
             **(zero or {}),
