@@ -93,9 +93,10 @@ _BY_OWNER: dict[int, bool] = {}
 def _reduces_by_owner(group: AxisGroup) -> bool:
     """gloo between two ranks: gloo's reduce-scatter reduces the WHOLE tensor on every rank
     (an all-reduce, then the slice: each rank sends and receives the full size), while one
-    ``reduce`` per owner moves each half once. Measured (2 CPU ranks, 500k fp32): 1.9 ms vs
-    4.3 ms (reduce_scatter_single) and 3.4 ms (all_reduce), medians of 40. NCCL's native
-    reduce-scatter is already the optimal algorithm and is used as it is."""
+    ``reduce`` per owner moves each half once. Measured (2 CPU ranks, medians of 40, a shared
+    machine): 2M fp32 4.6-9.6 ms vs 9.6-14.8 ms (reduce_scatter_single) and 8-16 ms (all_reduce);
+    at 500k about even. NCCL's native reduce-scatter is already the optimal algorithm and is
+    used as it is."""
     key = id(group.process_group)
     if key not in _BY_OWNER:
         pg = group.process_group
