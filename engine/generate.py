@@ -21,7 +21,7 @@ all so the ranks stay in lockstep.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence, cast
+from typing import Callable, Iterator, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -101,14 +101,19 @@ def greedy_generate(model: GPT, prompt_ids: Sequence[int], max_new_tokens: int,
                     stop_id: Optional[int] = None) -> list[int]:
     """``prompt_ids`` followed by up to ``max_new_tokens`` argmax tokens (the context is the
     last ``seq_len`` tokens); stops early at ``stop_id``."""
+    vocab = model.cfg.vocab_size
+    return _greedy(prompt_ids, max_new_tokens, stop_id, next(model.parameters()).device, model.cfg.seq_len,
+                   lambda ctx: model(ctx)[0, -1, :vocab].argmax().view(1, 1))            # (1, n, V) -> (1, 1)
+
+
+def _greedy(prompt_ids: Sequence[int], max_new_tokens: int, stop_id: Optional[int], device: torch.device,
+            window: int, next_token: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
+    """The greedy loop: ``next_token(context (1, <= window))`` -> the argmax token (1, 1)."""
     if not prompt_ids:
-        raise ValueError("greedy_generate needs a non-empty prompt")
-    device = next(model.parameters()).device
+        raise ValueError("greedy generation needs a non-empty prompt")
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)   # (1, n)
-    vocab, window = model.cfg.vocab_size, model.cfg.seq_len
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -window:])                                      # (1, n, V)
-        nxt = logits[0, -1, :vocab].argmax().view(1, 1)
+        nxt = next_token(ids[:, -window:])
         ids = torch.cat([ids, nxt], dim=1)
         if stop_id is not None and int(nxt) == stop_id:
             break
@@ -131,26 +136,22 @@ def greedy_generate_sharded(engine: Engine, prompt_ids: Sequence[int], max_new_t
     cfg, groups = engine.config, engine.groups
     if cfg.model is None or cfg.pp != 1 or groups is None:
         raise ValueError("greedy_generate_sharded needs a live engine on the reference model without pipeline stages")
-    if not prompt_ids:
-        raise ValueError("greedy_generate_sharded needs a non-empty prompt")
     module, device = engine.module, engine.device
+    world, vocab, tp = AxisGroup.world(), cfg.model.vocab_size, groups.tp_group
+
+    def next_token(ctx: torch.Tensor) -> torch.Tensor:
+        last = module(ctx)[0, -1].contiguous()                                  # (V_pad/tp,)
+        if tp.size > 1:
+            full = torch.empty(last.numel() * tp.size, dtype=last.dtype, device=device)
+            comm.all_gather(full, last, tp)                                      # (V_pad,)
+            last = full
+        nxt = last[:vocab].argmax().view(1, 1)
+        comm.broadcast(nxt, 0, world)  # the same on every rank; rank 0's keeps them in lockstep
+        return nxt
+
     was_training = module.training
     module.eval()
-    world = AxisGroup.world()
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)   # (1, n)
-    vocab, window, tp = cfg.model.vocab_size, cfg.model.seq_len, groups.tp_group
     try:
-        for _ in range(max_new_tokens):
-            last = module(ids[:, -window:])[0, -1].contiguous()                # (V_pad/tp,)
-            if tp.size > 1:
-                full = torch.empty(last.numel() * tp.size, dtype=last.dtype, device=device)
-                comm.all_gather(full, last, tp)                                  # (V_pad,)
-                last = full
-            nxt = last[:vocab].argmax().view(1, 1)
-            comm.broadcast(nxt, 0, world)  # the same on every rank; rank 0's keeps them in lockstep
-            ids = torch.cat([ids, nxt], dim=1)
-            if stop_id is not None and int(nxt) == stop_id:
-                break
+        return _greedy(prompt_ids, max_new_tokens, stop_id, device, cfg.model.seq_len, next_token)
     finally:
         module.train(was_training)
-    return ids[0].tolist()

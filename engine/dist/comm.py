@@ -72,24 +72,6 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup,
     return dist.reduce_scatter_single(out, inp, op=op, group=group.process_group, async_op=async_op)
 
 
-class _Works:
-    """Several in-flight works waited as one (the async handle of a composed collective)."""
-
-    def __init__(self, works: Sequence[Any]):
-        self.works = list(works)
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
-_BY_OWNER: dict[int, bool] = {}
-
-
 def _reduces_by_owner(group: AxisGroup) -> bool:
     """gloo between two ranks: gloo's reduce-scatter reduces the WHOLE tensor on every rank
     (an all-reduce, then the slice: each rank sends and receives the full size), while one
@@ -97,11 +79,7 @@ def _reduces_by_owner(group: AxisGroup) -> bool:
     machine): 2M fp32 4.6-9.6 ms vs 9.6-14.8 ms (reduce_scatter_single) and 8-16 ms (all_reduce);
     at 500k about even. NCCL's native reduce-scatter is already the optimal algorithm and is
     used as it is."""
-    key = id(group.process_group)
-    if key not in _BY_OWNER:
-        pg = group.process_group
-        _BY_OWNER[key] = group_size(group) == 2 and dist.get_backend(pg) == dist.Backend.GLOO
-    return _BY_OWNER[key]
+    return group_size(group) == 2 and dist.get_backend(group.process_group) == dist.Backend.GLOO
 
 
 def _reduce_scatter_by_owner(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup, op: ReduceOpLike,
@@ -113,27 +91,30 @@ def _reduce_scatter_by_owner(out: torch.Tensor, inp: torch.Tensor, group: AxisGr
     n = out.shape[0]
     works = [dist.reduce(inp[r * n:(r + 1) * n], dst=group.global_rank_of(r), op=op, group=group.process_group,
                          async_op=True) for r in range(group_size(group))]
-    mine = inp[group_rank(group) * n:(group_rank(group) + 1) * n]
-    if not async_op:
-        _Works(works).wait()
-        out.copy_(mine)
-        return None
-    return _CopyAfter(works, out, mine)
+    handle = _CopyAfter(works, out, inp[group_rank(group) * n:(group_rank(group) + 1) * n])
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
-class _CopyAfter(_Works):
-    """Waits for the reductions, then copies this member's reduced slice into ``out``."""
+class _CopyAfter:
+    """The async handle of :func:`_reduce_scatter_by_owner`: waits for the reductions, then
+    copies this member's reduced slice into ``out`` (once; later waits return at once)."""
 
     def __init__(self, works: Sequence[Any], out: torch.Tensor, mine: torch.Tensor):
-        super().__init__(works)
-        self.out, self.mine = out, mine
+        self.works, self.out, self.mine = list(works), out, mine
 
     def wait(self) -> bool:
         if self.works:
-            super().wait()
+            for w in self.works:
+                w.wait()
             self.works = []
             self.out.copy_(self.mine)
         return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup, async_op: bool = False):

@@ -191,8 +191,6 @@ class ZeroOptimizer:
         self._recv_pool = BufferPool(self._device, capacity=self.MAX_INFLIGHT)
         for b in self.buckets:
             b.pooled = not self.keeps_full_grads
-            if self.pools_on_boundary:  # stage 1: the full accumulator of accumulating micro-steps
-                b.acc_dtype = self.precision.accum_dtype
             self._init_bucket(b)
         self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
         attach = getattr(self.optimizer, "attach_shard_view", None)
@@ -283,10 +281,14 @@ class ZeroOptimizer:
         every reduction and sum the tied weights (:meth:`reduce_gradients`)."""
         self.reduce_gradients()
 
+    def _grad_factor(self) -> float:
+        """The contract's gradient factor 1 / (dp * S), applied as the hooks add a gradient
+        into an fp32 accumulator (engine.zero.step)."""
+        return step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad
+
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
-        # the contract's gradient factor 1 / (dp * S), applied on the add (engine.zero.step)
-        alpha = step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad
+        alpha = self._grad_factor()
         self._reduced = False
         if self.pools_on_boundary and not b.pooled and b.grad_acc is None and self._boundary:
             b.pooled = True  # nothing accumulated here this step: no full gradient needed
@@ -300,7 +302,7 @@ class ZeroOptimizer:
                 "backward before reduce_gradients()")
         assert p.grad is not None  # called from the parameter's gradient hook
         # a low-precision accumulator holds raw sums (a scaled fp16 gradient stays in range);
-        # the factor is applied when it is copied to fp32 for the reduction (_launch)
+        # the factor is applied when it is copied to fp32 for the reduction (stage 1's _launch)
         b.accumulate(i, p.grad, alpha=alpha if b.acc_dtype == torch.float32 else 1.0)
         p.grad = None  # the fp32 accumulator holds it now
         if self._boundary and self.overlap_comm:
@@ -389,28 +391,7 @@ class ZeroOptimizer:
         # Always async: the hooks only launch with overlap_comm, and after backward the
         # remaining buckets are queued back to back and waited together (gloo, 2 ranks,
         # 11 x 500k fp32: 30 ms one at a time, 20 ms queued).
-        if b.grad_acc is not None and b.grad_acc.dtype != torch.float32:
-            self._launch_upcast(b)
-            return
         b.launch_reduce(self.dp_group, sharded=self.shards_optimizer_state, async_op=True)
-
-    def _launch_upcast(self, b: FlatBucket) -> None:
-        """ZeRO-1 with a low-precision full accumulator (``grad_accum_dtype``): reduce-scatter
-        it in fp32 through a pooled buffer (``factor * raw sum``, as the fp32 path adds), so the
-        reduction and the master gradient keep fp32 and the low-precision bucket is freed now.
-        The bucket turns pooled for the rest of the step (at most MAX_INFLIGHT in flight)."""
-        self._drain_inflight(keep=self.MAX_INFLIGHT - 1)
-        low = b.grad_acc
-        assert low is not None  # a bucket with a low-precision accumulator
-        acc = self._pool.acquire(b.layout.padded_numel)
-        acc.copy_(low)
-        alpha = step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad
-        if alpha != 1.0:
-            acc.mul_(alpha)
-        b.grad_acc = acc
-        b.pooled = True
-        b.arrived.update(range(len(b.params)))
-        self._launch_sharded(b)
 
     def _launch_remaining(self) -> None:
         """Launch the reduction of every bucket the hooks did not launch."""
@@ -433,7 +414,7 @@ class ZeroOptimizer:
                 self._launch_sharded(b)
         if not all(b.pooled for b in self.buckets):  # full accumulators: one reduction each
             self._launch_remaining()
-        self._drain_inflight()  # pooled ones (and low-precision accumulators upcast at launch)
+        self._drain_inflight()  # pooled ones (and stage 1's low-precision accumulators, upcast at launch)
         for b in self.buckets:
             if not b.pooled:
                 b.wait()

@@ -58,7 +58,6 @@ from engine.zero.buckets import FlatBucket
 from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
 from engine.zero.partition import GroupKey, bucketize
 from engine.zero.stage2 import Zero2Optimizer
-from engine.zero.step import step_factors
 
 __all__ = ["Zero3Optimizer"]
 
@@ -332,15 +331,11 @@ class Zero3Optimizer(Zero2Optimizer):
 
     def _index_trace(self) -> None:
         """Each bucket's use positions and the gathered-element prefix sums of the recorded trace."""
-        size = {m: sum(b.layout.padded_numel for b in bs) for m, bs in self._units.items()}
-        n = len(self._trace)
-        self._bucket_uses = {}
+        self._bucket_uses, self._gathered_before = {}, [0]
         for i, m in enumerate(self._trace):
             for b in self._units[m]:
                 self._bucket_uses.setdefault(b.index, []).append(i)
-        self._gathered_before = [0] * (n + 1)
-        for i, m in enumerate(self._trace):
-            self._gathered_before[i + 1] = self._gathered_before[i] + size[m]
+            self._gathered_before.append(self._gathered_before[-1] + sum(b.layout.padded_numel for b in self._units[m]))
 
     def _prefetch(self) -> None:
         if self._tracing or self.prefetch_bucket_size <= 0:
@@ -435,20 +430,7 @@ class Zero3Optimizer(Zero2Optimizer):
         return tuple(out)
 
     def _wrap_outputs(self, unit: torch.nn.Module, output: Any, use: Optional[_SharedUse] = None) -> Any:
-        flat: list[torch.Tensor] = []
-
-        def collect(x: Any) -> None:
-            if isinstance(x, torch.Tensor):
-                if x.requires_grad:
-                    flat.append(x)
-            elif isinstance(x, (list, tuple)):
-                for y in x:
-                    collect(y)
-            elif isinstance(x, dict):
-                for y in x.values():
-                    collect(y)
-
-        collect(output)
+        flat = [t for t in _tensors_in(output) if t.requires_grad]
         if not flat:
             return output
         wrapped = dict(zip(map(id, flat), _PreBackward.apply(self, unit, use, *flat)))
@@ -476,7 +458,7 @@ class Zero3Optimizer(Zero2Optimizer):
             p, g = self._deferred.pop(0)
             b, i = self._where[id(p)]
             self._reduced = False
-            self._on_grad_sharded(b, i, p, step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad, grad=g)
+            self._on_grad_sharded(b, i, p, self._grad_factor(), grad=g)
             del g
             self._drain_through(b)
 
