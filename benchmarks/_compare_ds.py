@@ -24,7 +24,7 @@ def rank_ds_vs_ours(spec_d: dict, stage: int, steps: int, warmup: int, timeout: 
     import torch.distributed as dist
 
     import engine
-    from engine.dist.env import init_distributed
+    from engine.distributed.env import init_distributed
 
     comm = CommTimer().install()  # before DeepSpeed binds torch.distributed functions
     env = init_distributed(timeout_s=timeout)

@@ -22,7 +22,7 @@ def rank_fsdp(spec_d: dict, steps: int, warmup: int, timeout: float, stage: int 
     from torch.distributed.fsdp import fully_shard
 
     import engine
-    from engine.dist.env import init_distributed
+    from engine.distributed.env import init_distributed
 
     comm = CommTimer().install()
     env = init_distributed(timeout_s=timeout)

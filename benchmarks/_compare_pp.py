@@ -38,7 +38,7 @@ def rank_pp(spec_d: dict, steps: int, warmup: int, timeout: float, schedule: str
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     import engine
-    from engine.dist.env import init_distributed
+    from engine.distributed.env import init_distributed
     from engine.pipeline.partition import partition_layers
 
     comm = CommTimer().install()

@@ -124,7 +124,7 @@ def _dtensor(a: dict[str, Any]):
 def _rank(a: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from engine.dist.env import init_distributed, shutdown
+    from engine.distributed.env import init_distributed, shutdown
 
     env = init_distributed(timeout_s=600)
     torch.set_num_threads(a["threads"])

@@ -28,8 +28,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.dist.groups import AxisGroup  # noqa: E402
-from engine.dist.spawn import SpawnError, spawn  # noqa: E402
+from engine.distributed.groups import AxisGroup  # noqa: E402
+from engine.distributed.spawn import SpawnError, spawn  # noqa: E402
 from engine.pipeline.executor import PipelineExecutor  # noqa: E402
 from engine.pipeline.schedule import SCHEDULES, build_all  # noqa: E402
 from engine.pipeline.simulate import bubble_formula, cost_table, simulate  # noqa: E402

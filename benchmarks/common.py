@@ -3,7 +3,7 @@ measured CPU matmul peak, the machine description and the output formats.
 
 Benchmarks are entry points, not library code: they may read the environment, print and
 parse arguments. Everything here runs on CPU (gloo) and on CUDA (NCCL); the device and
-backend come from :func:`engine.dist.env.init_distributed`.
+backend come from :func:`engine.distributed.env.init_distributed`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.dist.env import launched_by_torch_style_launcher  # noqa: E402
-from engine.dist.spawn import free_port, spawn  # noqa: E402
+from engine.distributed.env import launched_by_torch_style_launcher  # noqa: E402
+from engine.distributed.spawn import free_port, spawn  # noqa: E402
 
 __all__ = ["ROOT", "launch", "launched_externally", "CommTimer", "PhaseTimer", "sync", "cpu_matmul_peak",
            "machine_description", "markdown_table", "median", "spread", "write_json", "free_port"]
@@ -41,11 +41,11 @@ def launched_externally() -> bool:
 def launch(fn: Callable, nproc: int, *args: Any, threads: Optional[int] = 1, timeout: float = 3600.0) -> list:
     """Run ``fn(*args)`` on ``nproc`` fresh processes with a torchrun-style environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and return each rank's result: the
-    ``"env"`` mode of the one launcher, :func:`engine.dist.spawn.spawn`.
+    ``"env"`` mode of the one launcher, :func:`engine.distributed.spawn.spawn`.
 
     Under an external launcher (torchrun, deepspeed, srun) ``fn`` runs in this process only
     and the list holds just this rank's result. ``fn`` must be importable (module level)
-    and initialises the process group itself (``engine.dist.env.init_distributed``).
+    and initialises the process group itself (``engine.distributed.env.init_distributed``).
     """
     if launched_externally():
         return [fn(*args)]

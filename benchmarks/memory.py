@@ -83,7 +83,7 @@ def _ds_engine(cfg: dict):
     import torch
 
     from engine.config import load_config
-    from engine.dist.groups import NO_TP
+    from engine.distributed.groups import NO_TP
     from engine.pipeline.stages import ReferenceModel, build_reference_chunks
 
     deepspeed.utils.logger.setLevel(logging.WARNING)

@@ -241,7 +241,7 @@ def _rank_main(args_dict: dict) -> dict:
     import torch.distributed as dist
 
     import engine
-    from engine.dist.env import init_distributed, shutdown
+    from engine.distributed.env import init_distributed, shutdown
     from engine.metrics import StepTimer, peak_memory_bytes
     from engine.models import flops_per_token, param_count
 

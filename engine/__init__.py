@@ -16,7 +16,7 @@ __all__ = ["Axis", "Coord", "Topology", "TopologyError", "__version__", "initial
 
 def __getattr__(name: str) -> Any:
     if name == "initialize":
-        from engine.build.initialize import initialize
+        from engine.assembly.initialize import initialize
 
         return initialize
     if name in ("init_distributed", "add_config_arguments"):

@@ -33,9 +33,9 @@ import torch.nn as nn
 from engine.checkpoint.layout import module_names
 from engine.config import Config
 from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
-from engine.dist import comm
-from engine.dist.env import DistEnv
-from engine.dist.groups import AxisGroup, ParallelGroups
+from engine.distributed import comm
+from engine.distributed.env import DistEnv
+from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
 from engine.parts import LossFn, ModelParts
@@ -68,7 +68,7 @@ class LRScheduler(Protocol):
 
 
 class Engine(nn.Module):
-    """See the module docstring. Built by :func:`engine.build.assemble.assemble_engine` from
+    """See the module docstring. Built by :func:`engine.assembly.assemble.assemble_engine` from
     the typed collaborators: the model's :class:`~engine.parts.ModelParts` (``module`` is the
     whole model, ``pp == 1``, or this rank's stage chunks, an ``nn.ModuleList`` driven by
     ``pipeline``), the ZeRO optimizer, the LR schedule and the pipeline runner.
@@ -383,7 +383,7 @@ class Engine(nn.Module):
         """Release what ties the process groups to this engine (DeepSpeed's ``destroy``): the
         optimizer's gradient hooks on the parameters (a reference cycle through autograd's
         C++ hook storage that garbage collection cannot break), the pipeline and the groups.
-        Call it before :func:`engine.dist.env.shutdown`; the engine cannot train afterwards."""
+        Call it before :func:`engine.distributed.env.shutdown`; the engine cannot train afterwards."""
         remove = getattr(self.optimizer, "remove_hooks", None)
         if remove is not None:
             remove()

@@ -26,8 +26,8 @@ from typing import Callable, Iterator, Optional, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from engine.dist import comm
-from engine.dist.groups import NO_TP, AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import NO_TP, AxisGroup
 from engine.engine import Engine
 from engine.models import GPT
 from engine.pipeline.partition import layers_of

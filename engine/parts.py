@@ -1,8 +1,8 @@
 """What a rank trains, as one typed value: :class:`ModelParts`.
 
-The builders in :mod:`engine.build` (reference GPT, a given GPT, a layer list, AutoTP, a
+The builders in :mod:`engine.assembly` (reference GPT, a given GPT, a layer list, AutoTP, a
 ``PipelineModule``) each turn the user's model into a ``ModelParts``; the assembly
-(:func:`engine.build.assemble.assemble_engine`) hands it, with the optimizer and the
+(:func:`engine.assembly.assemble.assemble_engine`) hands it, with the optimizer and the
 pipeline runner built over it, to :class:`engine.engine.Engine`. Nothing is attached to
 the engine afterwards: whatever a later consumer needs (the stage chunks for sampling and
 export, the tied parameters) is a field here.

@@ -1,7 +1,7 @@
 """The DP x TP x PP mesh as one immutable value.
 
 Pure: nothing here touches ``torch.distributed``. Process groups are built from a
-``Topology`` in :mod:`engine.dist.groups`.
+``Topology`` in :mod:`engine.distributed.groups`.
 
 Rank layout (TP innermost so tensor-parallel peers are neighbouring ranks, which on a
 real node share the fastest links; PP outermost so a pipeline stage is a contiguous

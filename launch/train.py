@@ -158,7 +158,7 @@ def _default_preemption_signals() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.dist.env import LaunchError, detect_launch
+    from engine.distributed.env import LaunchError, detect_launch
 
     _default_preemption_signals()
     # 1. where am I (no process group yet): rank 0 alone speaks for input errors
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
-    from engine.dist.env import PeerFailureError, failure_guard, init_distributed
+    from engine.distributed.env import PeerFailureError, failure_guard, init_distributed
 
     env = None
     try:
@@ -310,8 +310,8 @@ class _Progress:
 
 def _shutdown() -> None:
     try:
-        from engine.dist.env import shutdown
-    except ImportError:  # older engine.dist.env without shutdown(): tear the default group down directly
+        from engine.distributed.env import shutdown
+    except ImportError:  # older engine.distributed.env without shutdown(): tear the default group down directly
         import torch.distributed as dist
 
         if dist.is_initialized():

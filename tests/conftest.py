@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The strict NCCL-rules mode (engine.dist.strict) is on in every rank the suite starts: the
+# The strict NCCL-rules mode (engine.distributed.strict) is on in every rank the suite starts: the
 # harness's spawned ranks and the subprocess runs of launch/train.py inherit it.
 os.environ.setdefault("ENGINE_STRICT_COMM", "1")
 

@@ -1,14 +1,14 @@
 """Run a function on N ranks in subprocesses over gloo: the tests' face of the one launcher.
 
-``run_ranks(fn, world_size, *args)`` is :func:`engine.dist.spawn.spawn` in its ``"gloo"``
+``run_ranks(fn, world_size, *args)`` is :func:`engine.distributed.spawn.spawn` in its ``"gloo"``
 mode: ``world_size`` fresh interpreters join a gloo group through a ``TCPStore`` the parent
 owns, each calls ``fn(rank, world_size, *args, **kwargs)``, and the per-rank return values
 come back as a list (picklable; tensors are fine). Failures (see the module docstring of
-engine/dist/spawn.py): a raising rank gives :class:`RankFailure` with its traceback, a
+engine/distributed/spawn.py): a raising rank gives :class:`RankFailure` with its traceback, a
 silent death names the rank and its exit code, nothing finishing within ``timeout`` gives
 :class:`RankTimeout` naming the missing ranks, and no process outlives the call.
 
-Strict NCCL-rules mode (``engine.dist.strict``) is on in every rank when
+Strict NCCL-rules mode (``engine.distributed.strict``) is on in every rank when
 ``ENGINE_STRICT_COMM`` is set (tests/conftest.py sets it for the whole suite).
 
 ``fn`` must be importable by the child (module level in a test file).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from engine.dist.spawn import RankFailure, RankTimeout, spawn
+from engine.distributed.spawn import RankFailure, RankTimeout, spawn
 
 __all__ = ["run_ranks", "dense_adamw_run", "RankFailure", "RankTimeout"]
 

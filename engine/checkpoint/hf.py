@@ -30,7 +30,7 @@ import torch.distributed as dist
 from engine.checkpoint.format import SafetensorsWriter
 from engine.checkpoint.layout import LocalPiece, local_pieces, parameter_names
 from engine.checkpoint.target import Checkpointable
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.tensor_parallel.hf_load import LoadReport, SourceArg, full_shape_of, load_sharded_weights
 from engine.tensor_parallel.layers import gather_full_tensor
 from engine.zero.shard_view import ShardView

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.target import Checkpointable
-from engine.dist import comm
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
 
 __all__ = ["PreemptionHandler", "PREEMPTION_SIGNALS", "Checkpointer", "StopTraining"]
 

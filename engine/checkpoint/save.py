@@ -6,7 +6,7 @@ Protocol (collective over the default group; every rank calls it):
    ``checkpoint.tag_validation``: Fail raises, Warn logs; rank 0's tag is used) and on a
    nonce; rank 0 creates ``<save_dir>/.tmp-<tag>-<nonce>/`` with an ``.owner`` line (host,
    pid), removing leftovers of crashed saves: its own, those whose writer no longer runs,
-   or all of them when this process holds the directory's lock (:mod:`engine.dist.lock`);
+   or all of them when this process holds the directory's lock (:mod:`engine.distributed.lock`);
    another live job's save in progress is never touched.
 2. Each rank reads what it holds through ZeRO's shard view (pieces, ownership, master
    shards, element-wise and scalar optimizer state) and the engine's training state
@@ -66,8 +66,8 @@ from engine.checkpoint.format import (
 from engine.checkpoint.layout import local_pieces, parameter_names, stage_chunks, tied_names
 from engine.checkpoint.target import Checkpointable
 from engine.config import Config
-from engine.dist.groups import ParallelGroups
-from engine.dist.lock import held_here, pid_running
+from engine.distributed.groups import ParallelGroups
+from engine.distributed.lock import held_here, pid_running
 from engine.training_state import capture_rng
 from engine.version import __version__
 from engine.zero.shard_view import Scalar, ShardView

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from engine.config import Config
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.training_state import TrainingState
 from engine.zero.shard_view import ShardView
 

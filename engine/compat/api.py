@@ -52,7 +52,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                          "None to pick the one for the device")
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
-    from engine.dist.env import init_distributed as _init
+    from engine.distributed.env import init_distributed as _init
 
     device = None if dist_backend is None else ("cuda" if dist_backend.lower() == "nccl" else "cpu")
     _init(timeout_s=timeout.total_seconds(), backend=dist_backend, device=device)

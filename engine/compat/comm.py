@@ -1,6 +1,6 @@
 """The collectives a DeepSpeed script calls through ``deepspeed.comm`` (``dist``), with
 DeepSpeed's signatures, over ``torch.distributed``. A group is a torch process group (from
-``mpu`` or a script), an engine :class:`~engine.dist.groups.AxisGroup` (converted here), or
+``mpu`` or a script), an engine :class:`~engine.distributed.groups.AxisGroup` (converted here), or
 ``None``, which means the world as in DeepSpeed: this module is the DeepSpeed edge, the
 one place in ``engine`` where ``group=None`` keeps torch's meaning.
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from engine.compat.api import init_distributed
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 
 __all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size",
            "get_local_rank", "get_global_rank", "new_group", "barrier", "broadcast", "all_reduce", "reduce",
@@ -32,7 +32,7 @@ def _pg(group: ProcessGroup) -> Optional[dist.ProcessGroup]:
     if isinstance(group, AxisGroup):
         if group.size == 1:
             raise ValueError(f"the {group.name} AxisGroup has size 1 and no communicator: a collective over it is "
-                             "the identity; skip the call (or use engine.dist.comm, whose ops do)")
+                             "the identity; skip the call (or use engine.distributed.comm, whose ops do)")
         return group.process_group
     return group
 
@@ -59,7 +59,7 @@ def get_world_size(group: ProcessGroup = None) -> int:
 
 def get_local_rank() -> int:
     """This process's rank on its node, as the launcher gave it."""
-    from engine.dist.env import current_launch
+    from engine.distributed.env import current_launch
 
     return current_launch().local_rank
 
@@ -135,7 +135,7 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: ProcessGroup =
 
 def destroy_process_group(group: ProcessGroup = None) -> None:
     if group is None:
-        from engine.dist.env import shutdown
+        from engine.distributed.env import shutdown
 
         shutdown()
     else:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import types
 
 from engine import pipe, zero
-from engine.build.initialize import initialize
+from engine.assembly.initialize import initialize
 from engine.compat import comm, zero_to_fp32
 from engine.compat.api import add_config_arguments, init_distributed
 

@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.data.packing import position_ids_from_doc_ids
-from engine.dist.groups import NO_TP, AxisGroup
-from engine.dist.strict import host_sync_allowed
+from engine.distributed.groups import NO_TP, AxisGroup
+from engine.distributed.strict import host_sync_allowed
 from engine.models.attention import AttnMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
 from engine.precision.fp8 import Fp8Recipe

@@ -31,7 +31,7 @@ from typing import Optional, Union, cast
 import torch
 import torch.nn as nn
 
-from engine.dist.groups import NO_TP, AxisGroup
+from engine.distributed.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.models.blocks import Block, RMSNorm, RotaryEmbedding, attention_inputs, forward_layers
 from engine.models.config import ModelConfig

@@ -3,7 +3,7 @@
 A builder knows its sources and flags and gets the compiled library in one of two ways:
 
 * ahead of time: `setup.py` calls :func:`ahead_of_time_extensions` and, when
-  ``ENGINE_BUILD_OPS=1`` (read by :mod:`engine.dist.env`), builds ``engine.ops._<name>_C``;
+  ``ENGINE_BUILD_OPS=1`` (read by :mod:`engine.distributed.env`), builds ``engine.ops._<name>_C``;
 * just in time otherwise: ``torch.utils.cpp_extension.load`` with ninja, into a cache
   directory of our own keyed by a fingerprint of (sources, flags, torch, python), under
   an ``fcntl`` lock so concurrent ranks build once and all load the same library.
@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.dist.env import OpBuildSettings, op_build_settings
+from engine.distributed.env import OpBuildSettings, op_build_settings
 
 __all__ = [
     "OpSpec",

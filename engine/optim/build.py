@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import AdamParams, Config, LionParams, MuonParams, OptimizerConfig
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
 from engine.optim.client import ClientLRScheduler

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.dist import comm
+from engine.distributed import comm
 from engine.optim.muon_plan import MuonMatrix
 from engine.tensor_parallel.layers import shard_tensor, unshard_tensors
 from engine.zero.shard_view import BucketView, ShardView

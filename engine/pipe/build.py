@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from engine.config import Config, load_config
 from engine.config.reader import read_json_file
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.build import (
     OptimizerInputs,
@@ -93,6 +93,6 @@ def pipeline_module_parts(cfg: Config, module: PipelineModule, client_opt: Any, 
         inputs = OptimizerInputs(param_groups_from_client(client, trainable, replaced),
                                  client_optimizer_factory(client), client)
     # the DP broadcast, the optimizer and the (lazy: the boundary shape is measured on the
-    # first micro-batch) pipeline runner are the assembly's (engine.build.assemble)
+    # first micro-batch) pipeline runner are the assembly's (engine.assembly.assemble)
     parts = ModelParts(stage, tuple(chunks), tuple(tied), _loss_fn(module), dtype, measure_boundary=True)
     return parts, inputs

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from engine.config import Config
 from engine.data.microbatch import split_microbatch
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.pipeline.actions import next_hop, prev_hop
 from engine.pipeline.runner import PipelineRunner
@@ -109,7 +109,7 @@ class LazyPipelineRunner:
     def prepare(self, microbatches: Sequence[Any]) -> None:
         """One-time setup before the first step: the boundary-shape probe (its collectives
         and its host read of the shape headers happen here, which the engine calls outside
-        the executor step's no-host-sync region; see :mod:`engine.dist.strict`, rule 6)."""
+        the executor step's no-host-sync region; see :mod:`engine.distributed.strict`, rule 6)."""
         self._ready(microbatches)
 
     @property

@@ -59,8 +59,8 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 from engine.data.device import move_to_device
-from engine.dist import comm
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
 from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
 from engine.pipeline.clock import make_clock
 from engine.pipeline.schedule import build_schedule, forward_only

@@ -25,7 +25,7 @@ import torch.nn as nn
 from engine.config import Config
 from engine.data.device import move_to_device
 from engine.data.microbatch import split_microbatch, to_microbatch
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.stages import check_doc_ids
 from engine.zero.step import GradientStep

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
 from engine.models.attention import AttnMask

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.dist.comm import all_reduce
-from engine.dist.groups import NO_TP, AxisGroup
+from engine.distributed.comm import all_reduce
+from engine.distributed.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.ops.fp8 import fp8_cast, fp8_max
 from engine.precision.backward_phase import backward_phase

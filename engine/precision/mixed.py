@@ -17,8 +17,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.dist import comm
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
 
 __all__ = ["PrecisionPolicy", "resolve_compute_dtype", "local_nonfinite_count", "any_rank_true"]

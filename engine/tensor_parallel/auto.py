@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 from engine.tensor_parallel.attrs import set_tp_attrs
 from engine.tensor_parallel.auto_rules import ATTENTION_ATTRS, LayerSpec
 from engine.tensor_parallel.layers import set_layout_attrs, shard_tensor

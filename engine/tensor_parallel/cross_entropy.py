@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.dist import comm
-from engine.dist.comm import ReduceOpLike
-from engine.dist.groups import AxisGroup
-from engine.dist.strict import host_sync_allowed
+from engine.distributed import comm
+from engine.distributed.comm import ReduceOpLike
+from engine.distributed.groups import AxisGroup
+from engine.distributed.strict import host_sync_allowed
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["vocab_parallel_cross_entropy"]

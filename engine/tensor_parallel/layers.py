@@ -44,8 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.dist.groups import AxisGroup
-from engine.dist.strict import host_sync_allowed
+from engine.distributed.groups import AxisGroup
+from engine.distributed.strict import host_sync_allowed
 from engine.precision.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear
 from engine.tensor_parallel.attrs import is_tp_sharded, set_tp_attrs, tp_partition_dim
 from engine.tensor_parallel.mappings import (

@@ -1,6 +1,6 @@
 """The conjugate communication ops of tensor parallelism, as autograd functions.
 
-Each op takes the TP group (an :class:`~engine.dist.groups.AxisGroup`) as an argument. A
+Each op takes the TP group (an :class:`~engine.distributed.groups.AxisGroup`) as an argument. A
 group of one (``NO_TP``, ``AxisGroup.single("tp")``) means no tensor parallelism: every op
 is then the identity and never touches ``torch.distributed``, so a model built with
 ``tp_group=NO_TP`` runs in a process where torch.distributed was never initialised.
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.dist import comm
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
 
 __all__ = [
     "tp_world_size",

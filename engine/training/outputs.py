@@ -4,7 +4,7 @@
 :func:`agree_on_problems` makes the first problem found on any rank the outcome of all
 (the entry point then exits 2 on every rank, rank 0 printing the line):
 
-- rank 0 locks the output and save directories (:class:`~engine.dist.lock.DirLock`: one
+- rank 0 locks the output and save directories (:class:`~engine.distributed.lock.DirLock`: one
   job per directory; a second job is refused with the holder's host, pid and run id) and
   keeps the locks for the whole run (an ``ExitStack`` the caller holds);
 - every rank checks that each directory it may write exists (created if missing) and is
@@ -35,7 +35,7 @@ from engine.checkpoint.format import (
     read_latest,
 )
 from engine.checkpoint.load import checkpoint_location
-from engine.dist.lock import DirLock, DirLockError
+from engine.distributed.lock import DirLock, DirLockError
 
 __all__ = [
     "agree_on_problems",

@@ -31,13 +31,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from engine.build.initialize import initialize
+from engine.assembly.initialize import initialize
 from engine.checkpoint import load_checkpoint, read_metadata
 from engine.checkpoint.preempt import Checkpointer, StopTraining
 from engine.config import Config
 from engine.data import GlobalBatchSampler, PackedDataset, build_dataset
-from engine.dist.env import DistEnv
-from engine.dist.groups import ParallelGroups
+from engine.distributed.env import DistEnv
+from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.generate import gather_reference_model, generates_sharded, greedy_generate, greedy_generate_sharded

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from engine.dist.groups import AxisGroup, ParallelGroups
+from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
@@ -46,7 +46,7 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
                          stage3_max_reuse_distance: int = 0,
                          stage3_param_persistence_threshold: int = 100_000) -> ZeroOptimizer:
     """The ZeRO optimizer for ``stage`` (0-3) over the run's ``groups`` (its DP group; or the
-    DP :class:`~engine.dist.groups.AxisGroup` alone for data parallelism without TP/PP).
+    DP :class:`~engine.distributed.groups.AxisGroup` alone for data parallelism without TP/PP).
 
     ``params_or_module``: the model, its trainable parameters, or torch-style group dicts
     (extra keys such as ``weight_decay`` become the inner optimizer's group options).

@@ -5,8 +5,8 @@ memory accounting. The stages (stage0.py ... stage3.py) differ only in where par
 gradients and master weights live; each is a small subclass.
 
 One optimizer serves ONE data-parallel group. It takes the run's
-:class:`~engine.dist.groups.ParallelGroups` (or, for data parallelism alone, the DP
-:class:`~engine.dist.groups.AxisGroup`). Gradients are averaged over the DP group only;
+:class:`~engine.distributed.groups.ParallelGroups` (or, for data parallelism alone, the DP
+:class:`~engine.distributed.groups.AxisGroup`). Gradients are averaged over the DP group only;
 the TP and PP groups (``tp_group``, ``pp_group``) enter only the global gradient norm and
 the "did any rank overflow" vote, and the embedding group sums the gradients of tied
 weights between the pipeline stages that hold them.
@@ -56,8 +56,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union,
 import torch
 import torch.distributed as dist
 
-from engine.dist import comm, strict
-from engine.dist.groups import AxisGroup, ParallelGroups
+from engine.distributed import comm, strict
+from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
@@ -108,7 +108,7 @@ def _mesh(groups: Union[ParallelGroups, AxisGroup],
         return groups, AxisGroup.single("tp", me), AxisGroup.single("pp", me), AxisGroup.single("embedding", me)
     if not isinstance(groups, ParallelGroups):
         raise TypeError(f"ZeRO takes the ParallelGroups or the DP AxisGroup, got {type(groups).__name__} "
-                        "(wrap a torch process group with engine.dist.groups.AxisGroup.of(group))")
+                        "(wrap a torch process group with engine.distributed.groups.AxisGroup.of(group))")
     if tied and not groups.in_embedding_group:
         raise ValueError(f"tied parameters were given on rank {groups.rank}, a middle pipeline stage: tied "
                          "weights live on the first and last stage only")
@@ -146,7 +146,7 @@ class ZeroOptimizer:
                  clip_grad: float = 0.0):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
-                               "engine.dist.env.init_distributed(), or gloo with world_size=1)")
+                               "engine.distributed.env.init_distributed(), or gloo with world_size=1)")
         self.dp_group, self.tp_group, self.pp_group, self.embedding_group = _mesh(groups, bool(tied_params))
         self.dp_size = comm.group_size(self.dp_group)
         self.dp_rank = comm.group_rank(self.dp_group)
@@ -485,7 +485,7 @@ class ZeroOptimizer:
         parameters, zero the gradients. Returns whether the parameters were updated."""
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
-        # the strict mode (engine.dist.strict, rule 6) checks this region has no host sync but
+        # the strict mode (engine.distributed.strict, rule 6) checks this region has no host sync but
         # the fp16 skip decision; the inner optimizer's own step is not checked (torch's
         # Adam reads its step counter, a CPU tensor, on the host)
         with comm.no_host_sync("the ZeRO optimizer step (reduction, norm, clipping)"):

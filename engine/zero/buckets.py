@@ -22,8 +22,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from engine.dist import comm
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
 from engine.zero.init import param_shape
 from engine.zero.partition import FlatLayout, GroupKey
 

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from engine.dist import comm
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
 
 __all__ = ["Init", "GatheredParameters", "is_partitioned", "param_numel", "param_shape", "register_managed",
            "gather_partitioned", "shard_range"]
@@ -121,7 +121,7 @@ def _dp_axis(group: Union[AxisGroup, dist.ProcessGroup, None]) -> AxisGroup:
 class Init:
     """Partition parameters over the data-parallel group as modules are built (see the
     module docstring). DeepSpeed's keyword names; ``data_parallel_group``: an
-    :class:`~engine.dist.groups.AxisGroup` or a torch process group, None meaning the
+    :class:`~engine.distributed.groups.AxisGroup` or a torch process group, None meaning the
     default (world) group as in DeepSpeed (converted here, at the DeepSpeed edge); ``dtype``: the shards' dtype (default: as
     built); ``enabled=False``: a no-op context. Options DeepSpeed offers for offload
     (``remote_device`` other than None/"cpu"/the parameters' device, ``pin_memory``) are
@@ -138,7 +138,7 @@ class Init:
         if mpu is not None:
             raise ValueError("engine.zero.Init: mpu is not supported; pass data_parallel_group=")
         if enabled and not dist.is_initialized():
-            raise RuntimeError("engine.zero.Init needs an initialised process group (engine.dist.env."
+            raise RuntimeError("engine.zero.Init needs an initialised process group (engine.distributed.env."
                                "init_distributed(), or gloo with world_size=1)")
         self.group = _dp_axis(data_parallel_group) if enabled else AxisGroup.single("dp")
         self.enabled = bool(enabled)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 from engine.zero.partition import FlatLayout
 
 __all__ = ["ParamSlot", "BucketView", "GroupView", "ShardPiece", "GroupState", "Scalar", "ShardView",

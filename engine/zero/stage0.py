@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.dist import comm
+from engine.distributed import comm
 from engine.zero.base import ZeroOptimizer
 from engine.zero.buckets import FlatBucket
 

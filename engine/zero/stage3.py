@@ -52,8 +52,8 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from engine.dist import comm
-from engine.dist.groups import AxisGroup, ParallelGroups
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.zero.buckets import FlatBucket
 from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
 from engine.zero.partition import GroupKey, bucketize

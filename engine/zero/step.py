@@ -48,8 +48,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from engine.dist import comm
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
 from engine.validate import check_int
 
 NO_TIES = AxisGroup.single("embedding")  # no tied weights across stages: nothing to sum

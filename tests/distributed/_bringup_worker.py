@@ -26,9 +26,9 @@ def main(scenario: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.dist import comm
-    from engine.dist.env import PeerFailureError, failure_guard, gloo_worker_threads, init_distributed, shutdown
-    from engine.dist.groups import ParallelGroups
+    from engine.distributed import comm
+    from engine.distributed.env import PeerFailureError, failure_guard, gloo_worker_threads, init_distributed, shutdown
+    from engine.distributed.groups import ParallelGroups
     from engine.topology import Topology
 
     torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def user_init() -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.dist.env import gloo_worker_threads, shutdown
+    from engine.distributed.env import gloo_worker_threads, shutdown
 
     dist.init_process_group("gloo")
     import torch._dynamo  # noqa: F401

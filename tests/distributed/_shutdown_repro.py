@@ -14,7 +14,7 @@ failed otherwise. Modes say how a worker ends:
     plain     every async op waited, then return without any teardown (many scripts)
     destroy   dist.destroy_process_group() straight away
     barrier   dist.barrier(); dist.destroy_process_group()   (the test harness's order)
-    fix       engine.dist.env.shutdown()
+    fix       engine.distributed.env.shutdown()
     *_keep    the same, but the subgroups stay referenced from a module global
 """
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from engine.dist.spawn import free_port
+from engine.distributed.spawn import free_port
 
 
 def _work(mode: str) -> None:
@@ -38,7 +38,7 @@ def _work(mode: str) -> None:
     keep_groups = mode.endswith("_keep")
     mode = mode[:-len("_keep")] if keep_groups else mode
     if mode == "fix":
-        from engine.dist.env import init_distributed, shutdown
+        from engine.distributed.env import init_distributed, shutdown
         init_distributed(timeout_s=60.0)
     else:
         import datetime
@@ -55,7 +55,7 @@ def _work(mode: str) -> None:
         dist.barrier()
         dist.destroy_process_group()
     elif mode == "fix":
-        from engine.dist.env import gloo_worker_threads
+        from engine.distributed.env import gloo_worker_threads
         shutdown()
         if not _KEPT:
             assert gloo_worker_threads() == 0, f"{gloo_worker_threads()} gloo threads left"
@@ -207,7 +207,7 @@ def _fork_drive(runs: int, world: int, mode: str, timeout: float, verbose: bool)
     import torch  # noqa: F401 - imported before forking, once
     import torch.distributed  # noqa: F401
 
-    import engine.dist.env  # noqa: F401
+    import engine.distributed.env  # noqa: F401
 
     tally: collections.Counter = collections.Counter()
     start = time.monotonic()

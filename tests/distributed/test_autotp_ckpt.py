@@ -111,7 +111,7 @@ def _vm(field):
 def _mem_worker(rank, world, path):
     from _autotp_models import build
 
-    from engine.dist.groups import AxisGroup
+    from engine.distributed.groups import AxisGroup
     from engine.tensor_parallel.auto import autotp
     from engine.tensor_parallel.auto_rules import specs_for
     from engine.tensor_parallel.hf_load import full_shape_of, load_sharded_weights

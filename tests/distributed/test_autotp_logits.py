@@ -22,7 +22,7 @@ def _logits_worker(rank, world):
     """TP 4 over the 4 ranks, then TP 2 over ranks {0, 1} and {2, 3}: one spawn for both."""
     from _autotp_models import batch, build
 
-    from engine.dist.groups import AxisGroup
+    from engine.distributed.groups import AxisGroup
     from engine.tensor_parallel.auto import autotp
     from engine.tensor_parallel.auto_rules import specs_for
 

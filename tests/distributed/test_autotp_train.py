@@ -70,7 +70,7 @@ def _train(rank, world, family, tp, stage, ga, client, ckpt=False, bf16=False):
     from _autotp_models import batch, build
 
     import engine
-    from engine.dist import comm
+    from engine.distributed import comm
 
     dp = world // tp
     model = build(family)

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from engine.dist.env import LaunchError, init_distributed
-from engine.dist.spawn import free_port
+from engine.distributed.env import LaunchError, init_distributed
+from engine.distributed.spawn import free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bringup_worker.py")
 

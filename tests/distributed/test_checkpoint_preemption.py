@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from engine.dist.spawn import start_script
+from engine.distributed.spawn import start_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")

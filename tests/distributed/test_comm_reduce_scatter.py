@@ -1,4 +1,4 @@
-"""engine.dist.comm.reduce_scatter (gloo): with ``inp_is_scratch`` between two ranks it runs
+"""engine.distributed.comm.reduce_scatter (gloo): with ``inp_is_scratch`` between two ranks it runs
 as one ``reduce`` per owner (half the traffic of gloo's reduce-scatter); the result must be
 exactly the native one's, blocking and async, for SUM and MAX; at four ranks the native op
 is used. Exact: a sum or max of two fp32 values does not depend on their order; the inputs
@@ -12,8 +12,8 @@ from harness import run_ranks
 def _case(rank, world):
     import torch.distributed as dist
 
-    from engine.dist import comm
-    from engine.dist.groups import AxisGroup
+    from engine.distributed import comm
+    from engine.distributed.groups import AxisGroup
 
     group = AxisGroup.world()
     n = 1000

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.dist.spawn import free_port
+from engine.distributed.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "assets" / "ds_style_train.py"

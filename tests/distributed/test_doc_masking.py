@@ -80,7 +80,7 @@ def _max_doc_error(dense, mb, logits):
 
 def _layouts(rank, world, layouts):
     import engine
-    from engine.dist.groups import NO_TP
+    from engine.distributed.groups import NO_TP
     from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
     seed = 3

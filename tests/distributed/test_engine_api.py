@@ -20,7 +20,7 @@ import torch.nn as nn
 from harness import dense_adamw_run, run_ranks
 
 import engine
-from engine.dist.groups import NO_TP
+from engine.distributed.groups import NO_TP
 from engine.optim.lr_schedules import build_lr_scheduler
 
 STEPS, BATCH, LR, WD, CLIP = 3, 16, 1e-2, 0.1, 0.5

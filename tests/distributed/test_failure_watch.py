@@ -1,4 +1,4 @@
-"""The failure watch (engine/dist/watch.py) on real processes: survivors of a rank that
+"""The failure watch (engine/distributed/watch.py) on real processes: survivors of a rank that
 failed but whose process (and sockets) stay up, as an NCCL rank's peers see it, stop
 within seconds naming it, instead of waiting out the collective timeout; with the watch
 off they are still blocked (the control); a normal run with the watch polling fast ends
@@ -14,8 +14,8 @@ import time
 
 from test_bringup import WORKER, _launch
 
-from engine.dist.spawn import free_port
-from engine.dist.watch import EXIT_PEER_FAILED
+from engine.distributed.spawn import free_port
+from engine.distributed.watch import EXIT_PEER_FAILED
 
 FAST = dict(ENGINE_FAILURE_WATCH_INTERVAL=0.3, ENGINE_FAILURE_WATCH_GRACE=2)
 

@@ -62,7 +62,7 @@ def _tp_data(step):
 def _tp_equivalence(rank, world):
     import torch.distributed as dist
 
-    from engine.dist.groups import AxisGroup
+    from engine.distributed.groups import AxisGroup
     from engine.models import GPT, ModelConfig
     from engine.precision.fp8 import Fp8Recipe, fp8_states, update_fp8_scales
     from engine.tensor_parallel.layers import gather_full_tensor

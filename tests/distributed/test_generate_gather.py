@@ -27,8 +27,8 @@ def _gather(rank, world, layout):
     import engine
     from engine import generate
     from engine.config import load_config
-    from engine.dist import comm
-    from engine.dist.groups import NO_TP
+    from engine.distributed import comm
+    from engine.distributed.groups import NO_TP
     from engine.models import GPT
 
     dist.gather_object = dist.all_gather_object = _forbidden
@@ -77,7 +77,7 @@ def _sharded(rank, world, layout):
     import engine
     from engine import generate
     from engine.config import load_config
-    from engine.dist.groups import NO_TP
+    from engine.distributed.groups import NO_TP
     from engine.models import GPT
 
     dist.gather_object = dist.all_gather_object = _forbidden

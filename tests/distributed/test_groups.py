@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.topology import Topology
 
 LAYOUTS = [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 4, 1), (1, 1, 8)]

@@ -62,7 +62,7 @@ def test_tensors_come_back():
 # ------------------------------------------------------------------ the benchmarks' "env" mode
 def _env_rank(scale):
     """A benchmark-style rank: brings its group up from the torchrun-style environment."""
-    from engine.dist.env import current_launch, init_distributed, shutdown
+    from engine.distributed.env import current_launch, init_distributed, shutdown
 
     info = current_launch()
     env = init_distributed(timeout_s=60, backend="gloo", device="cpu")
@@ -73,7 +73,7 @@ def _env_rank(scale):
 
 
 def _env_raise(_):
-    from engine.dist.env import current_launch
+    from engine.distributed.env import current_launch
 
     if current_launch().rank == 1:
         raise ValueError("benchmark rank one broke")
@@ -81,7 +81,7 @@ def _env_raise(_):
 
 
 def test_env_mode_ranks_rendezvous_on_the_parents_store():
-    from engine.dist.spawn import spawn
+    from engine.distributed.spawn import spawn
 
     out = spawn(_env_rank, 2, (2.0,), rendezvous="env", timeout=120)
     assert out == [("torchrun", r, True, 2.0) for r in range(2)]

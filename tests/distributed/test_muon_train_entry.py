@@ -16,7 +16,7 @@ import sysconfig
 
 import pytest
 
-from engine.dist.spawn import free_port
+from engine.distributed.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
 
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 from engine.optim.muon import Muon
 from engine.optim.muon_assign import split_muon_groups
 from engine.zero import build_zero_optimizer

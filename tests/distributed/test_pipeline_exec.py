@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from harness import RankFailure, run_ranks
 
-from engine.dist.groups import NO_TP, AxisGroup
+from engine.distributed.groups import NO_TP, AxisGroup
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
@@ -287,7 +287,7 @@ def _gpt_tp_pp(rank, world_size):
     the summation order of the row-parallel reductions; SGD so a 1-ulp gradient difference
     cannot flip an update's sign on a near-zero element).
     """
-    from engine.dist.groups import ParallelGroups
+    from engine.distributed.groups import ParallelGroups
     from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers
     from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from engine.tensor_parallel.layers import gather_full_tensor

@@ -105,7 +105,7 @@ class _PlantedSync:
 
     @staticmethod
     def build(scaled):
-        from engine.dist.groups import AxisGroup
+        from engine.distributed.groups import AxisGroup
         from engine.precision.loss_scaler import StaticLossScaler
         from engine.precision.mixed import PrecisionPolicy
         from engine.zero import DataParallelOptimizer
@@ -127,7 +127,7 @@ class _PlantedSync:
 
 
 def _strict_step():
-    from engine.dist import strict
+    from engine.distributed import strict
 
     try:
         _PlantedSync.build(scaled=False).step()

@@ -1,4 +1,4 @@
-"""The strict NCCL-rules mode (engine.dist.strict) catches a planted violation of each rule.
+"""The strict NCCL-rules mode (engine.distributed.strict) catches a planted violation of each rule.
 
 Every case runs on 2 gloo ranks in ONE spawn (starting interpreters dominates the cost).
 Each planted violation is one that gloo forgives or reports only as a size error or a hang,
@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
 
-from engine.dist import comm, strict
-from engine.dist.groups import AxisGroup
+from engine.distributed import comm, strict
+from engine.distributed.groups import AxisGroup
 
 
 def _raises(fn) -> str:

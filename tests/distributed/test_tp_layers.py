@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
 
-from engine.dist.groups import NO_TP, AxisGroup
+from engine.distributed.groups import NO_TP, AxisGroup
 from engine.models.blocks import RMSNorm
 from engine.tensor_parallel import cross_entropy as ce_mod
 from engine.tensor_parallel import mappings

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
 
-from engine.dist.groups import NO_TP, AxisGroup
+from engine.distributed.groups import NO_TP, AxisGroup
 from engine.models import GPT, ModelConfig, build_stage_layers
 from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

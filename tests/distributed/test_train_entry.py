@@ -35,7 +35,7 @@ import time
 import pytest
 from harness import run_ranks
 
-from engine.dist.spawn import free_port, start_script
+from engine.distributed.spawn import free_port, start_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")

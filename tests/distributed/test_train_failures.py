@@ -31,7 +31,7 @@ import time
 import pytest
 from test_train_entry import TRAIN, _env, tiny_config
 
-from engine.dist.spawn import free_port, start_script
+from engine.distributed.spawn import free_port, start_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAULT = os.path.join(HERE, "_train_fault.py")

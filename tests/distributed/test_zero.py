@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
 
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 from engine.precision.loss_scaler import build_loss_scaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero import build_zero_optimizer

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from harness import run_ranks
 
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 from engine.precision.loss_scaler import StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.zero import build_zero_optimizer

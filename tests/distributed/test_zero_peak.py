@@ -101,7 +101,7 @@ def _peak_case(rank, world, stage, ga, pp, bf16=False):
 def _init_case(rank, world):
     """Stage 3 at DP = 4 built under Init (model=None) vs the same GPT given whole."""
     import engine
-    from engine.dist.groups import NO_TP
+    from engine.distributed.groups import NO_TP
     from engine.models import GPT, ModelConfig
     from engine.pipeline.stages import build_reference_chunks
     from engine.zero import GatheredParameters, Init

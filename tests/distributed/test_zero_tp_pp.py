@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
 
-from engine.dist.groups import ParallelGroups
+from engine.distributed.groups import ParallelGroups
 from engine.tensor_parallel.attrs import mark_tied_copy
 from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowParallelLinear, shard_tensor
 from engine.topology import Topology

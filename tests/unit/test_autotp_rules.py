@@ -64,7 +64,7 @@ def test_local_ranges_follow_fused_parts():
 def test_config_specs_reach_the_engine_and_unknown_models_are_a_config_error():
     import torch.nn as nn
 
-    from engine.build.autotp import layer_specs_of
+    from engine.assembly.autotp import layer_specs_of
     from engine.config import load_config
     from engine.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""engine/dist/lock.py (one job per directory) and the ``.tmp-*`` clean-up rules of
+"""engine/distributed/lock.py (one job per directory) and the ``.tmp-*`` clean-up rules of
 engine/checkpoint/save.py: only this process's own leftovers, those of a writer that no
 longer runs, or all of them under the directory's lock. Real processes hold the locks."""
 
@@ -13,14 +13,14 @@ import time
 import pytest
 
 from engine.checkpoint.save import OWNER_FILE, _clean_leftovers
-from engine.dist.lock import DirLock, DirLockError, LockHolder, held_here
+from engine.distributed.lock import DirLock, DirLockError, LockHolder, held_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _HOLD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from engine.dist.lock import DirLock
+from engine.distributed.lock import DirLock
 lock = DirLock({d!r}, "holder-run").acquire()
 print("held", flush=True)
 time.sleep(60)

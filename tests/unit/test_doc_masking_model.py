@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine.data import Batch, document_causal_mask, position_ids_from_doc_ids
-from engine.dist.groups import NO_TP
+from engine.distributed.groups import NO_TP
 from engine.models import GPT, ModelConfig
 from engine.models.blocks import RotaryEmbedding, attention_inputs
 

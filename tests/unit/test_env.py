@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from engine.dist.env import (
+from engine.distributed.env import (
     DEFAULT_MASTER_PORT,
     SLURM_PORT_BASE,
     SLURM_PORT_SPAN,
@@ -363,8 +363,8 @@ def test_diagnosis_names_raised_dead_and_silent_ranks():
 
     import torch.distributed as dist
 
-    from engine.dist import env as E
-    from engine.dist import failures as F
+    from engine.distributed import env as E
+    from engine.distributed import failures as F
 
     store = dist.HashStore()
     info = LaunchInfo("torchrun", 1, 1, 4, 4, "127.0.0.1", 1)
@@ -388,7 +388,7 @@ def test_diagnosis_names_raised_dead_and_silent_ranks():
 
 
 def test_comm_error_classification():
-    from engine.dist.failures import _is_comm_error
+    from engine.distributed.failures import _is_comm_error
 
     assert _is_comm_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
                                        "Connection closed by peer [127.0.0.1]:1"))
@@ -399,7 +399,7 @@ def test_comm_error_classification():
 
 # ------------------------------------------------------------------ GPU choice (issue 17)
 def test_cuda_index_one_gpu_per_task_binding_and_errors():
-    from engine.dist.env import LaunchError, cuda_index_for
+    from engine.distributed.env import LaunchError, cuda_index_for
 
     assert cuda_index_for(3, 8, "torchrun") == 3          # whole node visible: local rank's GPU
     assert cuda_index_for(5, 1, "slurm") == 0             # srun --gpus-per-task=1: the one bound GPU
@@ -410,7 +410,7 @@ def test_cuda_index_one_gpu_per_task_binding_and_errors():
 
 
 def test_user_initialised_nccl_group_without_set_device_uses_the_local_rank_gpu():
-    from engine.dist.env import device_for_initialised_group
+    from engine.distributed.env import device_for_initialised_group
 
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h",
            "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"}
@@ -422,7 +422,7 @@ def test_user_initialised_nccl_group_without_set_device_uses_the_local_rank_gpu(
 
 
 def test_nccl_flight_recorder_defaults_do_not_override_the_user():
-    from engine.dist.env import nccl_env_defaults, strict_comm_from_env
+    from engine.distributed.env import nccl_env_defaults, strict_comm_from_env
 
     assert nccl_env_defaults({}) == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                                      "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}

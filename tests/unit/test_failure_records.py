@@ -1,10 +1,10 @@
-"""engine/dist/failures.py's records under the run's output: how survivors name the cause
+"""engine/distributed/failures.py's records under the run's output: how survivors name the cause
 once rank 0, which hosts the rendezvous store, is gone (issue 19)."""
 
 from __future__ import annotations
 
-from engine.dist import failures as F
-from engine.dist.env import DistEnv, LaunchInfo
+from engine.distributed import failures as F
+from engine.distributed.env import DistEnv, LaunchInfo
 
 
 def _env(rank: int) -> DistEnv:

@@ -1,4 +1,4 @@
-"""engine/dist/watch.py in one process, with a HashStore standing for the rendezvous store
+"""engine/distributed/watch.py in one process, with a HashStore standing for the rendezvous store
 and threads for the ranks: the NCCL path (the watch aborts the groups, the blocked call
 raises, failure_guard names the peer and the exit fallback stays unused), the fallback
 when nothing takes over, a rank's own failure, and the settings' parsing."""
@@ -13,9 +13,9 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from engine.dist.env import DistEnv, LaunchInfo, failure_guard, failure_watch_from_env, record_failure
-from engine.dist.failures import PeerFailureError, register_process
-from engine.dist.watch import EXIT_PEER_FAILED, FailureWatch, WatchSettings, poll_interval
+from engine.distributed.env import DistEnv, LaunchInfo, failure_guard, failure_watch_from_env, record_failure
+from engine.distributed.failures import PeerFailureError, register_process
+from engine.distributed.watch import EXIT_PEER_FAILED, FailureWatch, WatchSettings, poll_interval
 
 
 def _env(store, rank: int, world: int = 2, watch: FailureWatch | None = None) -> DistEnv:
@@ -57,7 +57,7 @@ def test_unguarded_rank_logs_and_exits_when_nothing_unblocks(caplog):
     store = dist.HashStore()
     register_process(store, 0)
     watch, exits = _watch(store, 1, grace_s=0.2)
-    with caplog.at_level(logging.ERROR, logger="engine.dist.watch"):
+    with caplog.at_level(logging.ERROR, logger="engine.distributed.watch"):
         watch.start()
         record_failure(_env(store, 0), ValueError("bad batch"))
         watch._thread.join(10)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from torch import nn
 
-from engine.dist.groups import AxisGroup
+from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
 from engine.precision.fp8 import (
     Fp8Linear,

@@ -217,7 +217,7 @@ def test_rejected_options_and_inputs(kernel):
 def _zero_rank(rank, world):
     from torch import nn
 
-    from engine.dist.groups import AxisGroup
+    from engine.distributed.groups import AxisGroup
     from engine.zero import build_zero_optimizer
 
     def model_fn():

@@ -5,7 +5,7 @@
    is bound to a group name. The DeepSpeed edge (``engine/compat/comm.py``, whose
    ``group=None`` means the world as in ``deepspeed.comm``, and ``engine.zero.Init``'s
    ``data_parallel_group``) converts there and is listed below with the reason.
-2. :class:`AxisGroup` of size 1 is free: every TP mapping and ``engine.dist.comm`` op over
+2. :class:`AxisGroup` of size 1 is free: every TP mapping and ``engine.distributed.comm`` op over
    it is the identity without torch.distributed, and asking for its communicator is an
    error that names the fix.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.dist import comm
-from engine.dist.groups import NO_TP, AxisGroup, ParallelGroups
+from engine.distributed import comm
+from engine.distributed.groups import NO_TP, AxisGroup, ParallelGroups
 from engine.tensor_parallel import mappings as m
 from engine.topology import Axis, Topology
 

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("engine.errors", "engine.topology", "engine.metrics", "engine.validate", "engine.timers",
                     "engine.version")),
     # process groups, collectives, launch/spawn, the failure watch
-    ("dist", ("engine.dist",)),
+    ("distributed", ("engine.distributed",)),
     # typed configuration (the model's config dataclass and the AutoTP rule grammar are
     # parsed by the config loader), data, monitors, op builders
     ("config", ("engine.config", "engine.models.config", "engine.tensor_parallel.auto_rules", "engine.data",
@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("engine.checkpoint", "engine.weights16")),
     ("engine", ("engine.engine", "engine.pipe")),
     # assembly, the training loop, entry points and adapters on top
-    ("entry", ("engine.build", "engine.training", "engine.generate", "engine.compat", "engine.planner", "engine")),
+    ("entry", ("engine.assembly", "engine.training", "engine.generate", "engine.compat", "engine.planner", "engine")),
 ]
 
 # Rule (c) does not apply here: engine.compat mirrors deepspeed.comm / torch.distributed,
@@ -189,7 +189,7 @@ def test_no_new_layering_violation_and_the_allowlist_is_current():
 def test_the_checker_sees_each_kind_of_violation(tmp_path):
     """The three detectors on a planted module (so an empty ALLOWED proves something)."""
     src = ("def f(engine: Any, tp_group=None, *, pg: 'ProcessGroup' = None, param_group=None):\n"
-           "    from engine.build.initialize import initialize\n")
+           "    from engine.assembly.initialize import initialize\n")
     tree = ast.parse(src)
     fn = tree.body[0]
     assert isinstance(fn, ast.FunctionDef)
@@ -198,9 +198,9 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     assert flagged == ["tp_group", "pg"]
     assert _is_any(fn.args.args[0].annotation)
     targets = [t for node in ast.walk(tree) for t in _imported_modules(node, "engine.zero", _known_modules())]
-    assert targets == ["engine.build.initialize"]
-    assert layer_of("engine.build.initialize") > layer_of("engine.zero.base")
+    assert targets == ["engine.assembly.initialize"]
+    assert layer_of("engine.assembly.initialize") > layer_of("engine.zero.base")
     assert layer_of("engine.zero.base") == layer_of("engine.zero")
-    assert layer_of("engine.parts") < layer_of("engine.build.initialize")
+    assert layer_of("engine.parts") < layer_of("engine.assembly.initialize")
     # the exemption is by exact name: the same parameter elsewhere is still flagged
     assert "engine.zero.base Init.__init__(data_parallel_group)" not in GROUP_NONE_EXEMPT_PARAMS

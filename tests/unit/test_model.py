@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.dist.groups import NO_TP
+from engine.distributed.groups import NO_TP
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, flops_per_token, num_stage_layers, param_count
 from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded, tp_partition_dim

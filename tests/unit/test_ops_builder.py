@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.dist.env import OpBuildSettings
+from engine.distributed.env import OpBuildSettings
 from engine.ops import builder as builder_mod
 from engine.ops.builder import OP_SPECS, OpBuilder, OpSpec, _arch_flags, ahead_of_time_extensions, csrc_root
 

@@ -191,7 +191,7 @@ def test_default_timeout_is_30_minutes(train_mod):
 
     from torch.distributed.constants import default_pg_timeout
 
-    from engine.dist.env import init_distributed
+    from engine.distributed.env import init_distributed
 
     ours = train_mod.parse_args(["--config", "c.json", "--steps", "1"], speak=False).timeout
     assert ours == inspect.signature(init_distributed).parameters["timeout_s"].default == 1800.0

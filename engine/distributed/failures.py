@@ -2,7 +2,7 @@
 :func:`failure_guard` turns the transport error into :class:`PeerFailureError` that says
 which rank and why, using the rendezvous store (each rank registers its host and pid at
 bring-up, records its own exception, and survivors check in). On NCCL a survivor's
-collective does not fail when a peer dies: the failure watch (engine.dist.watch) reads
+collective does not fail when a peer dies: the failure watch (engine.distributed.watch) reads
 the recorded exception, aborts the groups so the guard gets an error to handle, and ends
 the process itself if nothing takes over.
 """
@@ -18,12 +18,12 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 
-from engine.dist.lock import pid_running
-from engine.dist.teardown import shutdown
-from engine.dist.watch import mark_first_failure
+from engine.distributed.lock import pid_running
+from engine.distributed.teardown import shutdown
+from engine.distributed.watch import mark_first_failure
 
 if TYPE_CHECKING:
-    from engine.dist.env import DistEnv
+    from engine.distributed.env import DistEnv
 
 __all__ = ["PeerFailureError", "RendezvousStore", "failure_guard", "record_failure", "register_process"]
 

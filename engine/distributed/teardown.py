@@ -94,7 +94,7 @@ def shutdown(drain: bool = True) -> None:
 
     import torch.distributed as dist
 
-    from engine.dist.watch import stop_all
+    from engine.distributed.watch import stop_all
 
     stop_all()  # before the barriers: no peer may leave (taking the store) while a watch polls
     if not dist.is_initialized():

@@ -20,9 +20,15 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from engine.dist.failures import PeerFailureError, RendezvousStore, failure_guard, record_failure, register_process
-from engine.dist.teardown import bind_world_defaults_early, gloo_worker_threads, shutdown
-from engine.dist.watch import FailureWatch, WatchSettings, abort_all_groups, poll_interval
+from engine.distributed.failures import (
+    PeerFailureError,
+    RendezvousStore,
+    failure_guard,
+    record_failure,
+    register_process,
+)
+from engine.distributed.teardown import bind_world_defaults_early, gloo_worker_threads, shutdown
+from engine.distributed.watch import FailureWatch, WatchSettings, abort_all_groups, poll_interval
 
 __all__ = [
     "LaunchError", "LaunchInfo", "detect_launch", "current_launch", "expand_hostlist",
@@ -335,7 +341,7 @@ class DistEnv:
     backend: str
     timeout_s: float
     store: RendezvousStore  # the c10d Store the default group rendezvoused through
-    watch: Optional[FailureWatch] = None  # polls the store for a peer's failure (engine.dist.watch)
+    watch: Optional[FailureWatch] = None  # polls the store for a peer's failure (engine.distributed.watch)
 
     @property
     def rank(self) -> int:
@@ -457,7 +463,7 @@ def nccl_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
 
 def strict_comm_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     """``ENGINE_STRICT_COMM``: check every collective and transfer against NCCL's rules on any
-    backend (engine.dist.strict); on in the test suite, off by default (it adds one small
+    backend (engine.distributed.strict); on in the test suite, off by default (it adds one small
     all-gather per collective)."""
     return env_flag("ENGINE_STRICT_COMM", False, environ)
 
@@ -477,7 +483,7 @@ def _positive_seconds(environ: Mapping[str, str], name: str) -> Optional[float]:
 
 def failure_watch_from_env(environ: Optional[Mapping[str, str]] = None) -> WatchSettings:
     """``ENGINE_FAILURE_WATCH`` (boolean, default on): watch the store for a peer's failure
-    and stop within seconds whatever the backend (engine.dist.watch);
+    and stop within seconds whatever the backend (engine.distributed.watch);
     ``ENGINE_FAILURE_WATCH_INTERVAL`` seconds between polls (default max(1, world/1000));
     ``ENGINE_FAILURE_WATCH_GRACE`` seconds for the blocked call to return after the abort
     before the process exits (default 5)."""
@@ -492,7 +498,7 @@ def _start_watch(settings: WatchSettings, store, info: LaunchInfo, backend: str)
     if not settings.enabled or info.world_size == 1:
         return None
     # only NCCL's abort unblocks a collective; gloo's leaves it blocked even when the
-    # peer's sockets close (engine.dist.watch), so gloo relies on those and the exit
+    # peer's sockets close (engine.distributed.watch), so gloo relies on those and the exit
     abort = abort_all_groups if backend == "nccl" else None
     return FailureWatch(store, info.rank, info.world_size, poll_interval(info.world_size, settings.interval_s),
                         settings.grace_s, hosts_store=info.rank == 0 and not info.agent_store, abort=abort).start()
@@ -527,7 +533,7 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
             os.environ[name] = value
     watch_settings = failure_watch_from_env()  # a bad value is an error before any connection
     if strict_comm_from_env():
-        from engine.dist import strict
+        from engine.distributed import strict
 
         strict.enable(dev.type)
     store = _make_store(info, timeout)
@@ -549,7 +555,7 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
 #   engine/failed/<r>   the exception a rank raised inside failure_guard
 #   engine/checkin/<r>  written by a survivor whose collective failed
 #   engine/first/failed the first rank that recorded a failure (before count/failed grows)
-#   engine/count/seen   failure watches that have read it (engine.dist.watch)
+#   engine/count/seen   failure watches that have read it (engine.distributed.watch)
 
 
 # ---------------------------------------------------------------------- op builder

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 
 from engine.config import Config
-from engine.dist import comm
-from engine.dist.env import DistEnv
-from engine.dist.groups import ParallelGroups
+from engine.distributed import comm
+from engine.distributed.env import DistEnv
+from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine, Pipeline
 from engine.monitor import Monitor
 from engine.optim.build import OptimizerInputs, build_engine_optimizer, build_scheduler

@@ -2,7 +2,7 @@
 
 An :class:`AxisGroup` is one value per axis: its global ranks, this rank's index in them,
 the size, and the communicator. Everything that communicates (TP layers and mappings, the
-ZeRO optimizer, the pipeline executor, :mod:`engine.dist.comm`) takes one, never ``None``:
+ZeRO optimizer, the pipeline executor, :mod:`engine.distributed.comm`) takes one, never ``None``:
 torch.distributed reads ``group=None`` as WORLD, while "no tensor parallelism" used to be
 spelled the same way, so the two meanings are now two values (:meth:`AxisGroup.world` and
 :meth:`AxisGroup.single`).
@@ -102,7 +102,7 @@ class AxisGroup:
         """Every rank of the job (the default group), where "all ranks" is meant."""
         if not dist.is_initialized():
             raise RuntimeError("AxisGroup.world() needs an initialised default group: call "
-                               "engine.dist.env.init_distributed() first")
+                               "engine.distributed.env.init_distributed() first")
         n = dist.get_world_size()
         return cls("world", tuple(range(n)), dist.get_rank(), dist.group.WORLD if n > 1 else None)
 
@@ -172,7 +172,7 @@ class ParallelGroups:
         """
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups.build needs an initialised default group: "
-                               "call engine.dist.env.init_distributed() first")
+                               "call engine.distributed.env.init_distributed() first")
         world = dist.get_world_size()
         if world != topology.world_size:
             raise ValueError(f"{topology} needs {topology.world_size} ranks but the job has "

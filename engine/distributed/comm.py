@@ -5,7 +5,7 @@ One place to adapt to torch's collective API (``*_single`` names replaced the
 hangs or corrupts silently on some backends), and to keep the group an explicit
 argument. No hidden device syncs: async calls return the ``Work`` handle.
 
-Strict NCCL-rules mode (:mod:`engine.dist.strict`, on in the distributed test suite, off
+Strict NCCL-rules mode (:mod:`engine.distributed.strict`, on in the distributed test suite, off
 by default): every call here is also checked for what NCCL requires and gloo forgives
 (device type, contiguity, the same collective/dtype/size on every member, send/receive
 headers, the per-group sequence of collectives).
@@ -19,8 +19,8 @@ from typing import Any, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from engine.dist import strict
-from engine.dist.groups import AxisGroup
+from engine.distributed import strict
+from engine.distributed.groups import AxisGroup
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all_single", "broadcast", "batch_isend_irecv",
            "p2p_op", "group_size", "group_rank", "check_sequence", "no_host_sync"]

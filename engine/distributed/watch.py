@@ -1,7 +1,7 @@
 """Fail fast when a peer fails, whatever the backend (docs/launching.md, "GPU clusters").
 
 gloo raises in a survivor's collective as soon as a failed peer's sockets close, and
-:func:`~engine.dist.failures.failure_guard` names the culprit. NCCL does not notice: the
+:func:`~engine.distributed.failures.failure_guard` names the culprit. NCCL does not notice: the
 survivors sit in the collective until the watchdog timeout (30 minutes by default), then
 the C++ watchdog tears the process down with no Python exception and no message. A failed
 rank does leave its exception in the rendezvous store (``record_failure``), so each rank
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # 1 (failure), 2 (bad input) and 130 (interrupted)
 EXIT_PEER_FAILED = 75
 
-_KEY = "engine/{}/{}"  # the layout of engine.dist.failures
+_KEY = "engine/{}/{}"  # the layout of engine.distributed.failures
 FAILED_COUNT = _KEY.format("count", "failed")
 SEEN_COUNT = _KEY.format("count", "seen")
 FIRST_FAILED = _KEY.format("first", "failed")

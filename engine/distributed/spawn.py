@@ -7,13 +7,13 @@ rank connects to it as a client. Two ways to bring a rank up (``rendezvous``):
 
 - ``"gloo"`` (the tests): the child joins a gloo group through that store, calls
   ``fn(rank, nprocs, *args, **kwargs)`` and tears the groups down with
-  :func:`engine.dist.env.shutdown` before it reports; a rank that reports and then exits
+  :func:`engine.distributed.env.shutdown` before it reports; a rank that reports and then exits
   non-zero (an abort at interpreter exit) is a failure.
 - ``"env"`` (the benchmarks): the child gets the environment torchrun would give it
   (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, and
   TORCHELASTIC_USE_AGENT_STORE so rank 0 connects instead of hosting the store) and calls
   ``fn(*args, **kwargs)``, which initialises its process group itself
-  (:func:`engine.dist.env.init_distributed`). Once its result has left, the child ends
+  (:func:`engine.distributed.env.init_distributed`). Once its result has left, the child ends
   with ``os._exit(0)``: DeepSpeed's ZeRO-3 occasionally aborts in its own atexit teardown
   on CPU, which must not fail a measurement that has finished.
 
@@ -31,7 +31,7 @@ Failure behaviour (what a caller sees):
 command, each with the variables ``srun`` would set, as ``subprocess.Popen`` objects the
 caller waits on (signals, exit codes and output are what those tests check).
 
-Strict NCCL-rules mode (``engine.dist.strict``) is on in a ``"gloo"`` rank when
+Strict NCCL-rules mode (``engine.distributed.strict``) is on in a ``"gloo"`` rank when
 ``ENGINE_STRICT_COMM`` is set (tests/conftest.py sets it for the whole suite); an
 ``"env"`` rank gets it from ``init_distributed``. ``fn`` must be importable by the child
 (module level).
@@ -93,15 +93,15 @@ class _Child:
 def _join_gloo(rank: int, c: _Child) -> None:
     import torch.distributed as dist
 
-    from engine.dist.env import strict_comm_from_env
+    from engine.distributed.env import strict_comm_from_env
 
     timeout = datetime.timedelta(seconds=c.collective_timeout_s)
     store = dist.TCPStore(_HOST, c.port, c.nprocs, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=c.nprocs, timeout=timeout)
-    # NCCL's rules checked on gloo (engine.dist.strict): on for the whole test suite
+    # NCCL's rules checked on gloo (engine.distributed.strict): on for the whole test suite
     # (env={"ENGINE_STRICT_COMM": "0"} opts out)
     if strict_comm_from_env():
-        from engine.dist import strict
+        from engine.distributed import strict
 
         strict.enable("cpu")
 
@@ -133,7 +133,7 @@ def _child_main(fn: Callable[..., Any], rank: int, results: Any, args: tuple, kw
             # the engine's teardown, as every entry point uses it: drain every group in
             # creation order, destroy them, collect (a bare destroy leaves subgroups' gloo
             # threads to meet interpreter finalisation: exit -6 now and then, docs/launching.md)
-            from engine.dist.env import shutdown
+            from engine.distributed.env import shutdown
 
             shutdown()
         results.put((rank, "ok", payload))

@@ -1,9 +1,9 @@
 """Strict NCCL-rules mode: enforce on gloo what NCCL requires and gloo forgives.
 
 Off by default (production pays nothing). The distributed test suite turns it on
-(``ENGINE_STRICT_COMM=1``, read by :func:`engine.dist.env.strict_comm_from_env`; the test
-harness and :func:`engine.dist.env.init_distributed` call :func:`enable`). With it on,
-every collective and point-to-point transfer that goes through :mod:`engine.dist.comm`
+(``ENGINE_STRICT_COMM=1``, read by :func:`engine.distributed.env.strict_comm_from_env`; the test
+harness and :func:`engine.distributed.env.init_distributed` call :func:`enable`). With it on,
+every collective and point-to-point transfer that goes through :mod:`engine.distributed.comm`
 is checked against the rules a real NCCL job lives by:
 
 1. device: every tensor is on the job's device type (``cuda`` under NCCL). NCCL rejects
@@ -122,7 +122,7 @@ def _log(group: dist.ProcessGroup) -> _GroupLog:
     assert _STATE is not None
     g = group
     # keyed by name, never by the object: holding a ProcessGroup here would keep its gloo
-    # threads alive past shutdown() (engine/dist/teardown.py warns, and the interpreter can
+    # threads alive past shutdown() (engine/distributed/teardown.py warns, and the interpreter can
     # abort at exit)
     return _STATE.logs.setdefault(str(getattr(g, "group_name", id(g))), _GroupLog())
 

@@ -5,7 +5,7 @@
                                           config=cfg)   # or optimizer=AdamW(hf_model.parameters())
 
 Steps (:func:`autotp_parts`; the assembly then broadcasts from DP rank 0 and builds the
-optimizer, :mod:`engine.build.assemble`):
+optimizer, :mod:`engine.assembly.assemble`):
 
 1. TP ranks start from TP rank 0's weights (the whole model is broadcast over the TP group,
    parameter by parameter; skipped for a meta-device model, whose weights are loaded later
@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
-from engine.dist import comm
-from engine.dist.groups import AxisGroup, ParallelGroups
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.build import (
     OptimizerInputs,
@@ -95,7 +95,7 @@ def map_param_groups(params: Any, param_map: dict[int, nn.Parameter], model: nn.
 def _optimizer_inputs(cfg: Config, model: nn.Module, client: Any, model_parameters: Optional[list[Any]],
                       param_map: dict[int, nn.Parameter]) -> tuple[Any, Any, Optional[torch.optim.Optimizer]]:
     """``(params or groups, factory, client optimizer)`` for build_engine_optimizer and
-    build_scheduler: what :func:`engine.build.builders.module_parts` does at TP = 1 (:func:`resolve_client_optimizer`,
+    build_scheduler: what :func:`engine.assembly.builders.module_parts` does at TP = 1 (:func:`resolve_client_optimizer`,
     :func:`param_groups_from_client`, :func:`client_optimizer_factory`), with every original
     parameter mapped onto its shard by ``param_map``."""
     given = (list(model.parameters()) if model_parameters is None

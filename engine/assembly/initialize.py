@@ -9,12 +9,12 @@ is the reference GPT (``model=None`` builds it from the config's ``model`` secti
 unsharded :class:`engine.models.GPT` is sharded onto this rank) or, with TP = 1, a list of
 layers cut into pipeline stages; ``engine.train_batch(data_iter)`` runs a whole step.
 Any other ``nn.Module`` (a Hugging Face decoder) with ``tensor_parallel.autotp_size > 1``
-is split by AutoTP (:mod:`engine.build.autotp`, docs/autotp.md).
+is split by AutoTP (:mod:`engine.assembly.autotp`, docs/autotp.md).
 
-Assembly is explicit: one builder per kind of model (:mod:`engine.build.builders`,
-:func:`engine.build.autotp.autotp_parts`, :func:`engine.pipe.build.pipeline_module_parts`)
+Assembly is explicit: one builder per kind of model (:mod:`engine.assembly.builders`,
+:func:`engine.assembly.autotp.autotp_parts`, :func:`engine.pipe.build.pipeline_module_parts`)
 makes the rank's :class:`~engine.parts.ModelParts`, and
-:func:`engine.build.assemble.assemble_engine` builds the optimizer, the pipeline runner and
+:func:`engine.assembly.assemble.assemble_engine` builds the optimizer, the pipeline runner and
 the engine over them.
 """
 
@@ -29,13 +29,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from engine.build.assemble import assemble_engine
-from engine.build.autotp import autotp_parts
-from engine.build.builders import layer_list_parts, module_parts, reference_parts
+from engine.assembly.assemble import assemble_engine
+from engine.assembly.autotp import autotp_parts
+from engine.assembly.builders import layer_list_parts, module_parts, reference_parts
 from engine.config import Config, load_config
 from engine.config.ignored import log_ignored_keys
-from engine.dist.env import DistEnv, device_for_initialised_group, init_distributed
-from engine.dist.groups import ParallelGroups
+from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed
+from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.models import GPT
@@ -73,7 +73,7 @@ def _config_source(args: Any, config: ConfigArg, config_params: ConfigArg) -> Un
 
 def _device_of_default_group() -> torch.device:
     """The device collectives of an already-initialised default group work on (see
-    :func:`engine.dist.env.device_for_initialised_group`); NCCL: also made current."""
+    :func:`engine.distributed.env.device_for_initialised_group`); NCCL: also made current."""
     backend = dist.get_backend()
     if backend != "nccl":
         return torch.device("cpu")
@@ -131,8 +131,8 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     checked against the layout the config gives and refused naming the first mismatch;
     ``distributed_port`` is ignored (the launcher gives the port).
     ``config``: a JSON path, a dict or a loaded :class:`~engine.config.Config`.
-    ``dist_env``: the :class:`~engine.dist.env.DistEnv` of an initialised run; without it and
-    without an initialised default group, :func:`engine.dist.env.init_distributed` is called.
+    ``dist_env``: the :class:`~engine.distributed.env.DistEnv` of an initialised run; without it and
+    without an initialised default group, :func:`engine.distributed.env.init_distributed` is called.
     ``loss_fn(output, targets)``: the loss of a layer-list model (default: cross-entropy of
     the last layer's logits); ``timeout_s``: collective timeout when initialising here.
     """

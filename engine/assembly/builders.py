@@ -7,10 +7,10 @@ optimizer is built over, :class:`engine.optim.build.OptimizerInputs`):
 - :func:`layer_list_parts`: a list of layers cut into pipeline stages (``tp == 1``);
 - :func:`module_parts`: any ``nn.Module`` for the DeepSpeed loop (``tp == pp == 1``).
 
-AutoTP (:func:`engine.build.autotp.autotp_parts`) and DeepSpeed's ``PipelineModule``
+AutoTP (:func:`engine.assembly.autotp.autotp_parts`) and DeepSpeed's ``PipelineModule``
 (:func:`engine.pipe.build.pipeline_module_parts`) have their own. Each builder moves the
 model to its device and dtype; the DP broadcast, the optimizer and the pipeline runner are
-the assembly's (:mod:`engine.build.assemble`).
+the assembly's (:mod:`engine.assembly.assemble`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from engine.config import Config
-from engine.dist.groups import NO_TP, ParallelGroups
+from engine.distributed.groups import NO_TP, ParallelGroups
 from engine.errors import ConfigError
 from engine.models import GPT
 from engine.optim.build import (

@@ -1,0 +1,1 @@
+"""Assembly: validate, build the groups, pick a builder per kind of model, assemble the engine."""

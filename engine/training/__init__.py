@@ -1,0 +1,1 @@
+"""The library training loop (``Trainer``) behind the thin CLI ``launch/train.py``."""
