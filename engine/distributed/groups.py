@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch.distributed as dist
 
-from engine.topology import Axis, Coord, Topology
+from engine.topology import MESH_AXES, PER_AXIS_ROLES, ROLE_AXES, Axis, Coord, Role, Topology
 
 __all__ = ["AxisGroup", "ParallelGroups", "NO_TP"]
 
@@ -149,17 +149,18 @@ NO_TP = AxisGroup.single("tp")  # "not tensor-parallel": a dense model in any pr
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's tp / dp / pp (and embedding) groups, ``groups[Axis.TP]`` etc.
+    """This rank's groups: one per mesh axis (``groups[Axis.TP]``), one per role
+    (``groups.role(Role.GRAD)``: see :data:`engine.topology.ROLE_AXES`) and the embedding group.
 
     Immutable after :meth:`build`. Pass it (or one of its :class:`AxisGroup`) to whatever
-    communicates; nothing here is global.
+    communicates; nothing here is global. A role that spans one axis (or several of which
+    at most one has size > 1) IS that axis's group, so no communicator is built twice.
     """
 
     topology: Topology
     rank: int
-    tp_group: AxisGroup
-    dp_group: AxisGroup
-    pp_group: AxisGroup
+    axes: Mapping[Axis, AxisGroup]
+    roles: Mapping[Role, AxisGroup]  # the flattened roles (PER_AXIS_ROLES are read with role_axes)
     embedding: Optional[AxisGroup]  # stored only: absent on middle pipeline stages (read embedding_group)
 
     @classmethod
@@ -176,7 +177,7 @@ class ParallelGroups:
         world = dist.get_world_size()
         if world != topology.world_size:
             raise ValueError(f"{topology} needs {topology.world_size} ranks but the job has "
-                             f"{world}: change dp/tp/pp or the number of processes launched")
+                             f"{world}: change the parallel degrees or the number of processes launched")
         rank = dist.get_rank() if rank is None else rank
         if rank != dist.get_rank():
             raise ValueError(f"rank={rank} is not this process's rank {dist.get_rank()}")
@@ -197,20 +198,85 @@ class ParallelGroups:
                     mine = AxisGroup(name, tuple(ranks), ranks.index(rank), handle)
             return mine
 
-        tp = make("tp", topology.groups(Axis.TP))
-        dp = make("dp", topology.groups(Axis.DP))
-        pp = make("pp", topology.groups(Axis.PP))
-        assert tp is not None and dp is not None and pp is not None  # the axes partition the world
+        axes = {}
+        for axis in MESH_AXES:  # innermost first: tp, dp, pp (the order every rank walks)
+            axes[axis] = make(axis.value, topology.groups(axis))
+        pp = axes[Axis.PP]
+        assert pp is not None  # an axis partitions the world
         if topology.pp <= 2:  # first + last stage: the whole pp group (the rank alone at pp == 1)
             emb: Optional[AxisGroup] = AxisGroup("embedding", pp.ranks, pp.rank, pp.handle)
         else:
             emb = make("embedding", topology.embedding_groups())
-        return cls(topology, rank, tp, dp, pp, emb)
+
+        def flat(wide: tuple[Axis, ...]) -> AxisGroup:
+            built = make("x".join(a.value for a in wide), topology.groups(wide))
+            assert built is not None  # the flattened groups partition the world
+            return built
+
+        return cls.from_axes(topology, rank, {a: g for a, g in axes.items() if g is not None}, emb, flat)
+
+    @classmethod
+    def from_axes(cls, topology: Topology, rank: int, axes: Mapping[Union[Axis, str], AxisGroup],
+                  embedding: Optional[AxisGroup],
+                  make_flat: Optional[Callable[[tuple[Axis, ...]], AxisGroup]] = None) -> "ParallelGroups":
+        """Assemble from the axes' groups (an axis of size 1 may be left out) and derive the role
+        groups. A role spanning several axes of size > 1 needs its own communicator: ``make_flat``
+        builds it (collective: :meth:`build` passes one), once per set of axes, in
+        :data:`ROLE_AXES` order on every rank."""
+        given = {Axis.parse(a): g for a, g in axes.items()}
+        full = {a: given.get(a) or AxisGroup.single(a.value, rank) for a in MESH_AXES}
+        roles: dict[Role, AxisGroup] = {}
+        built: dict[tuple[Axis, ...], AxisGroup] = {}  # one communicator per set of axes
+        for role, spanned in ROLE_AXES.items():  # dict order: the same on every rank
+            if role in PER_AXIS_ROLES:
+                continue
+            wide = tuple(a for a in spanned if topology.size(a) > 1)
+            if len(wide) <= 1:  # the same ranks as one axis's group: that value, no new communicator
+                roles[role] = full[wide[0] if wide else spanned[0]]
+                continue
+            if make_flat is None:
+                raise ValueError(f"role {role.value!r} spans {[a.value for a in wide]}: it needs a flattened group "
+                                 "(use ParallelGroups.build)")
+            if wide not in built:
+                built[wide] = make_flat(wide)
+            roles[role] = built[wide]
+        return cls(topology, rank, full, roles, embedding)
 
     # ------------------------------------------------------------------- axes
     def __getitem__(self, axis: Union[Axis, str]) -> AxisGroup:
         """``groups[Axis.TP]`` (or ``groups["tp"]``): that axis's group."""
-        return {Axis.TP: self.tp_group, Axis.DP: self.dp_group, Axis.PP: self.pp_group}[Axis.parse(axis)]
+        return self.axes[Axis.parse(axis)]
+
+    def role(self, role: Role) -> AxisGroup:
+        """The one group of ranks that play ``role`` together (e.g. ``Role.GRAD``: the ranks that
+        reduce and partition the dense gradients)."""
+        if role in PER_AXIS_ROLES:
+            raise ValueError(f"role {role.value!r} is reduced axis by axis and has no flattened group: "
+                             "use role_axes()")
+        return self.roles[role]
+
+    def role_axes(self, role: Role) -> tuple[AxisGroup, ...]:
+        """The groups of each axis ``role`` spans, with a size > 1 (a separable reduction such as
+        the FP8 amax MAX is taken over each in turn)."""
+        return tuple(self.axes[a] for a in ROLE_AXES[role] if self.axes[a].size > 1)
+
+    def speaks_for(self, *replicated: Union[Role, Axis]) -> bool:
+        """True on the one rank that writes, sends or logs for the ranks that hold the same thing
+        along every given role or axis (index 0 in each): the one predicate for it."""
+        axes = [a for r in replicated for a in (ROLE_AXES[r] if isinstance(r, Role) else (r,))]
+        return self.topology.speaks_for(self.rank, axes)
+
+    @property
+    def tp_group(self) -> AxisGroup:
+        return self.axes[Axis.TP]
+
+    @property
+    def dp_group(self) -> AxisGroup:
+        return self.axes[Axis.DP]
+
+    @property
+    def pp_group(self) -> AxisGroup:
+        return self.axes[Axis.PP]
 
     @property
     def embedding_group(self) -> AxisGroup:
@@ -295,8 +361,9 @@ class ParallelGroups:
     def all_groups(self) -> list[AxisGroup]:
         """This rank's distinct groups that have a communicator (size > 1), in creation order;
         the embedding group only when it is not the pp group."""
-        groups = [self.tp_group, self.dp_group, self.pp_group]
+        groups = [self.axes[a] for a in MESH_AXES]
         emb = self.embedding
         if emb is not None and self.topology.pp > 2:
             groups.append(emb)
+        groups += [g for g in self.roles.values() if all(g is not h for h in groups)]
         return [g for g in groups if g.size > 1]

@@ -173,7 +173,7 @@ def test_parallel_groups_are_keyed_by_axis():
     size-1 axes); a middle stage has no embedding group and says so."""
     one = {a: AxisGroup.single(a, 4) for a in ("tp", "dp")}
     fake_pp = AxisGroup("pp", (0, 4, 8), 1, handle=object())  # any non-None communicator stands in
-    groups = ParallelGroups(Topology(dp=4, tp=1, pp=3), 4, one["tp"], one["dp"], fake_pp, None)
+    groups = ParallelGroups.from_axes(Topology(dp=4, tp=1, pp=3), 4, {"tp": one["tp"], "dp": one["dp"], "pp": fake_pp}, None)
     assert groups[Axis.TP] is groups.tp_group and groups["pp"] is fake_pp and groups[Axis.DP].size == 1
     assert not groups.in_embedding_group and groups.embedding_ranks == ()
     with pytest.raises(ValueError, match="middle pipeline stage"):
