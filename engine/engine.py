@@ -41,6 +41,7 @@ from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
 from engine.parts import LossFn, ModelParts
 from engine.precision.fp8 import Fp8LinearState, fp8_states, update_fp8_scales
 from engine.timers import PhaseTimers
+from engine.topology import Role
 from engine.training_state import TrainingState
 from engine.weights16 import save_16bit_model
 from engine.zero import ZeroOptimizer
@@ -97,7 +98,7 @@ class Engine(nn.Module):
     _step_skipped: bool
     _last_grad_norm: Optional[torch.Tensor]
     _last_lr: Optional[list[float]]
-    _dp_group: Optional[AxisGroup]
+    _loss_group: Optional[AxisGroup]
     _fp8_states: list[Any]
     _fp8_groups: list[AxisGroup]
     _checked_groups: list[AxisGroup]
@@ -128,19 +129,20 @@ class Engine(nn.Module):
         self._step_skipped = False
         self._last_grad_norm: Optional[torch.Tensor] = None  # 0-dim on the device until asked for
         self._last_lr: Optional[list[float]] = None
-        self._dp_group = groups.dp_group  # None after destroy()
+        self._loss_group = groups.role(Role.LOSS)  # None after destroy()
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
         # steps_per_print steps
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
-        # FP8 layers: amaxes MAX-reduced over TP and then DP (= over TP x DP, so scales are the
-        # same on every rank and replica and do not depend on the layout), once per step.
+        # FP8 layers: amaxes MAX-reduced over each axis of the amax role in turn (TP, then DP:
+        # = over TP x DP, so scales are the same on every rank and replica and do not depend on
+        # the layout), once per step.
         self._fp8_states = fp8_states(self.module)
         # With a pipeline a stage may legitimately hold no FP8 layer (embedding or head only);
         # engine.initialize checks the whole model on every rank before any collective.
         if config.fp8.enabled and not self._fp8_states and pipeline is None:
             raise ConfigError("fp8.enabled but the model has no FP8 layer (the reference model's blocks get them "
                               "from the config; a custom module needs engine.precision.fp8.Fp8Linear)")
-        self._fp8_groups = [g for g in (groups.tp_group, groups.dp_group) if g.size > 1]
+        self._fp8_groups = list(groups.role_axes(Role.AMAX))
         # strict NCCL-rules mode: the groups whose collective sequences are compared at each step
         self._checked_groups = groups.all_groups()
 
@@ -363,19 +365,19 @@ class Engine(nn.Module):
         return loss
 
     def _aggregate_loss(self, losses: Optional[list[torch.Tensor]]) -> torch.Tensor:
-        """Mean over micro-batches (on the last stage), averaged over DP, then sent to every
+        """Mean over micro-batches (on the last stage), averaged over the loss role, then sent to every
         pipeline stage."""
         out = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:  # the last pipeline stage (every rank without a pipeline)
             out = torch.stack([l.float() for l in losses]).mean()
-        if self._dp_group is not None and self._dp_group.size > 1:
-            comm.all_reduce(out, self._dp_group)
-            out /= self.config.dp
+        if self._loss_group is not None and self._loss_group.size > 1:
+            comm.all_reduce(out, self._loss_group)
+            out /= self._loss_group.size
         if self.pipeline is not None:
             groups = self.groups
             assert groups is not None  # destroy() drops the pipeline with the groups
-            last = groups.topology.rank(dp=groups.dp_rank, tp=groups.tp_rank, pp=self.config.pp - 1)
-            comm.broadcast(out, last, groups.pp_group)
+            stages = groups.role(Role.PP)
+            comm.broadcast(out, stages.global_rank_of(stages.size - 1), stages)
         return out
 
     # ------------------------------------------------------------------ teardown
@@ -392,7 +394,7 @@ class Engine(nn.Module):
             self.monitor = None
         self.pipeline = None
         self.groups = None
-        self._dp_group = None
+        self._loss_group = None
         self._fp8_groups, self._checked_groups = [], []
 
     # ------------------------------------------------------------------ checkpoints

@@ -33,6 +33,7 @@ from engine.models import GPT
 from engine.pipeline.partition import layers_of
 from engine.pipeline.stages import reference_layer_params, stage_bounds
 from engine.tensor_parallel.layers import gather_full_tensor
+from engine.topology import Role
 from engine.zero.stage3 import Zero3Optimizer
 
 __all__ = ["gather_reference_model", "greedy_generate", "generates_sharded", "greedy_generate_sharded"]
@@ -62,7 +63,7 @@ def gather_reference_model(engine: Engine) -> Optional[GPT]:
     if groups is None:
         raise RuntimeError("gather_reference_model: the engine was destroyed")
     tp_group = groups.tp_group
-    holder = groups.dp_rank == 0 and groups.tp_rank == 0  # sends (or, on rank 0, keeps) full tensors
+    holder = groups.speaks_for(Role.GRAD, Role.TP)  # sends (or, on rank 0, keeps) full tensors
     # stage 3 builds a Zero3Optimizer (the only one that gathers)
     gathered = (cast(Zero3Optimizer, engine.optimizer).gathered_params() if cfg.zero.stage == 3
                 else contextlib.nullcontext())

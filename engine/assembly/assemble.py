@@ -25,6 +25,7 @@ from engine.optim.build import OptimizerInputs, build_engine_optimizer, build_sc
 from engine.parts import ModelParts
 from engine.pipe.runner import LazyPipelineRunner
 from engine.pipeline.runner import PipelineRunner
+from engine.topology import Role
 from engine.zero import ZeroOptimizer
 from engine.zero.init import is_partitioned
 
@@ -32,13 +33,15 @@ __all__ = ["assemble_engine", "broadcast_from_first_replica"]
 
 
 def broadcast_from_first_replica(module: nn.Module, groups: ParallelGroups) -> None:
-    """Every DP replica starts from DP rank 0's weights and buffers (as DeepSpeed does)."""
-    if groups.dp_size == 1:
+    """Every replica of the weights (the grad role) starts from its first member's weights and
+    buffers (as DeepSpeed does from DP rank 0)."""
+    replicas = groups.role(Role.GRAD)
+    if replicas.size == 1:
         return
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             if not is_partitioned(t):  # built under engine.zero.Init: already equal slices
-                comm.broadcast(t.data, groups.dp_ranks[0], groups.dp_group)
+                comm.broadcast(t.data, replicas.global_rank_of(0), replicas)
 
 
 def _pipeline(cfg: Config, parts: ModelParts, groups: ParallelGroups, device: torch.device,

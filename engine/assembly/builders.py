@@ -34,6 +34,7 @@ from engine.optim.client import param_groups_from_client, resolve_client_optimiz
 from engine.parts import LossFn, ModelParts
 from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.topology import Role
 from engine.zero.init import Init as zero_init
 
 __all__ = ["reference_parts", "layer_list_parts", "module_parts"]
@@ -68,7 +69,7 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
-    with zero_init(data_parallel_group=groups.dp_group, enabled=cfg.zero.stage == 3 and model is None):
+    with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None):
         chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype)
     if model is not None:
         load_full_weights(chunks, model, tp_group)

@@ -46,6 +46,7 @@ from engine.parts import LossFn, ModelParts
 from engine.pipe.build import pipeline_config, pipeline_module_parts
 from engine.pipe.module import PipelineModule
 from engine.precision.fp8 import fp8_states
+from engine.topology import Role
 
 __all__ = ["initialize"]
 
@@ -109,7 +110,8 @@ def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Opti
     batches are pinned, so the engine's non-blocking copy to the device overlaps compute."""
     if not isinstance(data, Dataset):
         raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(data).__name__}")
-    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=groups.dp_size, rank=groups.dp_rank, shuffle=True,
+    rows = groups.role(Role.BATCH)  # the ranks that read different rows
+    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=rows.size, rank=rows.rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     return DataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=True, pin_memory=device.type != "cpu")

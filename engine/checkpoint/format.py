@@ -41,6 +41,7 @@ from typing import Any, BinaryIO, Iterable, Optional, Sequence
 
 import torch
 
+from engine.topology import Axis, Topology
 from engine.training_state import decode_bytes, encode_bytes
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "CheckpointMetadata", "SavedTopology", "OptimizerRecord",
@@ -150,6 +151,20 @@ class SavedTopology:
     world_size: int
     zero_stage: int
     virtual_stages: int = 1
+
+    @classmethod
+    def of(cls, topology: Topology, zero_stage: int, virtual_stages: int = 1) -> "SavedTopology":
+        """The record of a run's topology (every mesh axis)."""
+        sizes = {a.value: topology.size(a) for a in Axis}
+        return cls(**sizes, world_size=topology.mesh.world_size, zero_stage=zero_stage,
+                   virtual_stages=virtual_stages)
+
+    def same_mesh(self, topology: Topology) -> bool:
+        """Whether ``topology`` has this record's size on every mesh axis (rank r is the same rank)."""
+        return all(getattr(self, a.value) == topology.size(a) for a in Axis)
+
+    def describe(self) -> str:
+        return " ".join(f"{a.value}={getattr(self, a.value)}" for a in Axis)
 
     def to_json(self) -> dict[str, int]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "world_size": self.world_size,

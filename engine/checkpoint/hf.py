@@ -33,6 +33,7 @@ from engine.checkpoint.target import Checkpointable
 from engine.distributed.groups import ParallelGroups
 from engine.tensor_parallel.hf_load import LoadReport, SourceArg, full_shape_of, load_sharded_weights
 from engine.tensor_parallel.layers import gather_full_tensor
+from engine.topology import Role
 from engine.zero.shard_view import ShardView
 
 __all__ = ["load_hf_weights", "export_hf"]
@@ -88,7 +89,7 @@ def export_hf(engine: Checkpointable, out_dir: str, *, dtype: Optional[torch.dty
     _refuse_zero3(engine, "export_hf")
     groups = _groups(engine)
     model = engine.module
-    if groups.dp_rank != 0:   # a TP group shares its DP rank: replicas have nothing to add
+    if not groups.speaks_for(Role.GRAD):   # the other replicas of the weights have nothing to add
         dist.barrier()
         return None
     writer = None

@@ -45,6 +45,7 @@ from engine.checkpoint.format import (
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
+    SavedTopology,
     load_metadata,
     read_latest,
     resolve_checkpoint_dir,
@@ -298,8 +299,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = 
     if not load_module_only:
         state.load_state_dict(_training_state_dict(engine, meta, state, load_lr_scheduler_states, load_rng_states))
     topo = meta.topology
-    logger.info("loaded checkpoint %s (saved at dp=%d tp=%d pp=%d ZeRO-%d, step %d)", path, topo.dp, topo.tp,
-                topo.pp, topo.zero_stage, meta.global_steps)
+    logger.info("loaded checkpoint %s (saved at %s ZeRO-%d, step %d)", path, topo.describe(), topo.zero_stage,
+                meta.global_steps)
     return path, local.client
 
 
@@ -319,12 +320,11 @@ def _training_state_dict(engine: Checkpointable, meta: CheckpointMetadata, state
     topo, cfg = meta.topology, engine.config
     if not load_rng_states or engine.groups is None:
         return sd
-    if (topo.dp, topo.tp, topo.pp) == (cfg.dp, cfg.tp, cfg.pp):
+    if topo.same_mesh(cfg.topology):
         rng = meta.rng.get(str(engine.groups.rank))
         if rng is not None:
             sd["rng"] = rng
     elif rank0:
-        logger.info("RNG states not restored: the checkpoint was saved at dp=%d tp=%d pp=%d, this run is dp=%d "
-                    "tp=%d pp=%d (no rank-to-rank correspondence)", topo.dp, topo.tp, topo.pp, cfg.dp, cfg.tp,
-                    cfg.pp)
+        logger.info("RNG states not restored: the checkpoint was saved at %s, this run is %s (no rank-to-rank "
+                    "correspondence)", topo.describe(), SavedTopology.of(cfg.topology, 0).describe())
     return sd

@@ -68,6 +68,7 @@ from engine.checkpoint.target import Checkpointable
 from engine.config import Config
 from engine.distributed.groups import ParallelGroups
 from engine.distributed.lock import held_here, pid_running
+from engine.topology import Role
 from engine.training_state import capture_rng
 from engine.version import __version__
 from engine.zero.shard_view import Scalar, ShardView
@@ -267,8 +268,7 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
     # per-group lists in the scheduler state follow rank 0's inner groups: their user param groups
     return CheckpointMetadata(
         tag=tag, engine_version=__version__, torch_version=torch.__version__, time=time.time(),
-        topology=SavedTopology(cfg.dp, cfg.tp, cfg.pp, cfg.world_size, cfg.zero.stage,
-                               cfg.pipeline.virtual_stages),
+        topology=SavedTopology.of(cfg.topology, cfg.zero.stage, cfg.pipeline.virtual_stages),
         config=cfg.to_dict(), training={k: training[k] for k in CheckpointMetadata.TRAINING_KEYS},
         optimizer=OptimizerRecord(parts[0]["optimizer_class"], param_groups, elementwise, scalar_state, by_group),
         params={n: ParamRecord(tuple(e["shape"]), tuple(e["fragments"])) for n, e in params.items()},
@@ -426,9 +426,9 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Optional[str] = 
     try:
         training = engine.training_state().state_dict()
         local: Any = _write_local(engine, engine.optimizer.shard_view(), tmp_dir)
-        # FP8 scaling state is MAX-reduced over TP x DP: one (tp, dp) = (0, 0) rank per stage sends it
-        coord = _parallel_groups(engine).coord
-        local.update(rng=training["rng"], fp8=training["fp8"] if coord.tp == 0 and coord.dp == 0 else None)
+        # FP8 scaling state is MAX-reduced over the amax role: one rank of it per stage sends it
+        speaks = _parallel_groups(engine).speaks_for(Role.AMAX)
+        local.update(rng=training["rng"], fp8=training["fp8"] if speaks else None)
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         local = f"rank {rank}: {type(exc).__name__}: {exc}"
     parts: Optional[list[Any]] = [None] * dist.get_world_size() if rank == 0 else None

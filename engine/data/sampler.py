@@ -106,29 +106,30 @@ class _Indexer:
         return out
 
 
-def accumulation_steps(global_batch: int, micro_batch: int, dp_size: int) -> int:
+def accumulation_steps(global_batch: int, micro_batch: int, replicas: int) -> int:
     """Gradient-accumulation steps ``G / (micro_batch * dp)``; raises unless it divides."""
     _check_int("global batch size", global_batch, 1)
     _check_int("micro batch size", micro_batch, 1)
-    _check_int("dp size", dp_size, 1)
-    if global_batch % (micro_batch * dp_size):
+    _check_int("dp size", replicas, 1)
+    if global_batch % (micro_batch * replicas):
         raise DataError(f"train_batch_size {global_batch} is not divisible by "
-                        f"train_micro_batch_size_per_gpu {micro_batch} x dp {dp_size}; choose "
+                        f"train_micro_batch_size_per_gpu {micro_batch} x dp {replicas}; choose "
                         "sizes with train_batch_size = micro_batch x accumulation_steps x dp")
-    return global_batch // (micro_batch * dp_size)
+    return global_batch // (micro_batch * replicas)
 
 
-def dp_slice(batch: T, dp_rank: int, dp_size: int) -> T:
-    """Rows of ``batch`` (a ``Batch``, tensor or array) that DP rank ``dp_rank`` trains on."""
-    _check_int("dp size", dp_size, 1)
-    if not 0 <= dp_rank < dp_size:
-        raise DataError(f"dp rank {dp_rank} out of range for dp size {dp_size}")
+def dp_slice(batch: T, replica: int, replicas: int) -> T:
+    """Rows of ``batch`` (a ``Batch``, tensor or array) that ``replica`` (its index in the batch
+    role, ``Role.BATCH``: the ranks that read different rows) trains on."""
+    _check_int("dp size", replicas, 1)
+    if not 0 <= replica < replicas:
+        raise DataError(f"dp rank {replica} out of range for dp size {replicas}")
     rows = len(batch)  # type: ignore[arg-type]
-    if rows % dp_size:
-        raise DataError(f"a global batch of {rows} rows cannot be split over dp = {dp_size} ranks; "
+    if rows % replicas:
+        raise DataError(f"a global batch of {rows} rows cannot be split over dp = {replicas} ranks; "
                         "make train_batch_size a multiple of the data-parallel degree")
-    per = rows // dp_size
-    return _rows(batch, dp_rank * per, (dp_rank + 1) * per)
+    per = rows // replicas
+    return _rows(batch, replica * per, (replica + 1) * per)
 
 
 def microbatches(batch: T, micro_batch: int) -> List[T]:
@@ -167,15 +168,15 @@ class GlobalBatchSampler:
         """The whole global batch at ``step``: tokens ``(global_batch, seq_len + 1)``."""
         return self.dataset.batch(self.indices_at(step))
 
-    def local_batch(self, step: int, dp_rank: int, dp_size: int) -> Batch:
-        """``dp_slice(batch_at(step), dp_rank, dp_size)``, reading only those rows."""
-        return self.dataset.batch(dp_slice(self.indices_at(step), dp_rank, dp_size))
+    def local_batch(self, step: int, replica: int, replicas: int) -> Batch:
+        """``dp_slice(batch_at(step), replica, replicas)``, reading only those rows."""
+        return self.dataset.batch(dp_slice(self.indices_at(step), replica, replicas))
 
-    def local_microbatches(self, step: int, dp_rank: int, dp_size: int,
+    def local_microbatches(self, step: int, replica: int, replicas: int,
                            micro_batch: int) -> List[Batch]:
-        """The micro-batches DP rank ``dp_rank`` accumulates over at ``step``."""
-        accumulation_steps(self.global_batch, micro_batch, dp_size)
-        return microbatches(self.local_batch(step, dp_rank, dp_size), micro_batch)
+        """The micro-batches ``replica`` (of ``replicas`` in the batch role) accumulates over at ``step``."""
+        accumulation_steps(self.global_batch, micro_batch, replicas)
+        return microbatches(self.local_batch(step, replica, replicas), micro_batch)
 
 
 def batch_at(dataset: PackedDataset, step: int, global_batch: int, seed: int) -> Batch:

@@ -365,5 +365,7 @@ class ParallelGroups:
         emb = self.embedding
         if emb is not None and self.topology.pp > 2:
             groups.append(emb)
-        groups += [g for g in self.roles.values() if all(g is not h for h in groups)]
+        for g in self.roles.values():  # a flattened role group (several wide axes), once
+            if all(g is not h for h in groups):
+                groups.append(g)
         return [g for g in groups if g.size > 1]

@@ -104,7 +104,7 @@ class Muon(torch.optim.Optimizer):
             for bi, bv in enumerate(gv.buckets):
                 for s in bv.params:
                     mats.append(matrix_of(s.param, s.shape, view.tp_size, gi, bi, s.index))
-        owned = assign_owners(mats, view.dp_size, view.tp_size, max(steps) if steps else DEFAULT_NS_STEPS)
+        owned = assign_owners(mats, view.grad_size, view.tp_size, max(steps) if steps else DEFAULT_NS_STEPS)
         self._plan = {}
         for m in owned:
             self._plan.setdefault(m.group, {}).setdefault(m.bucket, []).append(m)

@@ -135,7 +135,7 @@ def _to_owners(view: ShardView, bv: BucketView, update: torch.Tensor, mats: Sequ
                stats: ExchangeStats) -> dict[int, torch.Tensor]:
     """ZeRO-1/2/3: every rank sends the pieces of each matrix in its shard to the matrix's
     DP owner (one all-to-all); returns the owner's whole TP-local updates ``{slot: (numel,)}``."""
-    dp, me = view.dp_size, view.dp_rank
+    dp, me = view.grad_size, view.grad_rank
     shard_lo = bv.layout.shard_range(me)[0]
     send, in_splits = [], [0] * dp
     for m in sorted(mats, key=lambda m: m.dp_owner):                   # grouped by destination
@@ -148,7 +148,7 @@ def _to_owners(view: ShardView, bv: BucketView, update: torch.Tensor, mats: Sequ
     out_splits = [sum(_piece(bv, m.slot, r)[1] - _piece(bv, m.slot, r)[0] for m in mine) for r in range(dp)]
     recv = torch.empty(sum(out_splits), dtype=update.dtype, device=update.device)
     inp = torch.cat(send) if send else update.new_empty(0)
-    comm.all_to_all_single(recv, inp, out_splits, in_splits, view.dp_group)
+    comm.all_to_all_single(recv, inp, out_splits, in_splits, view.grad_group)
     stats.comm_elements += inp.numel()
     full = {m.slot: torch.empty(bv.params[m.slot].numel, dtype=update.dtype, device=update.device) for m in mine}
     pos = 0
@@ -164,7 +164,7 @@ def _from_owners(view: ShardView, bv: BucketView, results: dict[int, torch.Tenso
                  like: torch.Tensor, stats: ExchangeStats) -> torch.Tensor:
     """The reverse all-to-all: each owner returns every rank its pieces of the results;
     ``(shard_numel,)``, zero where no Muon matrix lies (padding)."""
-    dp, me = view.dp_size, view.dp_rank
+    dp, me = view.grad_size, view.grad_rank
     mine = [m for m in mats if m.dp_owner == me]
     send, in_splits = [], [0] * dp
     for r in range(dp):
@@ -180,7 +180,7 @@ def _from_owners(view: ShardView, bv: BucketView, results: dict[int, torch.Tenso
         out_splits[m.dp_owner] += hi - lo
     recv = torch.empty(sum(out_splits), dtype=like.dtype, device=like.device)
     inp = torch.cat(send) if send else like.new_empty(0)
-    comm.all_to_all_single(recv, inp, out_splits, in_splits, view.dp_group)
+    comm.all_to_all_single(recv, inp, out_splits, in_splits, view.grad_group)
     stats.comm_elements += inp.numel()
     out = torch.zeros_like(like)
     shard_lo, pos = bv.layout.shard_range(me)[0], 0
@@ -198,8 +198,8 @@ def orthogonalize_bucket(view: ShardView, bv: BucketView, update: torch.Tensor, 
     """``update`` (shard_numel,) fp32 of bucket ``bv`` -> its orthogonalised update, same
     shape; ``mats``: the bucket's Muon matrices with their owners (every rank passes the
     same list). Collective over the DP group (and the TP group of the owning DP rank)."""
-    dp = view.dp_size
-    mine = [m for m in mats if m.dp_owner == view.dp_rank]
+    dp = view.grad_size
+    mine = [m for m in mats if m.dp_owner == view.grad_rank]
     if bv.sharded and dp > 1:
         results = _tp_exchange(view, _to_owners(view, bv, update, mats, stats), bv, mine, ns, stats)
         return _from_owners(view, bv, results, mats, update, stats)
@@ -213,6 +213,6 @@ def orthogonalize_bucket(view: ShardView, bv: BucketView, update: torch.Tensor, 
         s = bv.params[m.slot]
         out[s.bucket_offset:s.bucket_offset + s.numel] = results[m.slot]
     if dp > 1:
-        comm.all_reduce(out, view.dp_group)
+        comm.all_reduce(out, view.grad_group)
         stats.comm_elements += out.numel()
     return out

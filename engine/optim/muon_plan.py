@@ -85,10 +85,10 @@ def matrix_of(param: Any, local_shape: Sequence[int], tp_size: int, group: int, 
     return MuonMatrix(group, bucket, slot, (r, c), full, dim, parts)
 
 
-def assign_owners(matrices: Sequence[MuonMatrix], dp_size: int, tp_size: int, ns_steps: int) -> list[MuonMatrix]:
+def assign_owners(matrices: Sequence[MuonMatrix], grad_size: int, tp_size: int, ns_steps: int) -> list[MuonMatrix]:
     """The matrices with ``dp_owner`` / ``tp_owner`` set, balancing Newton–Schulz FLOPs
     over the dp x tp grid (greedy, largest first; deterministic)."""
-    load = [0] * (dp_size * tp_size)
+    load = [0] * (grad_size * tp_size)
     owners: dict[int, int] = {}
     order = sorted(range(len(matrices)), key=lambda i: (-matrices[i].flops(ns_steps), i))
     for i in order:

@@ -401,7 +401,7 @@ def update_fp8_scales(states: Iterable[Fp8LinearState],
 
     Every rank of `group` must pass its states in the same order (same layer structure):
     the fresh amaxes of all of them travel in one stacked all-reduce. `group` may also be a
-    sequence of groups (e.g. ``[tp_group, dp_group]``): the MAX is taken over each in turn,
+    sequence of groups (e.g. the amax role's ``groups.role_axes(Role.AMAX)``): the MAX is taken over each in turn,
     which equals the MAX over their product (TP x DP) without building that group; ``()``
     (the default): this rank's amaxes only.
 

@@ -43,6 +43,7 @@ from engine.errors import ConfigError
 from engine.generate import gather_reference_model, generates_sharded, greedy_generate, greedy_generate_sharded
 from engine.metrics import MetricsWriter, StepTimer, device_peak_flops, mfu, peak_memory_bytes
 from engine.models import ModelConfig, flops_per_token
+from engine.topology import Role
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "write_memory_report",
@@ -111,7 +112,7 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     writes them). ``peak_tflops``: per-device peak for MFU where the device table has none;
     ``run_id``: stored in every record as ``run_id`` (which job wrote it)."""
     cfg: Config = engine.config
-    groups = _groups(engine)
+    rows = _groups(engine).role(Role.BATCH)  # the ranks that read different rows of the batch
     is_writer = engine.global_rank == 0
     writer = MetricsWriter(output_dir, is_writer=is_writer)
     peak = device_peak_flops(engine.device, cfg.precision, peak_tflops)
@@ -122,7 +123,7 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     try:
         for _ in range(steps):
             step = engine.global_steps  # the data of step s depends only on s: resumable, layout-free
-            mbs = sampler.local_microbatches(step, groups.dp_rank, groups.dp_size, micro)
+            mbs = sampler.local_microbatches(step, rows.rank, rows.size, micro)
             data = iter([mb.to(engine.device) for mb in mbs])
             scale = engine.get_loss_scale()
             timer.start()
@@ -147,7 +148,7 @@ def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, A
     """Gather each rank's bytes to rank 0 and write ``memory.json`` there (collective)."""
     mem = engine.memory_breakdown()
     coord = _groups(engine).coord
-    mine = {"rank": engine.global_rank, "dp": coord.dp, "tp": coord.tp, "pp": coord.pp,
+    mine = {"rank": engine.global_rank, **coord._asdict(),
             "params_bytes": int(mem["params"]), "grads_bytes": int(mem["grads"]),
             "optimizer_state_bytes": int(mem["optimizer_state"]),
             "bucket_buffers_bytes": int(mem.get("buckets", 0)),  # ZeRO-2/3 pooled reduction buffers
@@ -291,13 +292,13 @@ class Trainer:
 
     def _checkpoint_bytes(self) -> int:
         """About one checkpoint: the optimizer state (fp32 masters and moments) of every rank,
-        counted once per DP replica under ZeRO-0 (one replica writes it). Collective."""
+        counted once per replica of the grad role under ZeRO-0 (one replica writes it). Collective."""
         eng = self.engine
         # on the engine's device: NCCL takes no CPU tensors
         mine = torch.tensor([float(eng.memory_breakdown()["optimizer_state"])], dtype=torch.float64,
                             device=eng.device)
         dist.all_reduce(mine)
-        return int(mine.item() / (eng.config.dp if eng.config.zero.stage == 0 else 1))
+        return int(mine.item() / (eng.config.topology.role_size(Role.GRAD) if eng.config.zero.stage == 0 else 1))
 
     def run(self, on_step: Optional[Callable[[dict[str, Any]], None]] = None,
             on_loop_end: Optional[Callable[[], None]] = None) -> TrainResult:

@@ -60,6 +60,7 @@ from engine.distributed import comm, strict
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
+from engine.topology import Role
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
 from engine.zero.init import is_partitioned, param_numel
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
@@ -98,8 +99,9 @@ def normalize_param_groups(params: ParamsArg) -> list[dict[str, Any]]:
 
 def _mesh(groups: Union[ParallelGroups, AxisGroup],
           tied: bool) -> tuple[AxisGroup, AxisGroup, AxisGroup, AxisGroup]:
-    """(dp, tp, pp, embedding) from what the caller passed: the run's ParallelGroups, or the
-    DP group alone (tp = pp = 1, no tied weights across stages)."""
+    """(grad, tp, pp, embedding) from what the caller passed: the run's ParallelGroups (its
+    ``Role.GRAD`` group reduces and partitions), or that group alone (tp = pp = 1, no tied
+    weights across stages)."""
     if isinstance(groups, AxisGroup):
         if tied:
             raise ValueError("tied_params are summed over the embedding group: pass the ParallelGroups, "
@@ -113,7 +115,7 @@ def _mesh(groups: Union[ParallelGroups, AxisGroup],
         raise ValueError(f"tied parameters were given on rank {groups.rank}, a middle pipeline stage: tied "
                          "weights live on the first and last stage only")
     emb = groups.embedding_group if tied else AxisGroup.single("embedding", groups.rank)
-    return groups.dp_group, groups.tp_group, groups.pp_group, emb
+    return groups.role(Role.GRAD), groups.role(Role.TP), groups.role(Role.PP), emb
 
 
 def _master_grad(master: torch.nn.Parameter) -> torch.Tensor:
@@ -147,9 +149,9 @@ class ZeroOptimizer:
         if not dist.is_initialized():
             raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
                                "engine.distributed.env.init_distributed(), or gloo with world_size=1)")
-        self.dp_group, self.tp_group, self.pp_group, self.embedding_group = _mesh(groups, bool(tied_params))
-        self.dp_size = comm.group_size(self.dp_group)
-        self.dp_rank = comm.group_rank(self.dp_group)
+        self.grad_group, self.tp_group, self.pp_group, self.embedding_group = _mesh(groups, bool(tied_params))
+        self.grad_size = comm.group_size(self.grad_group)
+        self.grad_rank = comm.group_rank(self.grad_group)
         self.precision = precision or PrecisionPolicy()
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         if clip_grad < 0:
@@ -173,8 +175,8 @@ class ZeroOptimizer:
         keyed = group_params([g["params"] for g in user_groups], tied_params)
         self.groups: list[FlatGroup] = []
         self.buckets: list[FlatBucket] = []
-        num_shards = self.dp_size if self.shards_optimizer_state else 1
-        shard_index = self.dp_rank if self.shards_optimizer_state else 0
+        num_shards = self.grad_size if self.shards_optimizer_state else 1
+        shard_index = self.grad_rank if self.shards_optimizer_state else 0
         for key, plist in keyed.items():
             buckets: list[FlatBucket] = []
             for chunk in self._plan_buckets(key, cast(list[torch.nn.Parameter], plist)):  # module parameters
@@ -243,9 +245,8 @@ class ZeroOptimizer:
     def shard_view(self) -> ShardView:
         """Where each parameter's elements lie in this rank's master shards, their optimizer
         state and the way to load it back (engine.zero.shard_view: the checkpoint boundary)."""
-        return build_shard_view(self.groups, self.shards_optimizer_state, self.dp_group, self.dp_size,
-                                self.dp_rank, self.tp_group, stage=self.stage, optimizer=self.optimizer,
-                                publish=self._publish)
+        return build_shard_view(self.groups, self.shards_optimizer_state, self.grad_group, self.tp_group,
+                                stage=self.stage, optimizer=self.optimizer, publish=self._publish)
 
     # ------------------------------------------------------------------ micro-steps
     def set_boundary(self, is_boundary: bool) -> None:
@@ -284,7 +285,7 @@ class ZeroOptimizer:
     def _grad_factor(self) -> float:
         """The contract's gradient factor 1 / (dp * S), applied as the hooks add a gradient
         into an fp32 accumulator (engine.zero.step)."""
-        return step_factors(1, self.dp_size, self.loss_scaler.loss_scale).grad
+        return step_factors(1, self.grad_size, self.loss_scaler.loss_scale).grad
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b, i = self._where[id(p)]
@@ -358,7 +359,7 @@ class ZeroOptimizer:
         # land in a pooled (shard,) receive buffer that is added into it when they complete
         if b.reductions > 0:
             b.recv = self._recv_pool.acquire(b.layout.shard_numel)
-        b.launch_reduce(self.dp_group, sharded=True, async_op=self.overlap_comm, out=b.recv)
+        b.launch_reduce(self.grad_group, sharded=True, async_op=self.overlap_comm, out=b.recv)
         b.reductions += 1
         self._inflight.append(b)
         if not self.overlap_comm:
@@ -391,7 +392,7 @@ class ZeroOptimizer:
         # Always async: the hooks only launch with overlap_comm, and after backward the
         # remaining buckets are queued back to back and waited together (gloo, 2 ranks,
         # 11 x 500k fp32: 30 ms one at a time, 20 ms queued).
-        b.launch_reduce(self.dp_group, sharded=self.shards_optimizer_state, async_op=True)
+        b.launch_reduce(self.grad_group, sharded=self.shards_optimizer_state, async_op=True)
 
     def _launch_remaining(self) -> None:
         """Launch the reduction of every bucket the hooks did not launch."""
@@ -439,7 +440,7 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ norm and step
     def _mesh_groups(self) -> list[AxisGroup]:
-        groups = [self.dp_group] if self.shards_optimizer_state else []
+        groups = [self.grad_group] if self.shards_optimizer_state else []
         return [g for g in groups + [self.tp_group, self.pp_group] if g.size > 1]
 
     def _grad_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -538,7 +539,7 @@ class ZeroOptimizer:
         # a separate send buffer: the shard's slot in ``full`` is also written by the gather
         send = b.shard_master.to(b.dtype, copy=True)
         assert b.full is not None  # stages 0-2 keep every bucket bound
-        return comm.all_gather(b.full, send, self.dp_group, async_op=True)
+        return comm.all_gather(b.full, send, self.grad_group, async_op=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (``set_to_none`` accepted for torch compatibility)."""
@@ -573,7 +574,7 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: fp32 master shards, inner optimizer state, loss scaler."""
         return {
-            "stage": self.stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
+            "stage": self.stage, "dp_size": self.grad_size, "dp_rank": self.grad_rank,
             "master": [g.master.detach() for g in self.groups],  # live views, as torch state dicts
             "optimizer": self.optimizer.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict(),
@@ -581,9 +582,9 @@ class ZeroOptimizer:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if (sd["stage"], sd["dp_size"], sd["dp_rank"]) != (self.stage, self.dp_size, self.dp_rank):
-            raise ValueError(f"state dict is for stage {sd['stage']} at dp rank {sd['dp_rank']}/{sd['dp_size']}, "
-                             f"this optimizer is stage {self.stage} at {self.dp_rank}/{self.dp_size}; "
+        if (sd["stage"], sd["dp_size"], sd["dp_rank"]) != (self.stage, self.grad_size, self.grad_rank):
+            raise ValueError(f"state dict is for stage {sd['stage']} at grad-group rank {sd['dp_rank']}/{sd['dp_size']}, "
+                             f"this optimizer is stage {self.stage} at {self.grad_rank}/{self.grad_size}; "
                              f"resharding needs the checkpoint tools")
         if [m.shape for m in sd["master"]] != [g.master.shape for g in self.groups]:
             raise ValueError("state dict master shards do not match this model's layout")

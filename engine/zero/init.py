@@ -1,6 +1,6 @@
 """``engine.zero.Init`` and ``engine.zero.GatheredParameters``: DeepSpeed's names and semantics.
 
-``with engine.zero.Init(data_parallel_group=dp_group): model = MyModel()`` builds a model
+``with engine.zero.Init(data_parallel_group=group): model = MyModel()`` builds a model
 whose parameters are partitioned over the data-parallel group as they are created: when a
 module's constructor returns, each parameter it registered directly is cut into ``N`` equal
 flat pieces (padded at the end), this rank keeps its piece as ``p.ds_tensor`` ``(ceil(n/N),)``

@@ -140,14 +140,15 @@ def split_state(state: dict[str, Any], numel: int) -> tuple[dict[str, torch.Tens
 @dataclass(frozen=True)
 class ShardView:
     """Every flat group of one ZeRO optimizer, in the inner optimizer's group order, and the
-    groups it spans: ``dp_group`` (the shards), ``tp_group`` (size 1 when there is no TP).
-    ``stage``: the ZeRO stage; ``sharded``: optimizer state is split over DP (stage >= 1);
+    groups it spans: ``grad_group`` (the gradient role's group: the shards), ``tp_group`` (size 1
+    when there is no TP). ``stage``: the ZeRO stage; ``sharded``: optimizer state is split over
+    the grad group (stage >= 1);
     ``optimizer_class``: the inner optimizer's class name."""
 
     groups: tuple[GroupView, ...]
-    dp_group: AxisGroup
-    dp_size: int
-    dp_rank: int
+    grad_group: AxisGroup
+    grad_size: int
+    grad_rank: int
     tp_group: AxisGroup
     tp_size: int
     tp_rank: int
@@ -241,8 +242,8 @@ def _bucket_view(bucket: Any, master_offset: int, sharded: bool) -> BucketView:
     return BucketView(layout, bucket.shard_index, sharded, master_offset, tuple(slots))
 
 
-def build_shard_view(groups: Sequence[Any], sharded: bool, dp_group: AxisGroup, dp_size: int,
-                     dp_rank: int, tp_group: AxisGroup, *, stage: int = -1,
+def build_shard_view(groups: Sequence[Any], sharded: bool, grad_group: AxisGroup, tp_group: AxisGroup, *,
+                     stage: int = -1,
                      optimizer: Optional[torch.optim.Optimizer] = None,
                      publish: Optional[Callable[[], None]] = None) -> ShardView:
     """The view of a ZeRO optimizer's flat groups (:class:`~engine.zero.buckets.FlatGroup`);
@@ -257,10 +258,11 @@ def build_shard_view(groups: Sequence[Any], sharded: bool, dp_group: AxisGroup, 
         if off != g.master.numel():
             raise RuntimeError(f"flat group of {g.master.numel()} elements does not match its buckets ({off})")
         key = g.key
-        owner = not key.tied_copy and (sharded or dp_rank == 0) and (key.tp_sharded or tp_rank == 0)
+        # the one copy that speaks for the replicas: index 0 of every group the state is replicated over
+        owner = not key.tied_copy and (sharded or grad_group.rank == 0) and (key.tp_sharded or tp_rank == 0)
         out.append(GroupView(key.param_group, key.tp_sharded, key.tied_index >= 0, tuple(buckets),
                              key.tied_index, key.tied_copy, owner, g.master))
     access = _InnerAccess(optimizer, publish) if optimizer is not None and publish is not None else None
-    return ShardView(tuple(out), dp_group, dp_size, dp_rank, tp_group, tp_size, tp_rank, stage, sharded,
+    return ShardView(tuple(out), grad_group, grad_group.size, grad_group.rank, tp_group, tp_size, tp_rank, stage, sharded,
                      type(optimizer).__name__ if optimizer is not None else "", access)
 

@@ -241,7 +241,7 @@ class Zero3Optimizer(Zero2Optimizer):
         full = b.gather_buf
         assert full is not None and b.compute_shard is not None  # set for every ZeRO-3 bucket (_init_bucket)
         _resize_storage(full, b.layout.padded_numel * full.element_size())
-        work = comm.all_gather(full, b.compute_shard, self.dp_group, async_op=True)
+        work = comm.all_gather(full, b.compute_shard, self.grad_group, async_op=True)
         b.pending = (full, work)
         self._live_numel += b.layout.padded_numel
         self.gather_count += 1
@@ -521,14 +521,14 @@ class Zero3Optimizer(Zero2Optimizer):
     def release_after_modification(self, params: list[torch.Tensor], modifier_rank: Optional[int]) -> None:
         """Partition ``params`` again; with ``modifier_rank`` (a DP-group rank) its values
         are broadcast and written to every rank's compute shard and fp32 master shard."""
-        if modifier_rank is not None and not 0 <= modifier_rank < self.dp_size:
-            raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the data-parallel group of {self.dp_size}")
+        if modifier_rank is not None and not 0 <= modifier_rank < self.grad_size:
+            raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the data-parallel group of {self.grad_size}")
         for b in self._buckets_of(params):
             # gather_for_modification bound b.full; every ZeRO-3 bucket has a compute shard
             assert b.full is not None and b.compute_shard is not None
             if modifier_rank is not None:
-                src = self.dp_group.global_rank_of(modifier_rank)
-                comm.broadcast(b.full, src, self.dp_group)
+                src = self.grad_group.global_rank_of(modifier_rank)
+                comm.broadcast(b.full, src, self.grad_group)
                 shard = b.shard_of(b.full)
                 b.compute_shard.copy_(shard)
                 if b.compute_shard is not b.shard_master:
