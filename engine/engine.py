@@ -37,7 +37,7 @@ from engine.distributed import comm
 from engine.distributed.env import DistEnv
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
-from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Monitor
+from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Event, Monitor
 from engine.parts import LossFn, ModelParts
 from engine.precision.fp8 import Fp8LinearState, fp8_states, update_fp8_scales
 from engine.timers import PhaseTimers
@@ -272,11 +272,17 @@ class Engine(nn.Module):
         assert self.monitor is not None
         if not self.monitor.enabled:  # not the writing rank: no device sync for .item()
             return
-        events = [] if loss is None else [(TRAIN_LOSS, float(loss), self.global_samples)]
+        self.monitor.write_events(self.step_events(None if loss is None else float(loss)))
+
+    def step_events(self, loss: Optional[float]) -> list[Event]:
+        """DeepSpeed's monitor events of the step just taken, at ``global_samples``: the loss,
+        the LR after the step (the next step's rate) and, with fp16, the loss scale. The
+        training loop writes them with its metrics row (engine.training.trainer.train)."""
+        events: list[Event] = [] if loss is None else [(TRAIN_LOSS, loss, self.global_samples)]
         events.append((LR, self.get_lr()[0], self.global_samples))
         if self.config.fp16.enabled:
             events.append((LOSS_SCALE, self.get_loss_scale(), self.global_samples))
-        self.monitor.write_events(events)
+        return events
 
     def _report_timers(self) -> None:
         if not self.timers.enabled:

@@ -1,26 +1,21 @@
-"""Throughput, MFU, memory and the per-step metrics stream.
+"""Throughput, MFU and memory (pure values; every rank can compute them).
 
-``MetricsWriter`` appends one JSON object per optimizer step to ``metrics.jsonl`` (and
-mirrors scalars to TensorBoard when it is installed). Only the writer rank writes; every
-rank can compute. MFU is model FLOPs per token x tokens/s over the peak of all devices.
+MFU is model FLOPs per token x tokens/s over the peak of all devices. Writing the per-step
+record is the monitors' (:mod:`engine.monitor`, ``metrics.jsonl`` included).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import os
 import resource
 import statistics
 import time
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 __all__ = ["PEAK_TFLOPS", "device_peak_flops", "mfu", "peak_memory_bytes", "reset_peak_memory",
-           "current_memory_bytes", "MetricsWriter",
-           "StepTimer", "summarize_times", "get_rank_logger"]
+           "current_memory_bytes",
+           "StepTimer", "summarize_times"]
 
 # Dense (no sparsity) peak TFLOP/s per device by compute dtype, from NVIDIA's data sheets
 # (which quote Hopper tensor-core figures with 2:4 sparsity: halved here). Matched by
@@ -158,54 +153,3 @@ def summarize_times(seconds: list[float]) -> dict[str, float]:
     ms = sorted(s * 1e3 for s in seconds)
     q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
     return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "iqr_ms": q[2] - q[0]}
-
-
-class MetricsWriter:
-    """Appends one JSON object per step to ``<output_dir>/metrics.jsonl`` on the writer rank.
-
-    Non-finite floats are written as ``null`` (JSON has no NaN) so every line parses.
-    """
-
-    def __init__(self, output_dir: Optional[str], is_writer: bool, tensorboard: bool = True):
-        self.is_writer = bool(is_writer and output_dir)
-        self._file: Optional[IO[str]] = None
-        self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter when available
-        if not self.is_writer or output_dir is None:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        self._file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            except Exception:  # noqa: BLE001 - TensorBoard is optional
-                pass
-            else:
-                self._tb = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
-
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.is_writer:
-            return
-        assert self._file is not None, "MetricsWriter.write after close()"
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean, sort_keys=False) + "\n")
-        self._file.flush()
-        if self._tb is not None and "step" in record:
-            for k, v in clean.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                    self._tb.add_scalar(f"train/{k}", v, record["step"])
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-def get_rank_logger(name: str, rank: int, all_ranks: bool = False) -> logging.Logger:
-    """A logger that is quiet (WARNING and above only) on ranks other than 0 unless all_ranks."""
-    logger = logging.getLogger(name)
-    if rank != 0 and not all_ranks:
-        logger.setLevel(logging.WARNING)
-    return logger

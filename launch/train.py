@@ -136,13 +136,14 @@ def _check_inputs(args: argparse.Namespace, world_size: int):
         cfg = load_config(args.config, world_size=world_size)
     except ConfigError as exc:
         raise _BadInput("config", str(exc)) from None
-    if cfg.model is None:
-        raise _BadInput("config", f"{args.config} has no \"model\" section: launch/train.py trains the reference "
-                                  "GPT it describes; add one with vocab_size, hidden_size, num_layers, num_heads "
-                                  "and seq_len (see configs/default.json)")
     try:
-        from engine.training.trainer import build_data  # torch is imported after the argument checks
+        from engine.training.lifecycle import require_model  # torch is imported after the argument checks
+        from engine.training.trainer import build_data
 
+        require_model(cfg, args.config)
+    except ConfigError as exc:
+        raise _BadInput("config", str(exc)) from None
+    try:
         dataset, sampler = build_data(cfg)
     except DataError as exc:
         raise _BadInput("data", str(exc)) from None
@@ -182,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
     from engine.distributed.env import PeerFailureError, failure_guard, init_distributed
+    from engine.training.lifecycle import logs_dir
 
     env = None
     try:
         env = init_distributed(timeout_s=args.timeout)
-        with failure_guard(env, "training", record_dir=_logs_dir(args)):
+        with failure_guard(env, "training", record_dir=logs_dir(args.output)):
             code = _job(args, cfg, dataset, sampler, env)
     except KeyboardInterrupt:
         if env is None or env.rank == 0:
@@ -204,12 +206,6 @@ def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
     return code
 
 
-def _logs_dir(args: argparse.Namespace) -> str:
-    """Per-rank tracebacks (rank<R>.log) and failure records (rank<R>.failed, read by the
-    peers when the failing rank hosted the rendezvous store)."""
-    return os.path.join(args.output, "logs")
-
-
 def _exit(code: int) -> None:
     """Leave without interpreter finalisation: broken process groups can abort it."""
     sys.stdout.flush()
@@ -218,26 +214,14 @@ def _exit(code: int) -> None:
 
 
 def _report_failure(args: argparse.Namespace, env, exc: BaseException) -> None:
-    """One line naming this rank and the error; the traceback goes to stderr under --debug,
-    else to OUTPUT/logs/rank<R>.log (named in the line)."""
-    import traceback
+    """One line naming this rank and the error; the traceback on stderr under --debug, else
+    in OUTPUT/logs/rank<R>.log (named in the line)."""
+    from engine.training.lifecycle import record_failure
 
-    rank = "?" if env is None else env.rank
-    first = (str(exc).strip().splitlines() or [""])[0][:1000]
-    tb = "".join(traceback.format_exception(exc))
-    where = ""
+    line, tb = record_failure(args.output, None if env is None else env.rank, exc, keep_traceback=not args.debug)
     if args.debug:
         sys.stderr.write(tb)
-    else:
-        try:
-            path = os.path.join(_logs_dir(args), f"rank{rank}.log")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(tb)
-            where = f" (traceback: {path}; or run with --debug)"
-        except OSError:
-            where = " (run with --debug for the traceback)"
-    print(f"error: rank {rank}: {type(exc).__name__}: {first}{where}", file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)
 
 
 def _options(args: argparse.Namespace):

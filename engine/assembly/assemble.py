@@ -23,7 +23,6 @@ from engine.engine import Engine, Pipeline
 from engine.monitor import Monitor
 from engine.optim.build import OptimizerInputs, build_engine_optimizer, build_scheduler
 from engine.parts import ModelParts
-from engine.pipe.runner import LazyPipelineRunner
 from engine.pipeline.runner import PipelineRunner
 from engine.topology import Role
 from engine.zero import ZeroOptimizer
@@ -51,10 +50,8 @@ def _pipeline(cfg: Config, parts: ModelParts, groups: ParallelGroups, device: to
         return None
     if parts.loss_fn is None:
         raise ValueError("ModelParts for a pipeline need a loss_fn (the last stage's loss)")
-    chunks = list(parts.chunks)
-    if parts.measure_boundary:
-        return LazyPipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device, grads=opt)
-    return PipelineRunner(chunks, cfg, groups, parts.loss_fn, device=device, dtype=parts.dtype, grads=opt)
+    return PipelineRunner(list(parts.chunks), cfg, groups, parts.loss_fn, device=device, dtype=parts.dtype,
+                          grads=opt, measure_boundary=parts.measure_boundary)
 
 
 def assemble_engine(cfg: Config, parts: ModelParts, opt_inputs: OptimizerInputs, client_sched: Any,

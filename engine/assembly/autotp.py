@@ -43,11 +43,9 @@ from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.build import (
     OptimizerInputs,
-    client_optimizer_factory,
-    optimizer_factory,
+    optimizer_inputs,
     precision_policy,
 )
-from engine.optim.client import param_groups_from_client, resolve_client_optimizer
 from engine.parts import LossFn, ModelParts
 from engine.tensor_parallel.auto import autotp
 from engine.tensor_parallel.auto_rules import LayerSpec, parse_layer_specs, specs_for
@@ -93,19 +91,15 @@ def map_param_groups(params: Any, param_map: dict[int, nn.Parameter], model: nn.
 
 
 def _optimizer_inputs(cfg: Config, model: nn.Module, client: Any, model_parameters: Optional[list[Any]],
-                      param_map: dict[int, nn.Parameter]) -> tuple[Any, Any, Optional[torch.optim.Optimizer]]:
-    """``(params or groups, factory, client optimizer)`` for build_engine_optimizer and
-    build_scheduler: what :func:`engine.assembly.builders.module_parts` does at TP = 1 (:func:`resolve_client_optimizer`,
-    :func:`param_groups_from_client`, :func:`client_optimizer_factory`), with every original
-    parameter mapped onto its shard by ``param_map``."""
-    given = (list(model.parameters()) if model_parameters is None
-             else map_param_groups(model_parameters, param_map, model))
-    if client is None:
-        return (model if model_parameters is None else given), optimizer_factory(cfg.optimizer), None
-    resolved = resolve_client_optimizer(client, given)
-    map_param_groups(resolved.param_groups, param_map, model)  # each client parameter is one of the model's
-    flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
-    return (param_groups_from_client(resolved, flat, param_map), client_optimizer_factory(resolved), resolved)
+                      param_map: dict[int, nn.Parameter]) -> OptimizerInputs:
+    """:func:`engine.optim.build.optimizer_inputs` as at TP = 1, with every original parameter
+    mapped onto its shard by ``param_map``."""
+    given = model if model_parameters is None else map_param_groups(model_parameters, param_map, model)
+
+    def check(resolved: torch.optim.Optimizer) -> None:  # each client parameter is one of the model's
+        map_param_groups(resolved.param_groups, param_map, model)
+
+    return optimizer_inputs(cfg, given, client, param_map, check)
 
 
 class TPBatchBroadcast:
@@ -219,10 +213,10 @@ def autotp_parts(cfg: Config, model: nn.Module, client_opt: Any, model_parameter
     dtype = precision_policy(cfg).compute_dtype
     if dtype != torch.float32:
         model.to(dtype=dtype)
-    params, factory, client = _optimizer_inputs(cfg, model, client_opt, params_in, result.param_map)
+    inputs = _optimizer_inputs(cfg, model, client_opt, params_in, result.param_map)
     bcast = TPBatchBroadcast(groups.tp_group, tp_src, device)
     model.register_forward_pre_hook(bcast, with_kwargs=True)
     logger.info("AutoTP: %d layers split over %d ranks", len(result.replaced), cfg.tp)
     # the DP broadcast (every replica starts from DP rank 0's weights) is the assembly's
     return (ModelParts(model, loss_fn=loss_fn or _hf_train_batch_loss(model, bcast), dtype=dtype),
-            OptimizerInputs(params, factory, client))
+            inputs)

@@ -26,11 +26,10 @@ from engine.errors import ConfigError
 from engine.models import GPT
 from engine.optim.build import (
     OptimizerInputs,
-    client_optimizer_factory,
     optimizer_factory,
+    optimizer_inputs,
     precision_policy,
 )
-from engine.optim.client import param_groups_from_client, resolve_client_optimizer
 from engine.parts import LossFn, ModelParts
 from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -115,10 +114,5 @@ def module_parts(cfg: Config, model: nn.Module, client_opt: Any, model_parameter
     if dtype != torch.float32:
         model.to(dtype=dtype)  # as DeepSpeed's module.half() / .bfloat16(); masters stay fp32
     given = list(model.parameters() if model_parameters is None else model_parameters)
-    client = None if client_opt is None else resolve_client_optimizer(client_opt, given)
-    if client is None:
-        inputs = OptimizerInputs(given, optimizer_factory(cfg.optimizer))
-    else:  # the client's class and groups, re-created over the master shards
-        flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
-        inputs = OptimizerInputs(param_groups_from_client(client, flat), client_optimizer_factory(client), client)
+    inputs = optimizer_inputs(cfg, given, client_opt)  # a client's class and groups, over the master shards
     return ModelParts(model, loss_fn=loss_fn, dtype=dtype), inputs

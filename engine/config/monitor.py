@@ -9,9 +9,7 @@ from __future__ import annotations
 from engine.config.reader import Section
 from engine.config.schema import CSVMonitorConfig, MonitorConfig, TensorBoardConfig, WandbConfig
 
-__all__ = ["parse_monitor", "MONITOR_SECTIONS"]
-
-MONITOR_SECTIONS = ("tensorboard", "csv_monitor", "wandb")
+__all__ = ["parse_monitor"]
 
 
 def _string(s: Section, key: str, default: str) -> str:

@@ -252,7 +252,7 @@ class ActivationCheckpointingConfig(_Section):
 @dataclass(frozen=True)
 class PipelineConfig(_Section):
     stages: int = 1
-    partition: str = "parameters"  # "uniform" (equal layer counts) | "parameters" (balance parameters)
+    partition: str = "parameters"  # "parameters" | "uniform" | "blocks": sections.PARTITION_METHODS
     activation_checkpoint_interval: int = 0  # checkpoint every N layers; 0 = off
     schedule: str = "1f1b"  # "1f1b" | "gpipe" | "interleaved-1f1b" | "zb-h1"
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b only)

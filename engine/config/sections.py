@@ -32,6 +32,7 @@ __all__ = [
     "parse_fp16", "parse_bf16", "parse_fp8", "parse_data_types", "parse_zero", "parse_activation_checkpointing",
     "parse_pipeline", "parse_tensor_parallel", "parse_checkpoint", "parse_data", "parse_model",
     "PIPELINE_SCHEDULES",
+    "PARTITION_METHODS",
 ]
 
 _NO_OFFLOAD = "this engine keeps parameters and optimizer state on the accelerator; CPU/NVMe offload is not implemented"
@@ -210,6 +211,20 @@ def parse_activation_checkpointing(top: Section) -> ActivationCheckpointingConfi
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
 
+# Layers to pipeline stages: the one table of the names ``pipeline.partition`` and
+# PipelineModule's ``partition_method`` take, one meaning each (the config layer holds it so
+# the loader can check the key; engine.pipeline.partition implements each). "uniform" is
+# DeepSpeed's (equal layer counts); Megatron's even split of the blocks is "blocks".
+PARTITION_METHODS: dict[str, str] = {
+    "parameters": "balance the trainable parameter counts (the largest piece as small as possible)",
+    "uniform": "balance the number of layers, each layer counting one (DeepSpeed's)",
+    "blocks": "the blocks between the embedding and the head split evenly, the embedding joining the first "
+              "piece and the head the last (Megatron's)",
+    "type:<regex>": "balance the layers whose class name matches the regex, case-insensitive (DeepSpeed's; "
+                    "a PipelineModule's partition_method only: the config's model has no layer classes to match)",
+}
+CONFIG_PARTITION_METHODS = tuple(m for m in PARTITION_METHODS if not m.startswith("type:"))
+
 
 def parse_pipeline(top: Section) -> PipelineConfig:
     s = top.sub("pipeline", _names(PipelineConfig))
@@ -217,7 +232,7 @@ def parse_pipeline(top: Section) -> PipelineConfig:
     cfg = PipelineConfig(
         stages=s.int("stages", d.stages, min=1,
                      auto_hint=" (DeepSpeed takes it from the model object)"),
-        partition=s.choice("partition", ("uniform", "parameters"), d.partition),
+        partition=s.choice("partition", CONFIG_PARTITION_METHODS, d.partition),
         activation_checkpoint_interval=s.int("activation_checkpoint_interval", d.activation_checkpoint_interval, min=0),
         schedule=s.choice("schedule", PIPELINE_SCHEDULES, d.schedule, case_insensitive=True),
         virtual_stages=s.int("virtual_stages", d.virtual_stages, min=1),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
-from typing import Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["CSVMonitor"]
 
@@ -17,7 +17,8 @@ class CSVMonitor:
         os.makedirs(self.log_dir, exist_ok=True)
         self._started: set[str] = set()
 
-    def write_events(self, events: Sequence[tuple[str, float, int]]) -> None:
+    def write_events(self, events: Sequence[tuple[str, float, int]], row: Optional[Mapping[str, Any]] = None) -> None:
+        """DeepSpeed's events; the step's ``row`` is metrics.jsonl's, not written here."""
         for tag, value, step in events:
             name = tag.replace("/", "_").replace(" ", "_")
             path = os.path.join(self.log_dir, name + ".csv")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["TensorBoardMonitor"]
 
@@ -16,7 +16,8 @@ class TensorBoardMonitor:
         os.makedirs(self.log_dir, exist_ok=True)
         self.writer = SummaryWriter(log_dir=self.log_dir)
 
-    def write_events(self, events: Sequence[tuple[str, float, int]]) -> None:
+    def write_events(self, events: Sequence[tuple[str, float, int]], row: Optional[Mapping[str, Any]] = None) -> None:
+        """DeepSpeed's events; the step's ``row`` is metrics.jsonl's, not written here."""
         for tag, value, step in events:
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()  # as DeepSpeed: readable while the job runs

@@ -3,7 +3,7 @@ on the writing rank, each event logged as ``{tag: value}`` at ``step``."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["WandbMonitor"]
 
@@ -15,7 +15,8 @@ class WandbMonitor:
         self._wandb = wandb
         wandb.init(project=project, group=group, entity=team)
 
-    def write_events(self, events: Sequence[tuple[str, float, int]]) -> None:
+    def write_events(self, events: Sequence[tuple[str, float, int]], row: Optional[Mapping[str, Any]] = None) -> None:
+        """DeepSpeed's events; the step's ``row`` is metrics.jsonl's, not written here."""
         for tag, value, step in events:
             self._wandb.log({tag: value}, step=step)
 

@@ -5,7 +5,8 @@ scaler and the LR schedule.
 The inner optimizer always runs over the ZeRO optimizer's fp32 master shards, so it is
 built by a *factory* (``param_groups -> torch.optim.Optimizer``), never over the model's
 own parameters. A client optimizer handed to :func:`engine.initialize` (DeepSpeed allows
-an instance or a callable) is turned into such a factory.
+an instance or a callable) is turned into such a factory by :func:`optimizer_inputs`, the one
+place every model builder gets its optimizer inputs from.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import copy
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from engine.config import AdamParams, Config, LionParams, MuonParams, OptimizerC
 from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
-from engine.optim.client import ClientLRScheduler
+from engine.optim.client import ClientLRScheduler, param_groups_from_client, resolve_client_optimizer
 from engine.optim.fused_adamw import FusedAdamW
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler
@@ -34,7 +35,7 @@ from engine.precision.mixed import PrecisionPolicy
 from engine.zero import ZeroOptimizer, build_zero_optimizer
 from engine.zero.base import OptimizerFactory
 
-__all__ = ["OptimizerInputs", "optimizer_factory", "client_optimizer_factory", "build_engine_optimizer",
+__all__ = ["OptimizerInputs", "optimizer_factory", "optimizer_inputs", "build_engine_optimizer",
            "build_scheduler", "precision_policy"]
 
 logger = logging.getLogger(__name__)
@@ -99,34 +100,48 @@ def _muon_factory(p: MuonParams) -> OptimizerFactory:
                                adamw_weight_decay=adam_wd)
 
 
-def client_optimizer_factory(client: Any) -> OptimizerFactory:
-    """DeepSpeed's ``optimizer=`` argument as a factory.
+def _clone_factory(client: torch.optim.Optimizer) -> OptimizerFactory:
+    """DeepSpeed's ``optimizer=`` instance as a factory.
 
-    A ``torch.optim.Optimizer`` instance is cloned (a shallow copy of the object, so its
-    class, defaults and any attribute its constructor set are kept) with fresh state and
-    the given groups (the master shards; each group dict carries the client group's
-    options, :func:`engine.optim.client.param_groups_from_client`). The client's object
-    itself is left as it was (a scheduler built on it keeps working through
+    The instance is cloned (a shallow copy of the object, so its class, defaults and any
+    attribute its constructor set are kept) with fresh state and the given groups (the
+    master shards; each group dict carries the client group's options,
+    :func:`engine.optim.client.param_groups_from_client`). The client's object itself is
+    left as it was (a scheduler built on it keeps working through
     :class:`engine.optim.client.ClientLRScheduler`). It must not have stepped yet: its
-    state would not match the shards. A callable (``params -> Optimizer``) is used as it is.
+    state would not match the shards.
     """
-    if isinstance(client, torch.optim.Optimizer):
-        if any(len(s) for s in client.state.values()):
-            raise ValueError("the optimizer passed to engine.initialize already has state (it has stepped): "
-                             "pass a fresh optimizer, a callable params -> optimizer, or none (the config's)")
+    if any(len(s) for s in client.state.values()):
+        raise ValueError("the optimizer passed to engine.initialize already has state (it has stepped): "
+                         "pass a fresh optimizer, a callable params -> optimizer, or none (the config's)")
 
-        def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            opt = copy.copy(client)
-            opt.state = defaultdict(dict)
-            opt.param_groups = []
-            for g in groups:
-                opt.add_param_group(g)  # options the group lacks come from the client's defaults
-            return opt
-        return make
-    if callable(client):
-        return client
-    raise TypeError(f"optimizer must be a torch.optim.Optimizer, a callable params -> optimizer, or None; "
-                    f"got {type(client).__name__}")
+    def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        opt = copy.copy(client)
+        opt.state = defaultdict(dict)
+        opt.param_groups = []
+        for g in groups:
+            opt.add_param_group(g)  # options the group lacks come from the client's defaults
+        return opt
+    return make
+
+
+def optimizer_inputs(cfg: Config, params: Any, client: Any = None,
+                     mapping: Optional[Mapping[int, torch.nn.Parameter]] = None,
+                     check: Optional[Callable[[torch.optim.Optimizer], None]] = None) -> OptimizerInputs:
+    """What every model builder hands the optimizer: the config's optimizer over ``params``
+    (parameters, torch-style group dicts or a module), or the client's (DeepSpeed's
+    ``optimizer=``: an instance, or a callable called with the parameters) re-created over
+    the master shards with the client's groups and options. ``mapping``: ``id(client
+    parameter) -> engine parameter`` where the builder replaced one (a TP shard, a pipeline
+    copy of a tied weight); ``check(client)``: the builder's own test of the client's groups."""
+    if client is None:
+        return OptimizerInputs(params, optimizer_factory(cfg.optimizer))
+    given = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
+    resolved = resolve_client_optimizer(client, given)
+    if check is not None:
+        check(resolved)
+    flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
+    return OptimizerInputs(param_groups_from_client(resolved, flat, mapping), _clone_factory(resolved), resolved)
 
 
 def precision_policy(cfg: Config) -> PrecisionPolicy:

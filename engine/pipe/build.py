@@ -20,11 +20,9 @@ from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.build import (
     OptimizerInputs,
-    client_optimizer_factory,
-    optimizer_factory,
+    optimizer_inputs,
     precision_policy,
 )
-from engine.optim.client import param_groups_from_client, resolve_client_optimizer
 from engine.parts import LossFn, ModelParts
 from engine.pipe.module import PipelineModule
 from engine.pipeline.stages import chunks_from_layers
@@ -86,12 +84,8 @@ def pipeline_module_parts(cfg: Config, module: PipelineModule, client_opt: Any, 
         ch.to(device=device, dtype=dtype)
     stage: nn.Module = nn.ModuleList(chunks) if cfg.pp > 1 else chunks[0]
     trainable = [p for p in stage.parameters() if p.requires_grad]
-    if client_opt is None:
-        inputs = OptimizerInputs(trainable, optimizer_factory(cfg.optimizer))
-    else:  # this stage's share of the client's groups (the tied copy on the last stage included)
-        client = resolve_client_optimizer(client_opt, trainable)
-        inputs = OptimizerInputs(param_groups_from_client(client, trainable, replaced),
-                                 client_optimizer_factory(client), client)
+    # this stage's share of a client's groups (the tied copy on the last stage included)
+    inputs = optimizer_inputs(cfg, trainable, client_opt, replaced)
     # the DP broadcast, the optimizer and the (lazy: the boundary shape is measured on the
     # first micro-batch) pipeline runner are the assembly's (engine.assembly.assemble)
     parts = ModelParts(stage, tuple(chunks), tuple(tied), _loss_fn(module), dtype, measure_boundary=True)

@@ -13,8 +13,11 @@ to ``loss_fn(output, labels)``; ``TiedLayerSpec`` layers with the same ``key`` s
 module (built once), a later one may run it through ``forward_fn(module, x)``, and the
 gradients of the shared weight are summed across the stages that hold it;
 ``partition_method`` ``"parameters"`` (balance trainable parameter counts), ``"uniform"``
-(balance layer counts) or ``"type:<regex>"`` (balance the layers whose class name matches,
-case-insensitive). Differences: every layer is built on every rank at construction (so
+(balance layer counts), ``"type:<regex>"`` (balance the layers whose class name matches,
+case-insensitive) or this engine's ``"blocks"`` (Megatron's: the layers between the first
+and the last split evenly): one table with ``pipeline.partition``,
+:data:`engine.config.sections.PARTITION_METHODS`. Differences: every layer is built on every
+rank at construction (so
 ``parameters()`` are the whole model's; DeepSpeed builds them to count parameters too,
 then keeps its stage's); a tied module may be shared only by the first and the last stage
 (an embedding and its head); one tensor crosses each stage boundary.
@@ -29,12 +32,10 @@ import torch
 import torch.nn as nn
 
 from engine.errors import ConfigError
-from engine.pipeline.partition import partition_layers
+from engine.pipeline.partition import PARTITION_METHODS, partition_layers
 from engine.validate import check_int
 
-__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "PARTITION_METHODS"]
-
-PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
+__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule"]
 
 
 class LayerSpec:
@@ -156,7 +157,7 @@ class PipelineModule(nn.Module):
     @staticmethod
     def _check_method(method: str) -> None:
         m = method.lower()
-        if m in ("parameters", "uniform"):
+        if m in PARTITION_METHODS:
             return
         if m.startswith("type:"):
             try:
@@ -173,7 +174,7 @@ class PipelineModule(nn.Module):
     def layer_weights(self) -> list[int]:
         """The weight of each layer that ``partition_method`` balances."""
         m = self.partition_method.lower()
-        if m == "uniform":
+        if m in ("uniform", "blocks"):
             return [1] * len(self._specs)
         if m == "parameters":
             # a tied layer counts its module each time it appears (as DeepSpeed, which builds each spec)
@@ -187,8 +188,9 @@ class PipelineModule(nn.Module):
 
     def partition(self, num_parts: int) -> list[int]:
         """Boundaries of ``num_parts`` contiguous pieces balancing :meth:`layer_weights`
-        (the largest piece as small as possible)."""
-        return partition_layers(self.layer_weights(), num_parts, "parameters")
+        (the largest piece as small as possible); ``blocks`` as the config's."""
+        method = "blocks" if self.partition_method.lower() == "blocks" else "parameters"
+        return partition_layers(self.layer_weights(), num_parts, method)
 
     def forward(self, x: Any) -> Any:
         """The whole model in one process (no pipeline): the layers in order."""

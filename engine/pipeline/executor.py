@@ -67,7 +67,7 @@ from engine.pipeline.schedule import build_schedule, forward_only
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
 from engine.zero.step import GradientStep, LocalGradients
 
-__all__ = ["ActionRecord", "PipelineExecutor", "broadcast_tied_weights", "last_grad_actions"]
+__all__ = ["ActionRecord", "PipelineExecutor", "last_grad_actions"]
 
 logger = logging.getLogger(__name__)
 K = ActionKind
@@ -94,14 +94,6 @@ def last_grad_actions(actions: Sequence[Action]) -> dict[int, int]:
         if a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
             last[a.chunk] = i
     return last
-
-
-def broadcast_tied_weights(params: Sequence[torch.nn.Parameter], src: int,
-                           group: AxisGroup) -> None:
-    """Make the tied copies start identical: ``src`` (a global rank, usually the first stage) wins."""
-    with torch.no_grad():
-        for p in params:
-            comm.broadcast(p.data, src, group)
 
 
 class PipelineExecutor:

@@ -7,24 +7,29 @@ the loss). :func:`partition_layers` cuts it into ``num_parts`` contiguous pieces
 ``bounds[k]:bounds[k+1]``. Every piece is non-empty and contiguous, so the embedding is
 always on the first stage and the head on the last.
 
-Methods (``pipeline.partition``):
+Methods (``pipeline.partition`` and PipelineModule's ``partition_method``; the names and
+their meanings are one table, :data:`engine.config.sections.PARTITION_METHODS`):
 
-- ``uniform``: the N blocks split as evenly as possible (the first pieces take the
-  remainder); the embedding joins the first piece and the head the last, as in Megatron.
 - ``parameters``: balance the parameter counts - the partition whose largest piece is
-  smallest, and among those the most even one (least sum of squares).
+  smallest, and among those the most even one (least sum of squares);
+- ``uniform``: DeepSpeed's: balance the number of layers (``parameters`` with every layer
+  weighing one; the embedding and the head count as layers);
+- ``blocks``: Megatron's: the N blocks split as evenly as possible (the first pieces take
+  the remainder); the embedding joins the first piece and the head the last.
+
+(``type:<regex>`` weighs the layers by class name: :class:`engine.pipe.PipelineModule`
+computes those weights and balances them as ``parameters``.)
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from engine.config.sections import CONFIG_PARTITION_METHODS, PARTITION_METHODS
 from engine.errors import ConfigError
 from engine.validate import check_int
 
 __all__ = ["PARTITION_METHODS", "partition_layers", "part_sizes", "layers_of"]
-
-PARTITION_METHODS = ("uniform", "parameters")
 
 
 def _check(layer_params: Sequence[int], num_parts: int) -> None:
@@ -35,13 +40,13 @@ def _check(layer_params: Sequence[int], num_parts: int) -> None:
         check_int(f"layer {i}: parameter count", n, minimum=0)
 
 
-def _uniform(num_layers: int, num_parts: int) -> list[int]:
+def _blocks(num_layers: int, num_parts: int) -> list[int]:
     if num_parts == 1:
         return [0, num_layers]
     blocks = num_layers - 2  # everything between the embedding and the head
     if blocks < num_parts:
         raise ConfigError(
-            f"uniform partition needs at least one block per pipeline piece: the model has "
+            f"the blocks partition needs at least one block per pipeline piece: the model has "
             f"{blocks} blocks (besides embedding and head) for {num_parts} pieces "
             f"(pipeline stages x virtual stages); use more layers or fewer stages/virtual stages")
     base, extra = divmod(blocks, num_parts)
@@ -80,7 +85,7 @@ def _balanced(layer_params: Sequence[int], num_parts: int) -> list[int]:
     return bounds[::-1]
 
 
-def partition_layers(layer_params: Sequence[int], num_parts: int, method: str = "uniform") -> list[int]:
+def partition_layers(layer_params: Sequence[int], num_parts: int, method: str = "parameters") -> list[int]:
     """Boundaries ``[0, b_1, ..., n]`` of ``num_parts`` contiguous, non-empty pieces.
 
     ``layer_params[i]`` is layer i's parameter count; layer 0 is the embedding and the
@@ -88,14 +93,14 @@ def partition_layers(layer_params: Sequence[int], num_parts: int, method: str = 
     """
     _check(layer_params, num_parts)
     n = len(layer_params)
-    if method not in PARTITION_METHODS:
-        raise ConfigError(f"unknown pipeline.partition {method!r}: choose one of {', '.join(PARTITION_METHODS)}")
+    if method not in CONFIG_PARTITION_METHODS:
+        raise ConfigError(f"unknown pipeline.partition {method!r}: choose one of {', '.join(CONFIG_PARTITION_METHODS)}")
     if n < num_parts:
         raise ConfigError(f"cannot cut {n} layers into {num_parts} pipeline pieces (pipeline stages x "
                           f"virtual stages): every piece needs a layer; use fewer stages or more layers")
-    if method == "uniform":
-        return _uniform(n, num_parts)
-    return _balanced(layer_params, num_parts)
+    if method == "blocks":
+        return _blocks(n, num_parts)
+    return _balanced([1] * n if method == "uniform" else layer_params, num_parts)
 
 
 def part_sizes(layer_params: Sequence[int], bounds: Sequence[int]) -> list[int]:

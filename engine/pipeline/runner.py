@@ -27,6 +27,7 @@ from engine.data.device import move_to_device
 from engine.data.microbatch import split_microbatch, to_microbatch
 from engine.distributed.groups import ParallelGroups
 from engine.pipeline.executor import PipelineExecutor
+from engine.pipeline.probe import probe_boundary
 from engine.pipeline.stages import check_doc_ids
 from engine.zero.step import GradientStep
 
@@ -58,29 +59,47 @@ class PipelineRunner:
 
     def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: LossFn,
                  *, device: torch.device, dtype: torch.dtype, grads: GradientStep,
-                 boundary_shape: Optional[Sequence[int]] = None) -> None:
+                 boundary_shape: Optional[Sequence[int]] = None, measure_boundary: bool = False) -> None:
         """``grads``: the owner of the step arithmetic (the engine's ZeRO optimizer).
         ``boundary_shape`` / ``dtype``: what crosses the stage boundaries; the shape
-        defaults to the config's model (:func:`activation_shape`)."""
+        defaults to the config's model (:func:`activation_shape`). ``measure_boundary``:
+        the shape and dtype are not known (a PipelineModule): :meth:`prepare` measures them
+        on the first micro-batch (:func:`engine.pipeline.probe.probe_boundary`) and builds
+        the executor then."""
         self._split = split_microbatch
         self.chunks = list(chunks)
-        self.cfg, self.groups, self.loss_fn = cfg, groups, loss_fn
+        self.cfg, self.groups, self.loss_fn, self.grads = cfg, groups, loss_fn, grads
         self.device, self.dtype = device, dtype
         self.stage, self.num_stages = groups.pp_rank, cfg.pp
         self.stage_ranks = list(groups.pp_ranks)
-        self.shape = tuple(boundary_shape) if boundary_shape is not None else activation_shape(cfg)
         self.document_masking = cfg.data.document_masking
-        self.executor = PipelineExecutor(
-            self.chunks, stage=self.stage, stage_ranks=self.stage_ranks, pp_group=groups.pp_group,
-            num_microbatches=cfg.gradient_accumulation_steps, activation_shape=self.shape,
-            loss_fn=loss_fn, grads=grads,
-            schedule=cfg.pipeline.schedule, activation_dtype=dtype, device=device,
+        self._executor: Optional[PipelineExecutor] = None
+        if not measure_boundary:
+            self._build(tuple(boundary_shape) if boundary_shape is not None else activation_shape(cfg), dtype)
+
+    def _build(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+        self._executor = PipelineExecutor(
+            self.chunks, stage=self.stage, stage_ranks=self.stage_ranks, pp_group=self.groups.pp_group,
+            num_microbatches=self.cfg.gradient_accumulation_steps, activation_shape=shape,
+            loss_fn=self.loss_fn, grads=self.grads,
+            schedule=self.cfg.pipeline.schedule, activation_dtype=dtype, device=self.device,
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
             broadcast_loss=False, record=False, side_inputs=self.document_masking)
 
     def prepare(self, microbatches: Sequence[Any]) -> None:
-        """Setup before a step, outside its no-host-sync region: nothing here (the boundary
-        shape comes from the config; :class:`engine.pipe.runner.LazyPipelineRunner` probes)."""
+        """One-time setup before a step, outside its no-host-sync region: the boundary-shape
+        probe when the shape is measured (its collectives and its host read of the shape
+        headers happen here; see :mod:`engine.distributed.strict`, rule 6); nothing otherwise."""
+        if self._executor is None:
+            inputs, _ = self._split(microbatches[0])
+            self._build(*probe_boundary(self.chunks, inputs, self.groups, self.num_stages, self.device))
+
+    @property
+    def executor(self) -> PipelineExecutor:
+        if self._executor is None:
+            raise RuntimeError("the boundary shape is measured on the first micro-batch: call prepare() first")
+        return self._executor
 
     @property
     def is_last(self) -> bool:
@@ -99,6 +118,7 @@ class PipelineRunner:
 
     def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
         """One step's forward and backward; the mean loss (unscaled) on the last stage."""
+        self.prepare(microbatches)
         loss = self.executor.train_batch(iter([self._item(mb) for mb in microbatches]))
         if not self.is_last:
             return None
@@ -107,5 +127,6 @@ class PipelineRunner:
 
     def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
         """The forward-only schedule over ``microbatches``: each one's loss on the last stage."""
+        self.prepare(microbatches)
         losses = self.executor.eval_batch(iter([self._item(mb) for mb in microbatches]), len(microbatches))
         return losses if self.is_last else None

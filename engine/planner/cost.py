@@ -137,10 +137,10 @@ class StageShape:
 
 def stage_shapes(model: ModelConfig, pp: int, virtual_stages: int = 1) -> list[StageShape]:
     """The ``pp * virtual_stages`` pieces of the reference layer list under the engine's
-    ``uniform`` partition (blocks split evenly, embedding on the first, head on the last;
+    ``blocks`` partition (blocks split evenly, embedding on the first, head on the last;
     a tied head on another stage holds its own copy, as the engine's does)."""
     counts = reference_layer_params(model)
-    bounds = partition_layers(counts, pp * virtual_stages, "uniform")
+    bounds = partition_layers(counts, pp * virtual_stages, "blocks")
     last = len(counts) - 1
     out = []
     for k in range(pp * virtual_stages):

@@ -12,29 +12,15 @@ counts the skipped steps; fp32 does not check unless asked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from engine.distributed import comm
-from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
 
-__all__ = ["PrecisionPolicy", "resolve_compute_dtype", "local_nonfinite_count", "any_rank_true"]
+__all__ = ["PrecisionPolicy"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_compute_dtype(fp16_enabled: bool = False, bf16_enabled: bool = False) -> torch.dtype:
-    """The compute dtype from the ``fp16.enabled`` / ``bf16.enabled`` flags."""
-    if fp16_enabled and bf16_enabled:
-        raise ConfigError("fp16.enabled and bf16.enabled are both true: enable at most one")
-    if fp16_enabled:
-        return torch.float16
-    if bf16_enabled:
-        return torch.bfloat16
-    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -84,22 +70,3 @@ class PrecisionPolicy:
                 raise ConfigError(f"precision {n!r} is not one of {sorted(_DTYPES)}")
         return cls(compute_dtype=_DTYPES[name], check_nonfinite=check_nonfinite,
                    grad_accum_dtype=None if grad_accum is None else _DTYPES[grad_accum])
-
-
-def local_nonfinite_count(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Number of inf/NaN elements over ``tensors`` (a 0-dim fp32 tensor, no host sync)."""
-    total: Optional[torch.Tensor] = None
-    for t in tensors:
-        c = (~torch.isfinite(t)).sum(dtype=torch.float32)
-        total = c if total is None else total + c
-    return total if total is not None else torch.zeros((), dtype=torch.float32)
-
-
-def any_rank_true(flag: torch.Tensor, groups: Sequence[Optional[AxisGroup]]) -> bool:
-    """True when ``flag`` (0-dim, > 0 means true) is true on any rank of the mesh spanned by
-    ``groups`` (e.g. the DP, TP and PP groups). One host sync."""
-    t = flag.detach().to(torch.float32).reshape(1).clone()
-    for g in groups:
-        if g is not None:
-            comm.all_reduce(t, g, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)

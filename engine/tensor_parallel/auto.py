@@ -45,7 +45,7 @@ from engine.tensor_parallel.auto_rules import ATTENTION_ATTRS, LayerSpec
 from engine.tensor_parallel.layers import set_layout_attrs, shard_tensor
 from engine.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region, tp_rank, tp_world_size
 
-__all__ = ["AutoTPLinear", "HeadCounts", "AutoTPResult", "autotp", "head_counts", "is_autotp_model"]
+__all__ = ["AutoTPLinear", "HeadCounts", "AutoTPResult", "autotp", "head_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +172,6 @@ class AutoTPResult:
     replaced: dict[str, str] = field(default_factory=dict)
     param_map: dict[int, nn.Parameter] = field(default_factory=dict)
     attention: list[str] = field(default_factory=list)
-
-
-def is_autotp_model(model: nn.Module) -> bool:
-    return any(isinstance(m, AutoTPLinear) for m in model.modules())
 
 
 def _find_spec(specs: Sequence[LayerSpec], weight_name: str) -> Optional[LayerSpec]:
@@ -307,4 +303,3 @@ def _rewrite_heads(mod: nn.Module, local: dict[str, int]) -> None:
     if cfg is not None and isinstance(getattr(cfg, "num_attention_heads", None), int):
         view = _ConfigView(cfg, num_attention_heads=local["q_heads"], num_key_value_heads=local["kv_heads"])
         setattr(mod, "config", view)  # noqa: B010 - a plain attribute of the module, not a submodule
-

@@ -12,7 +12,9 @@ sample (:meth:`Trainer.run`). Its notices go through a callback, never to a stre
   input; the cache lock makes one process build while the others wait);
 - :func:`train`: ``steps`` optimizer steps of ``engine.train_batch`` on the global batch of
   each step (``GlobalBatchSampler``, the same data whatever the layout), one metrics
-  record per step (``metrics.jsonl`` on rank 0, TensorBoard when installed);
+  record per step, written by rank 0 to ``metrics.jsonl`` and the config's monitors
+  (``tensorboard``, ``csv_monitor``, ``wandb``: DeepSpeed's tags against samples) in one
+  fan-out (:class:`engine.monitor.Monitor`);
 - :func:`write_memory_report`: per-rank parameter / gradient / optimizer-state / peak bytes,
   gathered to rank 0 as ``memory.json``;
 - :func:`write_resolved_config`: ``config.json``.
@@ -39,24 +41,19 @@ from engine.data import GlobalBatchSampler, PackedDataset, build_dataset
 from engine.distributed.env import DistEnv
 from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine
-from engine.errors import ConfigError
 from engine.generate import gather_reference_model, generates_sharded, greedy_generate, greedy_generate_sharded
-from engine.metrics import MetricsWriter, StepTimer, device_peak_flops, mfu, peak_memory_bytes
-from engine.models import ModelConfig, flops_per_token
+from engine.metrics import StepTimer, device_peak_flops, mfu, peak_memory_bytes
+from engine.models import flops_per_token
+from engine.monitor import Monitor
+from engine.monitor.jsonl import JsonlMonitor, keep_metrics_up_to
 from engine.topology import Role
+from engine.training.lifecycle import clear_failure_records, logs_dir, require_model
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "write_memory_report",
            "write_resolved_config", "step_record"]
 
 logger = logging.getLogger(__name__)
-
-
-def _model_config(cfg: Config) -> ModelConfig:
-    if cfg.model is None:
-        raise ConfigError("the trainer trains the reference GPT of the config's \"model\" section: add one with "
-                          "vocab_size, hidden_size, num_layers, num_heads and seq_len")
-    return cfg.model
 
 
 def _groups(engine: Engine) -> ParallelGroups:
@@ -67,7 +64,7 @@ def _groups(engine: Engine) -> ParallelGroups:
 
 def build_data(cfg: Config) -> tuple[PackedDataset, GlobalBatchSampler]:
     """Dataset (tokenizer included) and the step-deterministic global-batch sampler."""
-    d, model = cfg.data, _model_config(cfg)
+    d, model = cfg.data, require_model(cfg)
     ds = build_dataset(train_files=list(d.train_files) if d.train_files is not None else None,
                        tokenizer_model=d.tokenizer_model, cache_dir=d.cache_dir,
                        document_masking=d.document_masking, vocab_size=model.vocab_size,
@@ -85,7 +82,7 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
                 peak_flops_total: Optional[float]) -> dict[str, Any]:
     """The metrics of the optimizer step just taken."""
     cfg: Config = engine.config
-    model = _model_config(cfg)
+    model = require_model(cfg)
     tokens = cfg.train_batch_size * model.seq_len
     tps = tokens / seconds if seconds > 0 else float("inf")
     norm = engine.get_global_grad_norm()
@@ -112,9 +109,14 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     writes them). ``peak_tflops``: per-device peak for MFU where the device table has none;
     ``run_id``: stored in every record as ``run_id`` (which job wrote it)."""
     cfg: Config = engine.config
-    rows = _groups(engine).role(Role.BATCH)  # the ranks that read different rows of the batch
+    batch_role = _groups(engine).role(Role.BATCH)  # the ranks that read different rows of the batch
     is_writer = engine.global_rank == 0
-    writer = MetricsWriter(output_dir, is_writer=is_writer)
+    # One fan-out per step: the config's monitors (engine.monitor, rank 0) and metrics.jsonl
+    # get the same values, the loss read to the host once; the engine's own per-step write
+    # is off meanwhile, so TensorBoard has one writer with DeepSpeed's tags.
+    base, engine.monitor = engine.monitor, None
+    rows = JsonlMonitor(output_dir) if is_writer and output_dir else None
+    monitor = Monitor(([] if base is None else base.backends) + ([rows] if rows is not None else []))
     peak = device_peak_flops(engine.device, cfg.precision, peak_tflops)
     peak_total = peak * cfg.world_size if peak is not None else None
     timer = StepTimer(engine.device)
@@ -123,16 +125,17 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     try:
         for _ in range(steps):
             step = engine.global_steps  # the data of step s depends only on s: resumable, layout-free
-            mbs = sampler.local_microbatches(step, rows.rank, rows.size, micro)
+            mbs = sampler.local_microbatches(step, batch_role.rank, batch_role.size, micro)
             data = iter([mb.to(engine.device) for mb in mbs])
             scale = engine.get_loss_scale()
             timer.start()
             loss = engine.train_batch(data)
-            loss_value = float(loss.item())
+            loss_value = float(loss.item())  # the step's one host read of the loss
             rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
             if run_id is not None:
                 rec["run_id"] = run_id
-            writer.write(rec)
+            if monitor.enabled:
+                monitor.write_events(engine.step_events(loss_value), rec)
             records.append(rec)
             if is_writer and cfg.steps_per_print and rec["step"] % cfg.steps_per_print == 0:
                 logger.info("step %d: loss %.4f, lr %.3g, grad norm %s, %.0f tokens/s", rec["step"], rec["loss"],
@@ -140,7 +143,9 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
             if on_step is not None:
                 on_step(rec)
     finally:
-        writer.close()
+        if rows is not None:
+            rows.close()
+        engine.monitor = base
     return records
 
 
@@ -167,23 +172,6 @@ def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, A
     return report
 
 
-def keep_metrics_up_to(path: str, step: int) -> None:
-    """A fresh run starts a new metrics file; a resumed one keeps the records up to its step
-    (a crashed run may have logged steps after its last checkpoint)."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(keep)
-
-
-def _clear_failure_records(logs: str) -> None:
-    for name in os.listdir(logs) if os.path.isdir(logs) else []:
-        if name.endswith((".failed", ".stopped")):
-            os.remove(os.path.join(logs, name))
-
-
 @dataclass(frozen=True)
 class TrainOptions:
     """What a training job is asked to do (launch/train.py's flags, same names)."""
@@ -204,7 +192,7 @@ class TrainOptions:
     @property
     def logs_dir(self) -> str:
         """Per-rank tracebacks and failure records."""
-        return os.path.join(self.output, "logs")
+        return logs_dir(self.output)
 
 
 @dataclass
@@ -251,7 +239,7 @@ class Trainer:
                                                    load_if_exists=o.load_if_exists, finetune=o.finetune,
                                                    rank=self.env.rank, run_id=self.run_id, stack=held)
         if problem is None and self.rank0:  # the folder is ours now: a previous run's records go
-            _clear_failure_records(o.logs_dir)
+            clear_failure_records(o.output)
         return agree_on_problems(problem)  # (collective: after it, every record is this run's)
 
     def start(self) -> Engine:
@@ -266,7 +254,7 @@ class Trainer:
         need = self._checkpoint_bytes() if o.save is not None else 0
         if self.rank0:
             write_resolved_config(self.cfg, o.output)
-            keep_metrics_up_to(os.path.join(o.output, "metrics.jsonl"), eng.global_steps)  # under the lock
+            keep_metrics_up_to(o.output, eng.global_steps)  # under the lock
             if o.save is not None:
                 warn_if_low_space([(o.save, "--save")], need)
         return eng

@@ -37,9 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from engine.metrics import peak_memory_bytes
-
-__all__ = ["zero_memory_formula", "zero_state_bytes", "zero_peak_formula", "optimizer_peak_inputs", "memory_report"]
+__all__ = ["zero_memory_formula", "zero_state_bytes", "zero_peak_formula", "optimizer_peak_inputs"]
 
 
 def zero_memory_formula(num_params: int, stage: int, dp: int, *, param_bytes: int = 2,
@@ -163,12 +161,3 @@ def optimizer_peak_inputs(optimizer: Any, module: torch.nn.Module) -> dict[str, 
         "prefetch_numel": int(getattr(optimizer, "prefetch_bucket_size", 0)) if units else 0,
         "tied_numel": max([sizes[k] for k, n in owners.items() if n > 1] + [0]),
     }
-
-
-def memory_report(optimizer: Any, device: torch.device) -> dict[str, int]:
-    """``optimizer.memory_bytes()`` (params, grads, optimizer_state counted from the
-    optimizer's own tensors) plus ``peak``: max RSS of this process on CPU, max allocated
-    on CUDA."""
-    out = dict(optimizer.memory_bytes())
-    out["peak"] = peak_memory_bytes(device)
-    return out

@@ -107,7 +107,7 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
     layers = build_layers(num_blocks)
     ref_layers = build_layers(num_blocks)
     ref = nn.Sequential(*ref_layers)
-    bounds = partition_layers([1] * len(layers), p * v, "uniform")
+    bounds = partition_layers([1] * len(layers), p * v, "blocks")
     idx = [list(layers_of(bounds, rank, p, c)) for c in range(v)]
     chunks = [nn.Sequential(*[layers[i] for i in ids]) for ids in idx]
     probe = None
@@ -311,7 +311,7 @@ def _gpt_tp_pp(rank, world_size):
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
         ref = GPT(cfg, NO_TP, seed=seed)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        bounds = partition_layers([1] * num_stage_layers(cfg), p * v, "uniform")
+        bounds = partition_layers([1] * num_stage_layers(cfg), p * v, "blocks")
         chunks, named = [], []  # named: (name, pipeline param, dense param)
         for c in range(v):
             rng = layers_of(bounds, stage, p, c)

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from engine.metrics import MetricsWriter, device_peak_flops, mfu, peak_memory_bytes, summarize_times
+from engine.metrics import device_peak_flops, mfu, peak_memory_bytes, summarize_times
 
 
 def test_mfu_formula():
@@ -31,14 +31,18 @@ def test_peak_memory_positive_on_cpu():
 
 
 def test_metrics_jsonl_lines_parse_and_nonwriter_writes_nothing(tmp_path):
-    w = MetricsWriter(str(tmp_path / "a"), is_writer=True, tensorboard=False)
-    w.write({"step": 1, "loss": 2.5, "grad_norm": float("nan")})
-    w.write({"step": 2, "loss": float("inf")})
+    from engine.config.schema import MonitorConfig
+    from engine.monitor import build_monitor
+
+    w = build_monitor(MonitorConfig(), is_writer=True, metrics_dir=str(tmp_path / "a"))
+    w.write_events([("Train/Samples/train_loss", 2.5, 8)], {"step": 1, "loss": 2.5, "grad_norm": float("nan")})
+    w.write_events([("Train/Samples/eval_loss", 2.0, 8)])  # an event without a row: no line
+    w.write_events([], {"step": 2, "loss": float("inf")})
     w.close()
     lines = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert lines == [{"step": 1, "loss": 2.5, "grad_norm": None}, {"step": 2, "loss": None}]
-    w2 = MetricsWriter(str(tmp_path / "b"), is_writer=False)
-    w2.write({"step": 1})
+    w2 = build_monitor(MonitorConfig(), is_writer=False, metrics_dir=str(tmp_path / "b"))
+    w2.write_events([], {"step": 1})
     w2.close()
     assert not (tmp_path / "b").exists()
 

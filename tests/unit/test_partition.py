@@ -16,17 +16,17 @@ def _valid(bounds, n, parts):
 
 def test_uniform_splits_blocks_and_pins_ends():
     # embedding + 8 blocks + head over 4 stages: 2 blocks each, embedding first, head last
-    assert partition_layers([5] * 10, 4, "uniform") == [0, 3, 5, 7, 10]
+    assert partition_layers([5] * 10, 4, "blocks") == [0, 3, 5, 7, 10]
     # 7 blocks over 3 stages: remainder to the first stages
-    assert partition_layers([1] * 9, 3, "uniform") == [0, 4, 6, 9]
-    assert partition_layers([1] * 4, 1, "uniform") == [0, 4]
+    assert partition_layers([1] * 9, 3, "blocks") == [0, 4, 6, 9]
+    assert partition_layers([1] * 4, 1, "blocks") == [0, 4]
 
 
 def test_uniform_blocks_per_stage_counts():
     for blocks in range(1, 20):
         for parts in range(1, blocks + 1):
             n = blocks + 2
-            b = partition_layers([1] * n, parts, "uniform")
+            b = partition_layers([1] * n, parts, "blocks")
             _valid(b, n, parts)
             inner = [hi - lo for lo, hi in zip(b, b[1:])]
             if parts > 1:
@@ -70,7 +70,7 @@ def test_parameters_method_on_a_gpt_like_model():
 
 
 def test_layers_of_virtual_stages():
-    b = partition_layers([1] * 10, 4, "uniform")  # 2 stages x 2 chunks
+    b = partition_layers([1] * 10, 4, "blocks")  # 2 stages x 2 chunks
     assert list(layers_of(b, stage=0, num_stages=2, chunk=0)) == [0, 1, 2]
     assert list(layers_of(b, stage=1, num_stages=2, chunk=0)) == [3, 4]
     assert list(layers_of(b, stage=0, num_stages=2, chunk=1)) == [5, 6]
@@ -79,7 +79,7 @@ def test_layers_of_virtual_stages():
 
 @pytest.mark.parametrize("counts,parts,method,match", [
     ([1, 1, 1], 4, "parameters", "cannot cut 3 layers into 4"),
-    ([1, 1, 1, 1], 3, "uniform", "needs at least one block per pipeline piece"),
+    ([1, 1, 1, 1], 3, "blocks", "needs at least one block per pipeline piece"),
     ([1, 1], 1, "balanced", "unknown pipeline.partition"),
     ([1, -1], 1, "uniform", "layer 1"),
     ([], 1, "uniform", "empty"),
@@ -88,3 +88,24 @@ def test_layers_of_virtual_stages():
 def test_bad_inputs(counts, parts, method, match):
     with pytest.raises(ConfigError, match=match):
         partition_layers(counts, parts, method)
+
+
+def test_uniform_is_deepspeeds_layer_count_and_agrees_with_pipeline_module():
+    """One meaning per name: ``uniform`` balances the number of layers (the embedding and the
+    head count as layers), for the config and for PipelineModule alike; Megatron's even split
+    of the blocks is ``blocks``."""
+    import torch.nn as nn
+
+    from engine.config.sections import PARTITION_METHODS
+    from engine.pipe import PipelineModule
+
+    counts = [100, 1, 1, 1, 1, 1, 1, 1, 1, 100]
+    assert part_sizes([1] * 10, partition_layers(counts, 4, "uniform")) == [3, 3, 2, 2] or \
+        sorted(part_sizes([1] * 10, partition_layers(counts, 4, "uniform"))) == [2, 2, 3, 3]
+    assert partition_layers([1] * 11, 4, "uniform") != partition_layers([1] * 11, 4, "blocks")
+    assert max(part_sizes([1] * 11, partition_layers([1] * 11, 4, "uniform"))) == 3  # ceil(11 / 4)
+    for method in ("uniform", "parameters", "blocks"):
+        pm = PipelineModule([nn.Linear(2, 2) for _ in range(11)], num_stages=4, partition_method=method)
+        assert pm.partition(4) == partition_layers(pm.layer_weights() if method != "parameters"
+                                                   else [6] * 11, 4, method), method
+    assert set(PARTITION_METHODS) == {"parameters", "uniform", "blocks", "type:<regex>"}

@@ -1,6 +1,6 @@
-"""Pipeline running for a :class:`~engine.pipe.PipelineModule`: the shape that crosses the
-stage boundaries is not in the config (there is no ``model`` section), so it is measured
-once, on the first micro-batch, before the first step.
+"""The boundary shape of a model whose shapes are not in the config (DeepSpeed's
+:class:`~engine.pipe.PipelineModule`: there is no ``model`` section), measured once, on the
+first micro-batch, before the first step.
 
 :func:`probe_boundary` walks the chain of virtual stages in order: each chunk receives
 the shape and dtype of its input (a small int64 header, no activation), runs itself on
@@ -8,27 +8,23 @@ zeros of that shape (no grad, RNG state restored, so training is unaffected) and
 its output's shape on. The boundary shapes are then all-gathered over the pipeline group
 and must all be equal (the executor posts fixed-shape receives), which every rank checks
 on the same data, so every rank raises the same error. The engine runs the probe through
-:meth:`LazyPipelineRunner.prepare` before it enters the step, so reading the headers on the
+:meth:`engine.pipeline.runner.PipelineRunner.prepare` before it enters the step, so reading the headers on the
 host (once per job) is not a sync inside the executor's step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from engine.config import Config
-from engine.data.microbatch import split_microbatch
 from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.pipeline.actions import next_hop, prev_hop
-from engine.pipeline.runner import PipelineRunner
-from engine.zero.step import GradientStep
 
-__all__ = ["probe_boundary", "LazyPipelineRunner"]
+__all__ = ["probe_boundary"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 _MAX_DIMS = 6
@@ -85,39 +81,3 @@ def probe_boundary(chunks: Sequence[nn.Module], inputs: torch.Tensor, groups: Pa
                           "partition_method / num_stages so that every cut falls where the activations have the "
                           "same shape (e.g. between transformer blocks)")
     return found.pop()
-
-
-class LazyPipelineRunner:
-    """A :class:`engine.pipeline.runner.PipelineRunner` built on the first ``train`` /
-    ``evaluate`` call, once :func:`probe_boundary` has measured the boundary shape."""
-
-    def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: Callable,
-                 *, device: torch.device, grads: GradientStep) -> None:
-        self._split = split_microbatch
-        self.chunks, self.cfg, self.groups, self.loss_fn = list(chunks), cfg, groups, loss_fn
-        self.device, self.grads = device, grads
-        self._runner: Any = None
-
-    def _ready(self, microbatches: Sequence[Any]) -> Any:
-        if self._runner is None:
-            inputs, _ = self._split(microbatches[0])
-            shape, dtype = probe_boundary(self.chunks, inputs, self.groups, self.cfg.pp, self.device)
-            self._runner = PipelineRunner(self.chunks, self.cfg, self.groups, self.loss_fn, device=self.device,
-                                          dtype=dtype, grads=self.grads, boundary_shape=shape)
-        return self._runner
-
-    def prepare(self, microbatches: Sequence[Any]) -> None:
-        """One-time setup before the first step: the boundary-shape probe (its collectives
-        and its host read of the shape headers happen here, which the engine calls outside
-        the executor step's no-host-sync region; see :mod:`engine.distributed.strict`, rule 6)."""
-        self._ready(microbatches)
-
-    @property
-    def is_last(self) -> bool:
-        return self.groups.pp_rank == self.cfg.pp - 1
-
-    def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        return self._ready(microbatches).train(microbatches)
-
-    def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        return self._ready(microbatches).evaluate(microbatches)
