@@ -106,8 +106,11 @@ class OpStatus:
 
 
 def csrc_root() -> Path:
-    """csrc/ next to the engine package (a source checkout or an editable install)."""
-    return Path(__file__).resolve().parents[2] / "csrc"
+    """Where the kernel sources are: engine/ops/csrc/ in an installed wheel (setup.py copies
+    csrc/ there), else csrc/ next to the engine package (a checkout or an editable install)."""
+    here = Path(__file__).resolve().parent
+    shipped = here / "csrc"
+    return shipped if shipped.is_dir() else here.parents[1] / "csrc"
 
 
 def _cuda_toolkit_problem() -> Optional[str]:
