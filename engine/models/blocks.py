@@ -30,8 +30,8 @@ from engine.distributed.groups import NO_TP, AxisGroup
 from engine.distributed.strict import host_sync_allowed
 from engine.models.attention import AttnMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
+from engine.placement import REPLICATED, set_placement
 from engine.precision.fp8 import Fp8Recipe
-from engine.tensor_parallel.attrs import set_tp_attrs
 from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowParallelLinear
 from engine.tensor_parallel.mappings import copy_to_tp_region, tp_world_size
 
@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_world_size(tp_group) > 1
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        set_tp_attrs(self.weight, sharded=False)
+        set_placement(self.weight, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = copy_to_tp_region(self.weight, self.tp_group) if self.sequence_parallel else self.weight
