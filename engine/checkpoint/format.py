@@ -77,8 +77,8 @@ class CheckpointError(RuntimeError):
 # ---------------------------------------------------------------------------- layout records
 @dataclass(frozen=True)
 class TPSlice:
-    """How a TP-local tensor is cut from the full one (the layers' tags, see
-    :mod:`engine.tensor_parallel.layers`): along ``dim``, rank ``rank`` of ``world`` holds
+    """How a TP-local tensor is cut from the full one (the parameter's placement, see
+    :mod:`engine.placement`): along ``dim``, rank ``rank`` of ``world`` holds
     ``[part0_r; part1_r; ...]`` of the full tensor padded along ``dim`` to
     ``local_size * world`` (``unpadded``: the true size, for a padded vocabulary; ``parts``:
     the full sizes of the parts of a fused weight such as q/k/v or gate/up)."""

@@ -7,7 +7,7 @@ GPT or a layer list) a parameter of layer ``j`` of a chunk starting at layer ``s
 ``layers.{s + j}.{name}`` (``engine.models.GPT`` indexing, whatever stage holds it);
 otherwise the module's own ``named_parameters`` names. A parameter reachable under
 several names (a tied embedding and head in one process) takes the first, and the others
-are recorded as aliases; a pipeline copy of a tied weight (``is_tied_copy``) is an alias
+are recorded as aliases; a pipeline copy of a tied weight (placement ``tied_copy``) is an alias
 of the original on the first stage (matched by the ZeRO group's ``tied_index``).
 """
 
@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from engine.checkpoint.format import TPSlice
 from engine.pipeline.names import parameter_names, stage_chunks
-from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded, tp_partition_dim
+from engine.placement import placement_of
 from engine.zero.shard_view import ShardView
 
 __all__ = ["LocalPiece", "stage_chunks", "parameter_names", "tp_slice_of", "local_pieces", "tied_names",
@@ -45,15 +45,10 @@ class LocalPiece:
 
 def tp_slice_of(param: torch.Tensor, tp_rank: int, tp_world: int) -> Optional[TPSlice]:
     """The TP slice a parameter is (None for a TP-replicated one)."""
-    if not is_tp_sharded(param):
+    shard = placement_of(param).tp
+    if shard is None:
         return None
-    dim = tp_partition_dim(param)
-    if dim is None:
-        raise ValueError("a TP-sharded parameter has no tp_partition_dim tag")
-    parts = getattr(param, "tp_fused_parts", None)
-    unpadded = getattr(param, "tp_unpadded_size", None)
-    return TPSlice(int(dim), int(tp_rank), int(tp_world), tuple(int(p) for p in parts) if parts else None,
-                   None if unpadded is None else int(unpadded))
+    return TPSlice(shard.dim, int(tp_rank), int(tp_world), shard.fused_parts, shard.unpadded_size)
 
 
 def local_pieces(view: ShardView, names: dict[int, str]) -> list[LocalPiece]:
@@ -78,7 +73,7 @@ def tied_names(view: ShardView, names: dict[int, str]) -> tuple[dict[int, str], 
             continue
         for b in g.buckets:
             for s in b.params:
-                if is_tied_copy(s.param):
+                if placement_of(s.param).tied_copy:
                     copies[names[id(s.param)]] = g.tied_index
                 else:
                     originals[g.tied_index] = names[id(s.param)]

@@ -57,7 +57,7 @@ from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed
 from engine.checkpoint.save import agree_on_tag
 from engine.checkpoint.target import Checkpointable
 from engine.config import Config
-from engine.tensor_parallel.attrs import is_tied_copy
+from engine.placement import placement_of
 from engine.training_state import TrainingState, restore_rng
 from engine.zero.shard_view import GroupState, Scalar, ShardView
 
@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 def _canonical(name: str, p: Any, meta: CheckpointMetadata) -> str:
     if name in meta.aliases:
         return meta.aliases[name]
-    if is_tied_copy(p) and name not in meta.params:
+    if placement_of(p).tied_copy and name not in meta.params:
         raise CheckpointError(f"parameter {name} is a pipeline copy of a tied weight, but the checkpoint records no "
                               f"weight it is tied to")
     return name

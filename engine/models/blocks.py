@@ -1,5 +1,8 @@
 """Building blocks of the reference decoder: RMSNorm, rotary embeddings, causal
-self-attention and the SwiGLU MLP, all tensor-parallel through engine.tensor_parallel.
+self-attention and the MLPs (SwiGLU), all tensor-parallel through engine.tensor_parallel.
+
+A block's MLP is a choice: :data:`MLPS` maps a name (``model.mlp`` in the config) to an
+:class:`MlpFactory`, and ``Block(..., mlp=...)`` takes a name or a factory.
 
 Activation layout: (B, S, H) batch first; with sequence parallelism the residual stream
 is (B, S/tp, H) and the TP regions (attention, MLP) see the full sequence.
@@ -19,7 +22,7 @@ FP8 (engine.precision.fp8); norms, attention itself, the embedding and the LM he
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -28,15 +31,16 @@ import torch.nn.functional as F
 from engine.data.packing import position_ids_from_doc_ids
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.distributed.strict import host_sync_allowed
+from engine.errors import ConfigError
 from engine.models.attention import AttnMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
+from engine.placement import REPLICATED, set_placement
 from engine.precision.fp8 import Fp8Recipe
-from engine.tensor_parallel.attrs import set_tp_attrs
 from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowParallelLinear
 from engine.tensor_parallel.mappings import copy_to_tp_region, tp_world_size
 
 __all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "attention_inputs", "forward_layers", "Attention",
-           "SwiGLU", "Block"]
+           "SwiGLU", "MlpFactory", "MLPS", "mlp_factory", "Block"]
 
 Device = Optional[Union[torch.device, str]]
 Dtype = Optional[torch.dtype]
@@ -57,7 +61,7 @@ class RMSNorm(nn.Module):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_world_size(tp_group) > 1
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        set_tp_attrs(self.weight, sharded=False)
+        set_placement(self.weight, REPLICATED)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = copy_to_tp_region(self.weight, self.tp_group) if self.sequence_parallel else self.weight
@@ -230,22 +234,47 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class MlpFactory(Protocol):
+    """Builds block ``layer``'s MLP, hidden (B, S, H) -> (B, S, H) (or (B, S/tp, H) under
+    sequence parallelism). Its parameters' names and init keys (``blocks.{layer}.mlp.…``) are
+    the checkpoint's names; sharded init must equal the slice of the unsharded init."""
+
+    def __call__(self, cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool,
+                 seed: int, device: Device = None, dtype: Dtype = None, *,
+                 fp8_recipe: Optional[Fp8Recipe] = None) -> nn.Module: ...
+
+
+# name (engine.models.config.MLP_KINDS) -> factory; the expert-parallel issue adds "moe"
+MLPS: dict[str, MlpFactory] = {"swiglu": SwiGLU}
+
+
+def mlp_factory(mlp: Union[str, MlpFactory]) -> MlpFactory:
+    """The factory ``mlp`` names (or ``mlp`` itself when it is one)."""
+    if not isinstance(mlp, str):
+        return mlp
+    if mlp not in MLPS:
+        raise ConfigError(f"model.mlp = {mlp!r}: must be one of {sorted(MLPS)}")
+    return MLPS[mlp]
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; hidden -> hidden.
-    Takes the optional attention inputs (module docstring) as keywords."""
+    Takes the optional attention inputs (module docstring) as keywords. ``mlp``: a name in
+    :data:`MLPS` or a factory; None is the config's ``model.mlp``."""
 
     takes_attention_inputs = True  # forward_layers passes attn_mask / position_ids
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool,
                  seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None, *,
-                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
+                 fp8_recipe: Optional[Fp8Recipe] = None, mlp: Union[str, MlpFactory, None] = None) -> None:
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
         self.attn = Attention(cfg, layer, tp_group, sequence_parallel, seed, rotary, device, dtype,
                               fp8_recipe=fp8_recipe)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
-        self.mlp = SwiGLU(cfg, layer, tp_group, sequence_parallel, seed, device, dtype, fp8_recipe=fp8_recipe)
+        build_mlp = mlp_factory(cfg.mlp if mlp is None else mlp)
+        self.mlp = build_mlp(cfg, layer, tp_group, sequence_parallel, seed, device, dtype, fp8_recipe=fp8_recipe)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -12,7 +12,11 @@ from typing import Any, Optional
 from engine.errors import ConfigError
 from engine.validate import check_int
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "MLP_KINDS", "DEFAULT_MLP"]
+
+# The block MLPs a config may name (``model.mlp``); engine.models.blocks.MLPS builds each.
+DEFAULT_MLP = "swiglu"
+MLP_KINDS: tuple[str, ...] = (DEFAULT_MLP,)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -35,6 +39,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # The blocks' MLP, one of MLP_KINDS. Written by to_dict only when not the default, so
+    # the model section of configs and checkpoint metadata is what it was before the key.
+    mlp: str = DEFAULT_MLP
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_len"):
@@ -60,6 +67,8 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"model.{name} must be a positive number, got {v!r}")
+        if self.mlp not in MLP_KINDS:
+            raise ConfigError(f"model.mlp = {self.mlp!r}: must be one of {list(MLP_KINDS)}")
 
     @property
     def head_dim(self) -> int:
@@ -97,7 +106,10 @@ class ModelConfig:
             raise ConfigError(f"model section: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["mlp"] == DEFAULT_MLP:  # older checkpoints' metadata has no such key; keep dicts equal
+            del d["mlp"]
+        return d
 
 
 def _positive_int(name: str, v: Any) -> None:

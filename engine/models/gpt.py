@@ -26,6 +26,7 @@ the TP degree, the pipeline split and the construction order.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Union, cast
 
 import torch
@@ -35,8 +36,8 @@ from engine.distributed.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.models.blocks import Block, RMSNorm, RotaryEmbedding, attention_inputs, forward_layers
 from engine.models.config import ModelConfig
+from engine.placement import placement_of, set_placement
 from engine.precision.fp8 import Fp8Recipe
-from engine.tensor_parallel.attrs import mark_tied_copy
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import (
     NormalInit,
@@ -63,7 +64,7 @@ class FinalNormAndHead(nn.Module):
     ``tied_weight``: the embedding's weight, when the embedding lives in the same process
     (the head then uses that very parameter). With ``cfg.tie_embeddings`` and no
     ``tied_weight`` (embedding on another pipeline stage) the head holds its own copy,
-    initialised identically to the embedding and marked with ``mark_tied_copy``; keeping
+    initialised identically to the embedding and placed as a ``tied_copy``; keeping
     it in sync (summing the two gradients over the embedding group) is the pipeline's job.
     """
 
@@ -84,7 +85,7 @@ class FinalNormAndHead(nn.Module):
                                                 init=NormalInit(cfg.init_std, seed, key),
                                                 device=device, dtype=dtype)
             if cfg.tie_embeddings:
-                mark_tied_copy(self.weight)
+                set_placement(self.weight, replace(placement_of(self.weight), tied_copy=True))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(self.norm(h), self.weight, self.tp_group, self.vocab_size,

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from engine.pipeline.names import parameter_names  # names as the reference model has them
-from engine.tensor_parallel.attrs import is_tied_copy
+from engine.placement import placement_of
 from engine.zero.init import param_shape
 
 __all__ = ["uses_muon", "split_muon_groups", "EMBEDDING_MODULES"]
@@ -44,7 +44,9 @@ def uses_muon(name: str, param: torch.Tensor, owner: Optional[nn.Module], tied: 
                          f"{to_adam}: make the patterns exclusive")
     if to_adam:
         return False
-    embedding_like = (tied or is_tied_copy(param) or getattr(param, "tp_unpadded_size", None) is not None
+    placement = placement_of(param)
+    padded = placement.tp is not None and placement.tp.unpadded_size is not None  # a vocabulary table
+    embedding_like = (tied or placement.tied_copy or padded
                       or (owner is not None and type(owner).__name__ in EMBEDDING_MODULES)
                       or any(k in name.lower() for k in _KEYWORDS))
     # the parameter's own shape: under ZeRO-3 the model is built by engine.zero.Init, whose

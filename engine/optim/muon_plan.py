@@ -6,7 +6,7 @@ of the (dp x tp) grid of its pipeline stage, the *owner* ``(dp_owner, tp_owner)`
 are balanced by Newton–Schulz FLOPs with a deterministic greedy (largest first, to the
 least-loaded rank, ties to the lowest rank), computed identically on every rank.
 
-Fused projections (q/k/v, gate/up: a weight tagged ``tp_fused_parts``) are orthogonalised
+Fused projections (q/k/v, gate/up: a weight whose placement has ``fused_parts``) are orthogonalised
 as the separate matrices they stand for: the full weight is cut into its parts along the
 partition dim and each part gets its own Newton–Schulz and its own learning-rate
 adjustment (the part's shape). This is what a model with separate q, k, v projections
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from engine.optim.newton_schulz import newton_schulz_flops
-from engine.tensor_parallel.attrs import is_tp_sharded, tp_partition_dim
+from engine.placement import placement_of
 
 __all__ = ["MuonMatrix", "matrix_of", "assign_owners", "lr_segments"]
 
@@ -57,26 +57,23 @@ class MuonMatrix:
 
 def matrix_of(param: Any, local_shape: Sequence[int], tp_size: int, group: int, bucket: int, slot: int,
               name: str = "") -> MuonMatrix:
-    """The :class:`MuonMatrix` of a Muon parameter from its TP layout tags."""
+    """The :class:`MuonMatrix` of a Muon parameter from its TP placement."""
     what = f"Muon parameter {name or f'(group {group}, bucket {bucket}, slot {slot})'} of shape {tuple(local_shape)}"
     if len(local_shape) != 2:
         raise ValueError(f"{what} is not a matrix: Muon updates 2-D weights only; leave it to AdamW (its "
                          f"name matches no muon pattern, or add it to the adamw patterns)")
     r, c = int(local_shape[0]), int(local_shape[1])
-    if getattr(param, "tp_unpadded_size", None) is not None:
+    shard = placement_of(param).tp
+    if shard is None:  # TP-replicated: one whole matrix
+        return MuonMatrix(group, bucket, slot, (r, c), (r, c), None, (r,))
+    if shard.unpadded_size is not None:
         raise ValueError(f"{what} has a padded TP partition (a vocabulary table): embeddings and LM heads are "
                          f"AdamW parameters; remove it from the muon patterns")
-    parts_tag = getattr(param, "tp_fused_parts", None)
-    if not is_tp_sharded(param):
-        parts = tuple(int(p) for p in parts_tag) if parts_tag else (r,)
-        if sum(parts) != r:
-            raise ValueError(f"{what}: fused parts {parts} do not add up to its {r} rows")
-        return MuonMatrix(group, bucket, slot, (r, c), (r, c), None, parts)
-    dim = tp_partition_dim(param)
+    dim = shard.dim
     if dim not in (0, 1):
         raise ValueError(f"{what} is TP-sharded along dim {dim!r}; Muon needs dim 0 or 1")
     full = (r * tp_size, c) if dim == 0 else (r, c * tp_size)
-    parts = tuple(int(p) for p in parts_tag) if parts_tag else (full[dim],)
+    parts = shard.fused_parts or (full[dim],)
     if sum(parts) != full[dim]:
         raise ValueError(f"{what}: fused parts {parts} do not add up to its full size {full[dim]} along dim {dim}")
     if len(parts) > 1 and dim != 0:

@@ -21,6 +21,7 @@ scales once per optimizer step).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -34,8 +35,8 @@ from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers
 from engine.models.attention import AttnMask
 from engine.models.blocks import attention_inputs, forward_layers
 from engine.pipeline.partition import layers_of, partition_layers
+from engine.placement import placement_of, set_placement
 from engine.precision.fp8 import fp8_recipe_from_config, fp8_states
-from engine.tensor_parallel.attrs import is_tp_sharded, mark_tied_copy, tp_partition_dim
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import shard_tensor
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
@@ -179,16 +180,15 @@ def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: AxisGro
             src_layer = full.layers[chunk.start + j]
             for name, p in layer.named_parameters():
                 src = src_layer.get_parameter(name).detach().to(torch.float32).cpu()
-                if is_tp_sharded(p):
-                    dim = tp_partition_dim(p)
-                    assert dim is not None  # a TP-sharded parameter records its partition dim
-                    padded = getattr(p, "tp_unpadded_size", None)
-                    if padded is not None:  # pad the vocabulary to V_pad before slicing
+                shard = placement_of(p).tp
+                if shard is not None:
+                    dim = shard.dim
+                    if shard.unpadded_size is not None:  # pad the vocabulary to V_pad before slicing
                         extra = p.shape[dim] * world - src.shape[dim]
                         pad_shape = list(src.shape)
                         pad_shape[dim] = extra
                         src = torch.cat([src, src.new_zeros(pad_shape)], dim=dim)
-                    src = shard_tensor(src, dim, rank, world, getattr(p, "tp_fused_parts", None))
+                    src = shard_tensor(src, dim, rank, world, shard.fused_parts)
                 if src.shape != p.shape:
                     raise ValueError(f"layer {chunk.start + j} parameter {name}: the given model has shape "
                                      f"{tuple(src.shape)} where this rank's shard needs {tuple(p.shape)}")
@@ -278,5 +278,6 @@ def _swap_in_tied_copies(mine: list[nn.Module], shared: set[int], copies: dict[i
                 if p is not None and id(p) in shared:
                     if id(p) not in copies:
                         copies[id(p)] = nn.Parameter(p.detach().clone())
-                        mark_tied_copy(copies[id(p)])
+                        # the copy is laid out like the original (a new tensor carries no placement)
+                        set_placement(copies[id(p)], replace(placement_of(p), tied_copy=True))
                     mod._parameters[name] = copies[id(p)]

@@ -1,13 +1,6 @@
-"""Tensor parallelism: conjugate communication ops (mappings), parallel layers,
-vocab-parallel cross-entropy, and the per-parameter layout tags (attrs)."""
+"""Tensor parallelism: conjugate communication ops (mappings), parallel layers and
+vocab-parallel cross-entropy. A parameter's layout is its placement (engine.placement)."""
 
-from engine.tensor_parallel.attrs import (
-    is_tied_copy,
-    is_tp_sharded,
-    mark_tied_copy,
-    set_tp_attrs,
-    tp_partition_dim,
-)
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -28,7 +21,6 @@ from engine.tensor_parallel.mappings import (
 )
 
 __all__ = [
-    "set_tp_attrs", "is_tp_sharded", "tp_partition_dim", "mark_tied_copy", "is_tied_copy",
     "vocab_parallel_cross_entropy",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "NormalInit",
     "gather_full_tensor", "pad_vocab_size",

@@ -13,8 +13,7 @@ place and under the same name, by an :class:`AutoTPLinear` holding this rank's s
 Weights keep the source layout and parameter names (``nn.Linear``: (out, in); ``Conv1D``:
 (in, out), so its column split is along dim 1), which is why a checkpoint of an AutoTP
 model has the same names and full shapes as the Hugging Face model, and reshapes between
-TP sizes with the engine's checkpoint code (the ``tp_sharded`` / ``tp_partition_dim`` /
-``tp_fused_parts`` tags of :mod:`engine.tensor_parallel.attrs` and ``layers``).
+TP sizes with the engine's checkpoint code (the parameters' :class:`~engine.placement.Placement`).
 
 Grouped-query attention: with ``n_kv % tp == 0`` the k/v projections are split by heads.
 With fewer KV heads than TP ranks (``tp % n_kv == 0``) they are *replicated*: every rank
@@ -40,9 +39,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.distributed.groups import AxisGroup
-from engine.tensor_parallel.attrs import set_tp_attrs
+from engine.placement import REPLICATED, set_placement, tp_shard
 from engine.tensor_parallel.auto_rules import ATTENTION_ATTRS, LayerSpec
-from engine.tensor_parallel.layers import set_layout_attrs, shard_tensor
+from engine.tensor_parallel.layers import shard_tensor
 from engine.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region, tp_rank, tp_world_size
 
 __all__ = ["AutoTPLinear", "HeadCounts", "AutoTPResult", "autotp", "head_counts"]
@@ -107,15 +106,13 @@ class AutoTPLinear(nn.Module):
         self._tag()
 
     def _tag(self) -> None:
-        """The layout tags on the parameters (again after ``to_empty``, which swaps tensors
+        """The placements of the parameters (again after ``to_empty``, which swaps tensors
         and with them their Python attributes)."""
         col = self.mode == "column"
-        set_tp_attrs(self.weight, sharded=self.mode != "kv_replicated",
-                     partition_dim=self.out_dim if col else 1 - self.out_dim)
-        set_layout_attrs(self.weight, self.parts if col else None)
+        set_placement(self.weight, REPLICATED if self.mode == "kv_replicated" else
+                      tp_shard(self.out_dim, self.parts) if col else tp_shard(1 - self.out_dim))
         if self.bias is not None:
-            set_tp_attrs(self.bias, sharded=col, partition_dim=0)
-            set_layout_attrs(self.bias, self.parts if col else None)
+            set_placement(self.bias, tp_shard(0, self.parts) if col else REPLICATED)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)

@@ -10,8 +10,8 @@ checkpoint already loaded on CPU) is sliced the same way (its full tensors are t
 caller's). Peak memory per rank: its shard plus one full weight (measured in
 tests/distributed/test_autotp_ckpt.py).
 
-The slice a parameter needs is read off its layout tags (``tp_sharded``,
-``tp_partition_dim``, ``tp_fused_parts``; :mod:`engine.tensor_parallel.attrs`), so the same
+The slice a parameter needs is read off its placement (its :class:`~engine.placement.TPShard`:
+dim and fused parts; :mod:`engine.placement`), so the same
 code serves column, row, fused and replicated parameters and ``nn.Linear`` or ``Conv1D``
 layouts. Names are the model's ``named_parameters()`` names; a checkpoint saved from the
 base model (keys without ``base_model_prefix``, e.g. GPT-2's ``h.0...``) is matched too,
@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from engine.tensor_parallel.attrs import is_tp_sharded, tp_partition_dim
+from engine.placement import placement_of
 
 __all__ = ["WeightSource", "open_weights", "local_ranges", "read_local", "load_sharded_weights", "LoadReport"]
 
@@ -129,11 +129,10 @@ def _source_name(name: str, names: set[str], prefix: str) -> Optional[str]:
 def read_local(src: WeightSource, key: str, param: torch.Tensor, tp_rank: int, tp_world: int,
                full_shape: tuple[int, ...]) -> torch.Tensor:
     """This rank's TP-local value of parameter ``param`` from source tensor ``key``."""
-    if not is_tp_sharded(param):
+    shard = placement_of(param).tp
+    if shard is None:
         return src.read(key, None, [])
-    dim = int(tp_partition_dim(param) or 0)
-    parts = getattr(param, "tp_fused_parts", None)
-    return src.read(key, dim, local_ranges(full_shape[dim], tp_rank, tp_world, parts))
+    return src.read(key, shard.dim, local_ranges(full_shape[shard.dim], tp_rank, tp_world, shard.fused_parts))
 
 
 @dataclass
@@ -150,8 +149,9 @@ def full_shape_of(param: torch.Tensor, tp_world: int, local_shape: Optional[tupl
     """The unsharded shape of ``param`` (``local_shape``: its TP-local shape when ``param``
     does not carry it, e.g. partitioned by ZeRO-3)."""
     shape = list(param.shape if local_shape is None else local_shape)
-    if is_tp_sharded(param):
-        shape[int(tp_partition_dim(param) or 0)] *= tp_world
+    shard = placement_of(param).tp
+    if shard is not None:
+        shape[shard.dim] *= tp_world
     return tuple(shape)
 
 

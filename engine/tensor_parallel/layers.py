@@ -19,12 +19,11 @@ Sequence parallelism (``sequence_parallel=True``): activations outside the TP re
 ``(B, S/tp, H)`` (this rank's contiguous slice of the sequence); column-parallel layers
 all-gather the sequence on entry and row-parallel layers reduce-scatter it on exit.
 
-Besides ``tp_sharded``/``tp_partition_dim`` (engine.tensor_parallel.attrs), sharded
-parameters carry two layout tags that :func:`gather_full_tensor` (and checkpoint
-consolidation) need to rebuild the full tensor:
-``tp_fused_parts`` -- full sizes of the parts of a fused weight (e.g. q, k, v), each split
-separately, so rank r holds ``[q_r; k_r; v_r]``; ``tp_unpadded_size`` -- the true size of
-a padded partition dim (the vocabulary).
+Every parameter carries its :class:`~engine.placement.Placement`: sharded ones a
+:class:`~engine.placement.TPShard` (the dim, the parts of a fused weight such as q, k, v --
+each split separately, so rank r holds ``[q_r; k_r; v_r]`` -- and the true size of a padded
+partition dim, the vocabulary), which :func:`gather_full_tensor` (and checkpoint
+consolidation) need to rebuild the full tensor.
 
 FP8 (``fp8_recipe=...``): the column/row-parallel layers run their local GEMM through
 :func:`engine.precision.fp8.fp8_linear` (fp32/bf16 master weight, quantized per forward)
@@ -46,8 +45,8 @@ import torch.nn.functional as F
 
 from engine.distributed.groups import AxisGroup
 from engine.distributed.strict import host_sync_allowed
+from engine.placement import REPLICATED, placement_of, set_placement, tp_shard
 from engine.precision.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear
-from engine.tensor_parallel.attrs import is_tp_sharded, set_tp_attrs, tp_partition_dim
 from engine.tensor_parallel.mappings import (
     all_gather_along_dim,
     copy_to_tp_region,
@@ -67,7 +66,6 @@ __all__ = [
     "shard_tensor",
     "unshard_tensors",
     "gather_full_tensor",
-    "set_layout_attrs",
     "column_parallel_linear",
     "row_parallel_linear",
     "vocab_parallel_logits",
@@ -147,26 +145,17 @@ def unshard_tensors(shards: Sequence[torch.Tensor], dim: int,
     return torch.cat([split[r][i] for i in range(len(parts)) for r in range(world)], dim=dim)
 
 
-def set_layout_attrs(param: torch.Tensor, parts: Optional[Sequence[int]] = None,
-                     unpadded_size: Optional[int] = None) -> None:
-    """Record a fused-parts layout and/or the unpadded size of the partition dim."""
-    param.tp_fused_parts = tuple(parts) if parts else None  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
-    param.tp_unpadded_size = unpadded_size  # type: ignore[attr-defined]  # attributes on tensors: torch allows them, its stubs do not
-
-
 def gather_full_tensor(t: torch.Tensor, param: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """The unsharded value of ``t`` (``param`` itself, its ``.grad``, or any tensor laid out
     like it), gathered over the TP group and with vocabulary padding removed.
     Replicated parameters are returned as they are."""
-    if not is_tp_sharded(param):
+    shard = placement_of(param).tp
+    if shard is None:
         return t
-    dim = tp_partition_dim(param)
-    assert dim is not None  # set_tp_attrs records the dim of every sharded parameter
-    world = tp_world_size(group)
+    dim, world = shard.dim, tp_world_size(group)
     gathered = all_gather_along_dim(t.detach(), dim, group)
-    full = unshard_tensors(gathered.chunk(world, dim=dim), dim, getattr(param, "tp_fused_parts", None))
-    unpadded = getattr(param, "tp_unpadded_size", None)
-    return full.narrow(dim, 0, unpadded) if unpadded is not None else full
+    full = unshard_tensors(gathered.chunk(world, dim=dim), dim, shard.fused_parts)
+    return full.narrow(dim, 0, shard.unpadded_size) if shard.unpadded_size is not None else full
 
 
 def _check_divisible(name: str, size: int, world: int) -> None:
@@ -276,8 +265,7 @@ def vocab_parallel_weight(num_embeddings: int, embedding_dim: int, tp_group: Axi
     full = init((num_embeddings, embedding_dim))                        # (V, H), CPU fp32
     full = F.pad(full, (0, 0, 0, padded - num_embeddings))              # (V_pad, H)
     weight = _place(shard_tensor(full, 0, rank, world), device, dtype)  # (V_pad/tp, H)
-    set_tp_attrs(weight, sharded=True, partition_dim=0)
-    set_layout_attrs(weight, unpadded_size=num_embeddings)
+    set_placement(weight, tp_shard(0, unpadded_size=num_embeddings))
     return weight
 
 
@@ -308,12 +296,10 @@ class ColumnParallelLinear(_Fp8Holder):
         self.parts = tuple(parts) if len(parts) > 1 else None
         full = init((sum(parts), in_features))                       # (out, in), CPU fp32
         self.weight = _place(shard_tensor(full, 0, rank, world, self.parts), device, dtype)  # (out/tp, in)
-        set_tp_attrs(self.weight, sharded=True, partition_dim=0)
-        set_layout_attrs(self.weight, self.parts)
+        set_placement(self.weight, tp_shard(0, self.parts))
         if bias:
             self.bias = _place(torch.zeros(sum(parts) // world), device, dtype)
-            set_tp_attrs(self.bias, sharded=True, partition_dim=0)
-            set_layout_attrs(self.bias, self.parts)
+            set_placement(self.bias, tp_shard(0, self.parts))
         else:
             self.register_parameter("bias", None)
         self._init_fp8(fp8_recipe)
@@ -354,11 +340,10 @@ class RowParallelLinear(_Fp8Holder):
         self.in_features, self.out_features = in_features, out_features
         full = init((out_features, in_features))                     # (out, in), CPU fp32
         self.weight = _place(shard_tensor(full, 1, rank, world), device, dtype)  # (out, in/tp)
-        set_tp_attrs(self.weight, sharded=True, partition_dim=1)
-        set_layout_attrs(self.weight)
+        set_placement(self.weight, tp_shard(1))
         if bias:
             self.bias = _place(torch.zeros(out_features), device, dtype)
-            set_tp_attrs(self.bias, sharded=False)
+            set_placement(self.bias, REPLICATED)
         else:
             self.register_parameter("bias", None)
         self._init_fp8(fp8_recipe)

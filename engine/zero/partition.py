@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded
+from engine.placement import placement_of
 
 __all__ = ["align_up", "Piece", "FlatLayout", "build_layout", "bucketize", "GroupKey",
            "group_key", "group_params"]
@@ -146,7 +146,8 @@ class GroupKey:
     ``param_group``: index of the user's optimizer param group (its hyper-parameters);
     ``dtype``: the parameters' dtype; ``tp_sharded``: TP-sharded vs TP-replicated (the
     gradient norm counts replicated elements once per TP group); ``tied_copy``: a pipeline
-    duplicate of a tied weight (not counted in the norm); ``tied_index``: >= 0 for a tied
+    duplicate of a tied weight (not counted in the norm); both from the parameter's
+    :class:`~engine.placement.Placement`; ``tied_index``: >= 0 for a tied
     weight (original or copy), which gets a flat buffer of its own so that its layout is
     the same on every pipeline stage that holds it (its gradient is summed across them).
     """
@@ -159,8 +160,9 @@ class GroupKey:
 
 
 def group_key(param: torch.Tensor, param_group: int, tied_index: int = -1) -> GroupKey:
-    return GroupKey(param_group=param_group, dtype=param.dtype, tp_sharded=is_tp_sharded(param),
-                    tied_copy=is_tied_copy(param), tied_index=tied_index)
+    placement = placement_of(param)
+    return GroupKey(param_group=param_group, dtype=param.dtype, tp_sharded=placement.tp_sharded,
+                    tied_copy=placement.tied_copy, tied_index=tied_index)
 
 
 def group_params(param_groups: Sequence[Iterable[torch.Tensor]],

@@ -29,9 +29,9 @@ from harness import run_ranks
 
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.models.blocks import RMSNorm
+from engine.placement import placement_of
 from engine.tensor_parallel import cross_entropy as ce_mod
 from engine.tensor_parallel import mappings
-from engine.tensor_parallel.attrs import is_tp_sharded, tp_partition_dim
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -72,7 +72,7 @@ def check_column(group, gather_output: bool, sequence_parallel: bool = False):
     w, b = init((OUT, IN)), _randn(OUT, seed=1)
     with torch.no_grad():
         layer.bias.copy_(b.chunk(world)[rank])
-    assert is_tp_sharded(layer.weight) and tp_partition_dim(layer.weight) == 0 and is_tp_sharded(layer.bias)
+    assert placement_of(layer.weight).tp_sharded and placement_of(layer.weight).tp.dim == 0 and placement_of(layer.bias).tp_sharded
     _exact(layer.weight.detach(), w.chunk(world, 0)[rank], "column weight is the slice of the full init")
 
     x_ref, g = _leaf(_randn(B, S, IN, seed=2)), _randn(B, S, OUT, seed=3)
@@ -128,8 +128,8 @@ def check_row(group, input_is_parallel: bool, sequence_parallel: bool = False):
     w, b = init((OUT, IN)), _randn(OUT, seed=5)
     with torch.no_grad():
         layer.bias.copy_(b)
-    assert is_tp_sharded(layer.weight) and tp_partition_dim(layer.weight) == 1
-    assert not is_tp_sharded(layer.bias)
+    assert placement_of(layer.weight).tp_sharded and placement_of(layer.weight).tp.dim == 1
+    assert not placement_of(layer.bias).tp_sharded
     _exact(layer.weight.detach(), w.chunk(world, 1)[rank], "row weight is the slice of the full init")
 
     x_ref, g = _leaf(_randn(B, S, IN, seed=6)), _randn(B, S, OUT, seed=7)

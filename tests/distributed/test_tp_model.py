@@ -26,7 +26,7 @@ from harness import run_ranks
 
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.models import GPT, ModelConfig, build_stage_layers
-from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded
+from engine.placement import has_placement, placement_of
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import gather_full_tensor
 from engine.tensor_parallel.mappings import all_gather_along_dim
@@ -72,7 +72,7 @@ def _gathered_logits(logits: torch.Tensor, group, vocab: int) -> torch.Tensor:
 
 def _check_replicas_identical(tp_model, group, m: _Mismatches, when: str):
     world = group.size
-    named = [(n, p) for n, p in tp_model.named_parameters() if not is_tp_sharded(p)]
+    named = [(n, p) for n, p in tp_model.named_parameters() if not placement_of(p).tp_sharded]
     flat = torch.cat([t.reshape(-1) for _, p in named for t in (p.detach(), p.grad) if t is not None])
     copies = all_gather_along_dim(flat.unsqueeze(0), 0, group)          # (tp, n): one collective
     for r in range(1, world):
@@ -87,7 +87,7 @@ def _compare_model(cfg: ModelConfig, group, sequence_parallel: bool) -> list[str
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
     assert ref_params.keys() == tp_params.keys(), (ref_params.keys(), tp_params.keys())
     for name, p in tp_params.items():
-        assert hasattr(p, "tp_sharded"), f"{name} has no TP tag"
+        assert has_placement(p), f"{name} has no placement"
         m.exact(gather_full_tensor(p.detach(), p, group), ref_params[name].detach(), f"init {name}")
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
     opt_tp = torch.optim.SGD(tp.parameters(), lr=0.2, momentum=0.9)
@@ -120,7 +120,7 @@ def _compare_pipeline_split(cfg: ModelConfig, group) -> list[str]:
     whole = GPT(cfg, group, seed=SEED)
     first = build_stage_layers(cfg, group, seed=SEED, start=0, stop=2)
     second = build_stage_layers(cfg, group, seed=SEED, start=2)
-    if cfg.tie_embeddings and not is_tied_copy(second[-1].weight):
+    if cfg.tie_embeddings and not placement_of(second[-1].weight).tied_copy:
         m.found.append("the head built without the embedding is not marked as a tied copy")
     ids, _ = _batch(cfg, 0)
     h = ids

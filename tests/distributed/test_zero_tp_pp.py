@@ -25,7 +25,7 @@ import torch.nn as nn
 from harness import run_ranks
 
 from engine.distributed.groups import ParallelGroups
-from engine.tensor_parallel.attrs import mark_tied_copy
+from engine.placement import Placement, set_placement
 from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowParallelLinear, shard_tensor
 from engine.topology import Topology
 from engine.zero import build_zero_optimizer
@@ -114,7 +114,7 @@ class _Head(nn.Module):
     def __init__(self, w):
         super().__init__()
         self.weight = nn.Parameter(w.clone())
-        mark_tied_copy(self.weight)
+        set_placement(self.weight, Placement(tied_copy=True))
 
     def forward(self, h):
         return h @ self.weight

@@ -29,7 +29,7 @@ PACKAGE = ROOT / "engine"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # pure values and helpers with no engine dependencies
     ("foundation", ("engine.errors", "engine.topology", "engine.metrics", "engine.validate", "engine.timers",
-                    "engine.version")),
+                    "engine.version", "engine.placement")),
     # process groups, collectives, launch/spawn, the failure watch
     ("distributed", ("engine.distributed",)),
     # typed configuration (the model's config dataclass and the AutoTP rule grammar are

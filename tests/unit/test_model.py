@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine.distributed.groups import NO_TP
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, flops_per_token, num_stage_layers, param_count
-from engine.tensor_parallel.attrs import is_tied_copy, is_tp_sharded, tp_partition_dim
+from engine.placement import has_placement, placement_of
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -134,7 +134,7 @@ def test_gpt_is_the_stage_layer_list_and_slices_compose():
     first = build_stage_layers(cfg, seed=7, start=0, stop=2)
     second = build_stage_layers(cfg, seed=7, start=2)
     head = second[-1]
-    assert is_tied_copy(head.weight) and not is_tied_copy(first[0].weight)
+    assert placement_of(head.weight).tied_copy and not placement_of(first[0].weight).tied_copy
     assert torch.equal(head.weight, first[0].weight)                 # the copy starts identical
     ids = _ids(cfg)
     h = ids
@@ -149,7 +149,7 @@ def test_untied_head_is_its_own_weight():
     cfg = _cfg(tie_embeddings=False)
     layers = build_stage_layers(cfg)
     assert layers[-1].weight is not layers[0].weight
-    assert not is_tied_copy(layers[-1].weight)
+    assert not placement_of(layers[-1].weight).tied_copy
     assert not torch.equal(layers[-1].weight, layers[0].weight)
 
 
@@ -169,11 +169,11 @@ def test_seed_per_layer_not_per_construction_order():
 def test_parameters_tagged_and_buffers_not_parameters():
     model = GPT(_cfg(num_kv_heads=2))
     for name, p in model.named_parameters():
-        assert hasattr(p, "tp_sharded"), name
+        assert has_placement(p), name
         if name.endswith("norm.weight"):
-            assert not is_tp_sharded(p), name
+            assert not placement_of(p).tp_sharded, name
         else:
-            assert is_tp_sharded(p) and tp_partition_dim(p) in (0, 1), name
+            assert placement_of(p).tp_sharded and placement_of(p).tp.dim in (0, 1), name
     names = set(model.state_dict())
     assert not any(n.endswith(("cos", "sin", "inv_freq")) for n in names), names
     assert any(n.endswith("cos") for n, _ in model.named_buffers())

@@ -17,6 +17,7 @@ from engine.optim.muon import Muon
 from engine.optim.muon_assign import split_muon_groups, uses_muon
 from engine.optim.muon_plan import MuonMatrix, assign_owners, lr_segments, matrix_of
 from engine.optim.newton_schulz import newton_schulz
+from engine.placement import set_placement, tp_shard
 
 
 class _Net(nn.Module):
@@ -93,7 +94,7 @@ def test_fused_parts_are_orthogonalised_separately():
     grads = [torch.randn(12, 8) for _ in range(3)]
     parts = (6, 3, 3)
     fused = nn.Parameter(w.clone())
-    fused.tp_sharded, fused.tp_partition_dim, fused.tp_fused_parts = True, 0, parts
+    set_placement(fused, tp_shard(0, parts))
     sep = [nn.Parameter(x.clone()) for x in w.split(parts)]
     t = torch.optim.Muon(sep, lr=0.05, adjust_lr_fn="match_rms_adamw")
     ours = Muon([fused], lr=0.05, adjust_lr_fn="match_rms_adamw", ns_dtype="bfloat16")

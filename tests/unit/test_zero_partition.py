@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from engine.tensor_parallel.attrs import mark_tied_copy, set_tp_attrs
+from engine.placement import Placement, set_placement, tp_shard
 from engine.zero.partition import align_up, bucketize, build_layout, group_params
 
 
@@ -84,8 +84,8 @@ def test_group_params_by_dtype_tp_layout_and_optimizer_group():
     c = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     d, e = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(6))
     t = torch.nn.Parameter(torch.zeros(7))
-    set_tp_attrs(b, sharded=True, partition_dim=0)
-    mark_tied_copy(t)
+    set_placement(b, tp_shard(0))
+    set_placement(t, Placement(tied_copy=True))
     groups = group_params([[a, b, c, d], [e, t]], tied=[t])
     keys = list(groups)
     assert [[id(p) for p in groups[k]] for k in keys] == [[id(a), id(d)], [id(b)], [id(c)], [id(e)], [id(t)]]
