@@ -116,8 +116,8 @@ class LazyPipelineRunner:
     def is_last(self) -> bool:
         return self.groups.pp_rank == self.cfg.pp - 1
 
-    def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        return self._ready(microbatches).train(microbatches)
+    def train(self, microbatches: Sequence[Any], loss_fn: Optional[Callable] = None) -> Optional[list[torch.Tensor]]:
+        return self._ready(microbatches).train(microbatches, loss_fn)
 
-    def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        return self._ready(microbatches).evaluate(microbatches)
+    def evaluate(self, microbatches: Sequence[Any], loss_fn: Optional[Callable] = None) -> Optional[list[torch.Tensor]]:
+        return self._ready(microbatches).evaluate(microbatches, loss_fn)
