@@ -27,21 +27,22 @@ computed once, on the last stage). The loss REPORTED is the unscaled mean of the
 micro-batch losses (the executor keeps each loss before it is scaled).
 
 What a micro-batch's loss is (:class:`TokenMean`). Where the engine owns the loss (the
-reference GPT's cross-entropy through ``train_batch`` / ``eval_batch``: ``ModelParts.token_loss``),
-the step's loss is the mean over every target token of the global batch, TorchTitan's
-choice: ``sum_k l_k / N``, ``N`` the step's count of non-ignored targets (``!= -100``) over
-all micro-batches and replicas. Micro-batch ``i`` with token-loss sum ``L_i`` contributes
-``L_i / n_bar``, where ``n_bar = N / (ga * dp)`` is the step's mean count per micro-batch;
-the contract's ``1/ga`` and ``1/dp`` then make the gradient exactly ``d(sum_i L_i / N)``,
-and the reported mean of those losses over the ``ga * dp`` micro-batches is ``sum_i L_i / N``:
-nothing else changes. The per-micro-batch mean ``L_i / n_i`` that it replaces is not the
-loss of one process over the global batch when the ``n_i`` differ (padding, packed
+reference GPT's cross-entropy through ``train_batch`` / ``eval_batch``:
+``ModelParts.token_loss``), the step's loss is the mean over every target token of the
+global batch, TorchTitan's choice: ``sum_k l_k / N``, ``N`` the step's count of
+non-ignored targets (``!= -100``) over all micro-batches and replicas. Micro-batch ``i``
+with token-loss sum ``L_i`` contributes ``L_i / n_bar``, where ``n_bar = N / (ga * dp)``
+is the step's mean count per micro-batch; the contract's ``1/ga`` and ``1/dp`` then make
+the gradient exactly ``d(sum_i L_i / N)``, and the reported mean of those losses over the
+``ga * dp`` micro-batches is ``sum_i L_i / N``: nothing else changes (evaluation: the same
+over its own micro-batches). The per-micro-batch mean ``L_i / n_i`` that it replaces is
+not the loss of one process over the global batch when the ``n_i`` differ (padding, packed
 documents, SFT masks); when they are equal, ``n_bar = n_i`` and the two are bit-identical.
-``N`` is counted where the data enters (every target of the step is known before its
-first forward) and all-reduced ONCE per step over the LOSS group: the ranks whose targets
-are parts of one global batch and whose gradients the ``1/dp`` averages (today the dp group;
-with context parallelism dp x cp, as TorchTitan's ``loss`` mesh). It stays on the device (no
-host read); a step with no target at all counts ``N = 1`` (loss 0, gradient 0). Users'
+``N`` is counted where the data enters (every target of the step is known before its first
+forward) and all-reduced ONCE per step over the LOSS group: the ranks whose targets are
+parts of one global batch and whose gradients the ``1/dp`` averages (today the dp group;
+with context parallelism dp x cp, as TorchTitan's ``loss`` mesh). It stays on the device
+(no host read); a step with no target at all counts ``N = 1`` (loss 0, gradient 0). Users'
 losses (a module that returns its own loss, a ``loss_fn``, the DeepSpeed loop's
 ``engine.backward(loss)``) keep DeepSpeed's meaning: the loss given, divided by ``ga``.
 
