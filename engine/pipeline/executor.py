@@ -25,13 +25,13 @@ ranks may pass ``None``.
 
 Step arithmetic (:mod:`engine.zero.step`, the one contract): the executor differentiates
 ``grads.scale_loss(loss, num_microbatches)`` for each microbatch (``loss / m`` times the
-loss scale; ``loss`` is ``loss_fn``'s, or the step's ``loss_fn`` given to ``train_batch`` /
-``eval_batch``: the engine's token mean), keeps the unscaled loss for reporting, calls ``grads.set_boundary(True)``
+loss scale), keeps the unscaled loss for reporting, calls ``grads.set_boundary(True)``
 around the last gradient-producing action (``B`` or ``W``) of each model chunk, so a ZeRO
 optimizer launches that chunk's data-parallel reductions while the rest of the schedule
 runs, and ``grads.finish_backward()`` after the last action (reductions completed, tied
 weights summed). ``grads`` is the ZeRO optimizer, or :class:`engine.zero.step.LocalGradients`
-for a plain ``torch.optim`` optimizer (the default: no tied weights).
+for a plain ``torch.optim`` optimizer (the default: no tied weights). A step may bring its
+own ``loss_fn`` (``train_batch`` / ``eval_batch``): the engine's token mean, engine.zero.step.
 
 Evaluation: :meth:`PipelineExecutor.eval_batch` runs the forward-only schedule
 (:func:`engine.pipeline.schedule.forward_only`, checked by the same simulator) through the
