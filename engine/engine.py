@@ -45,6 +45,7 @@ from engine.topology import Role
 from engine.training_state import TrainingState
 from engine.weights16 import save_16bit_model
 from engine.zero import ZeroOptimizer
+from engine.zero.step import token_mean
 
 __all__ = ["Engine", "LRScheduler", "LossFn", "Pipeline", "split_microbatch"]
 
@@ -53,13 +54,16 @@ logger = logging.getLogger(__name__)
 
 class Pipeline(Protocol):
     """This rank's pipeline runner (:class:`engine.pipeline.runner.PipelineRunner`): the losses
-    of a step's micro-batches on the last stage, None on the others."""
+    of a step's micro-batches on the last stage, None on the others. ``loss_fn``: this step's
+    last-stage loss (the engine's token mean), instead of the runner's own."""
 
     def prepare(self, microbatches: Sequence[MicroBatch]) -> None: ...
 
-    def train(self, microbatches: Sequence[MicroBatch]) -> Optional[list[torch.Tensor]]: ...
+    def train(self, microbatches: Sequence[MicroBatch],
+              loss_fn: Optional[LossFn] = None) -> Optional[list[torch.Tensor]]: ...
 
-    def evaluate(self, microbatches: Sequence[MicroBatch]) -> Optional[list[torch.Tensor]]: ...
+    def evaluate(self, microbatches: Sequence[MicroBatch],
+                 loss_fn: Optional[LossFn] = None) -> Optional[list[torch.Tensor]]: ...
 
 
 class LRScheduler(Protocol):
@@ -309,37 +313,55 @@ class Engine(nn.Module):
                                  "this step needs (gradient_accumulation_steps)") from None
         return out
 
-    def _micro_loss(self, mb: MicroBatch) -> torch.Tensor:
+    def _step_loss_fn(self, mbs: Sequence[MicroBatch]) -> Optional[LossFn]:
+        """This step's loss where the engine owns it (``parts.token_loss``: the reference GPT's
+        cross-entropy): each micro-batch's token-loss sum over the step's mean target count,
+        whose mean over the step's micro-batches and replicas is the global token mean
+        (:class:`engine.zero.step.TokenMean`; one all-reduce of the count over the loss role's
+        group, on the device). Only the ranks computing the loss count (the last
+        pipeline stage). None: the user's loss, as given (DeepSpeed's per-micro-batch mean)."""
+        token = self.parts.token_loss
+        if token is None or not self.is_last_stage():
+            return None
+        assert self._loss_group is not None  # destroy() drops the groups; no step runs after it
+        norm = token_mean([mb.split()[1] for mb in mbs], self._loss_group, ignore_index=token.ignore_index,
+                          device=self.device)
+        return lambda output, targets: norm(token.sum_fn(output, targets))
+
+    def _micro_loss(self, mb: MicroBatch, loss_fn: Optional[LossFn] = None) -> torch.Tensor:
         """Loss of one micro-batch without pipeline parallelism: ``module(*args, **kwargs)``
         (an ``engine.data.Batch``: ``module(inputs, targets, doc_ids=)``), or with a
-        ``loss_fn`` ``loss_fn(module(inputs, doc_ids=), targets)``; the document ids
-        (``data.document_masking``) only where the micro-batch has them. Every tensor is
-        moved to the engine's device first."""
+        ``loss_fn`` (the step's, else the engine's) ``loss_fn(module(inputs, doc_ids=), targets)``;
+        the document ids (``data.document_masking``) only where the micro-batch has them.
+        Every tensor is moved to the engine's device first."""
         mb = mb.to(self.device)
-        if self.loss_fn is not None:
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is not None:
             inputs, targets = mb.split()
             extra = {} if mb.doc_ids is None else {"doc_ids": mb.doc_ids}
-            return self.loss_fn(self.module(inputs, **extra), targets)
+            return loss_fn(self.module(inputs, **extra), targets)
         return self.module(*mb.args, **mb.kwargs)
 
     def train_batch(self, data_iter: Optional[Iterator[Any]] = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from
         ``data_iter``. Returns the mean loss over the micro-batches and the DP replicas (the
-        loss of the global batch), on every rank."""
+        loss of the global batch: with the engine's own loss, the mean over every target
+        token of the step), on every rank."""
         ga = self.gradient_accumulation_steps()
         mbs = self._next_microbatches(data_iter, ga)
         self.module.train()
+        step_loss = self._step_loss_fn(mbs)
         if self.pipeline is not None:
             self.pipeline.prepare(mbs)  # one-time setup (a PipelineModule's shape probe), before the step
             with self.timers.phase("pipeline"), comm.no_host_sync("the pipeline executor's step"):
-                losses = self.pipeline.train(mbs)
+                losses = self.pipeline.train(mbs, step_loss)
             self.micro_steps += ga
         else:
             losses = []
             for i, mb in enumerate(mbs):
                 self.optimizer.set_boundary(i == ga - 1)
                 with self.timers.phase("forward"):
-                    loss = self._micro_loss(mb)
+                    loss = self._micro_loss(mb, step_loss)
                 with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
                     self.optimizer.backward(loss, num_microbatches=ga)
                 losses.append(loss.detach())
@@ -353,16 +375,18 @@ class Engine(nn.Module):
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: Optional[int] = None) -> torch.Tensor:
         """Mean loss over ``num_micro_batches`` (default: gradient_accumulation_steps)
-        micro-batches and the DP replicas, without gradients; on every rank."""
+        micro-batches and the DP replicas (the global token mean with the engine's own
+        loss, as ``train_batch``), without gradients; on every rank."""
         n = num_micro_batches or self.gradient_accumulation_steps()
         mbs = self._next_microbatches(data_iter, n)
         was_training = self.module.training
         self.module.eval()
         try:
+            step_loss = self._step_loss_fn(mbs)
             if self.pipeline is not None:
-                losses = self.pipeline.evaluate(mbs)
+                losses = self.pipeline.evaluate(mbs, step_loss)
             else:
-                losses = [self._micro_loss(mb).detach() for mb in mbs]
+                losses = [self._micro_loss(mb, step_loss).detach() for mb in mbs]
         finally:
             self.module.train(was_training)
         loss = self._aggregate_loss(losses)
@@ -372,7 +396,8 @@ class Engine(nn.Module):
 
     def _aggregate_loss(self, losses: Optional[list[torch.Tensor]]) -> torch.Tensor:
         """Mean over micro-batches (on the last stage), averaged over the loss role, then sent to every
-        pipeline stage."""
+        pipeline stage. (With the token mean each loss is ``L_i / n_bar``: this mean of them
+        is the global ``sum L / N``, engine.zero.step.)"""
         out = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses:  # the last pipeline stage (every rank without a pipeline)
             out = torch.stack([l.float() for l in losses]).mean()

@@ -18,9 +18,19 @@ import torch.nn as nn
 
 from engine.pipeline.stages import StageChunk
 
-__all__ = ["LossFn", "ModelParts"]
+__all__ = ["LossFn", "ModelParts", "TokenLoss"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """A loss the engine normalises itself (``engine.zero.step.TokenMean``): ``sum_fn(output,
+    targets)`` is the SUM of the micro-batch's per-token losses, targets equal to
+    ``ignore_index`` excluded (0-dim)."""
+
+    sum_fn: LossFn
+    ignore_index: int = -100
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,11 @@ class ModelParts:
     - ``dtype``: the compute dtype of the chunks (what crosses a stage boundary);
     - ``reference``: the chunks are the reference GPT's (sampling and export gather them);
     - ``measure_boundary``: the boundary shape is not in the config (a ``PipelineModule``):
-      the pipeline measures it on the first micro-batch.
+      the pipeline measures it on the first micro-batch;
+    - ``token_loss``: the engine's own loss (the reference GPT's cross-entropy, none given):
+      ``train_batch`` / ``eval_batch`` compute each micro-batch's loss as its token sum over
+      the step's mean target count (``engine.zero.step``, the global token mean) instead of
+      ``loss_fn`` / the module's; None: users' losses, as given.
     """
 
     module: nn.Module
@@ -48,6 +62,7 @@ class ModelParts:
     dtype: torch.dtype = torch.float32
     reference: bool = False
     measure_boundary: bool = False
+    token_loss: Optional[TokenLoss] = None
 
     def __post_init__(self) -> None:
         if self.measure_boundary and not self.chunks:

@@ -30,7 +30,7 @@ from engine.optim.build import (
     optimizer_inputs,
     precision_policy,
 )
-from engine.parts import LossFn, ModelParts
+from engine.parts import LossFn, ModelParts, TokenLoss
 from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.topology import Role
@@ -77,7 +77,11 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     module: nn.Module = _stage_module(cfg, chunks)
     if cfg.pp == 1 and loss_fn is None:  # called like a GPT: forward(ids, targets) -> loss
         module, loss = ReferenceModel(chunks[0], tp_group), None
-    parts = ModelParts(module, tuple(chunks), _tied_reference(cfg, groups, chunks), loss, dtype, reference=True)
+    # the engine's own loss (none given): train_batch / eval_batch take the global token mean
+    token = None if loss_fn is not None else TokenLoss(
+        lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp_group, reduction="sum"))
+    parts = ModelParts(module, tuple(chunks), _tied_reference(cfg, groups, chunks), loss, dtype, reference=True,
+                       token_loss=token)
     return parts, OptimizerInputs(module, optimizer_factory(cfg.optimizer))
 
 

@@ -30,7 +30,8 @@ around the last gradient-producing action (``B`` or ``W``) of each model chunk, 
 optimizer launches that chunk's data-parallel reductions while the rest of the schedule
 runs, and ``grads.finish_backward()`` after the last action (reductions completed, tied
 weights summed). ``grads`` is the ZeRO optimizer, or :class:`engine.zero.step.LocalGradients`
-for a plain ``torch.optim`` optimizer (the default: no tied weights).
+for a plain ``torch.optim`` optimizer (the default: no tied weights). A step may bring its
+own ``loss_fn`` (``train_batch`` / ``eval_batch``): the engine's token mean, engine.zero.step.
 
 Evaluation: :meth:`PipelineExecutor.eval_batch` runs the forward-only schedule
 (:func:`engine.pipeline.schedule.forward_only`, checked by the same simulator) through the
@@ -128,6 +129,7 @@ class PipelineExecutor:
         self.activation_shape = tuple(activation_shape)
         self.activation_dtype = activation_dtype
         self.loss_fn = loss_fn
+        self._step_loss_fn = loss_fn  # the run in progress's (train_batch / eval_batch may give one)
         params = [p for c in self.chunks for p in c.parameters()]
         self.device = device or (params[0].device if params else torch.device("cpu"))
         self.activation_checkpointing = activation_checkpointing
@@ -182,34 +184,39 @@ class PipelineExecutor:
         self._hooks.append(fn)
 
     # ------------------------------------------------------------------ the step
-    def train_batch(self, data_iter: Optional[Iterator]) -> Optional[torch.Tensor]:
+    def train_batch(self, data_iter: Optional[Iterator], loss_fn: Optional[LossFn] = None) -> Optional[torch.Tensor]:
         """Forward and backward of ``num_microbatches`` microbatches; gradients accumulate.
+        ``loss_fn``: this step's loss on the last stage (default: the executor's).
 
         Returns the mean loss (a 0-dim tensor) on the last stage - on every pipeline rank
         when ``broadcast_loss`` - else None. Does not step the optimizer or zero grads.
         """
-        self._run(self.actions, self.num_microbatches, data_iter, "train_batch")
+        self._run(self.actions, self.num_microbatches, data_iter, "train_batch", loss_fn)
         self.grads.finish_backward()
         for fn in self._hooks:
             fn()
         return self._step_loss()
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Optional[Iterator], num_microbatches: Optional[int] = None) -> list[torch.Tensor]:
+    def eval_batch(self, data_iter: Optional[Iterator], num_microbatches: Optional[int] = None,
+                   loss_fn: Optional[LossFn] = None) -> list[torch.Tensor]:
         """Forward of ``num_microbatches`` (default: the training count) microbatches through
         the forward-only schedule, without autograd. Returns each microbatch's loss on the
-        rank holding the last virtual stage, an empty list elsewhere; no gradient changes."""
+        rank holding the last virtual stage, an empty list elsewhere; no gradient changes.
+        ``loss_fn``: as for :meth:`train_batch`."""
         m = self.num_microbatches if num_microbatches is None else num_microbatches
         actions = forward_only(self.stage, self.num_stages, m, self.virtual_stages)
         self._eval = True
         try:
-            self._run(actions, m, data_iter, "eval_batch")
+            self._run(actions, m, data_iter, "eval_batch", loss_fn)
         finally:
             self._eval = False
         return list(self._losses) if self.is_last_holder else []
 
-    def _run(self, actions: Sequence[Action], m: int, data_iter: Optional[Iterator], what: str) -> None:
-        """Run one action list over ``m`` microbatches (training or the forward-only schedule)."""
+    def _run(self, actions: Sequence[Action], m: int, data_iter: Optional[Iterator], what: str,
+             loss_fn: Optional[LossFn] = None) -> None:
+        """Run one action list over ``m`` microbatches (training or the forward-only schedule)
+        with ``loss_fn`` on the last stage (default: the executor's)."""
         needs_data = self.is_first_holder or self.is_last_holder or self.side_inputs
         if needs_data and data_iter is None:
             raise ValueError(f"stage {self.stage} feeds inputs or targets (or side inputs): {what} needs a data_iter")
@@ -218,6 +225,7 @@ class PipelineExecutor:
             comm.all_reduce(torch.zeros(1, device=self.device), self.pp_group)
             self._warmed_up = True
         self._m = m
+        self._step_loss_fn = loss_fn or self.loss_fn
         self._reset(data_iter)
         self.records, self._raw = [], []
         if self.record:
@@ -352,7 +360,7 @@ class PipelineExecutor:
             st["input"][key] = x
         out = self._run_chunk(chunk, x, self._side_kwargs(mb))
         if self._is_last(chunk):
-            loss = self.loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
+            loss = self._step_loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             self._losses.append(loss.detach())  # reported unscaled

@@ -116,17 +116,20 @@ class PipelineRunner:
         side = self._side(mb)
         return (inputs, targets, side) if self.document_masking else (inputs, targets)
 
-    def train(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        """One step's forward and backward; the mean loss (unscaled) on the last stage."""
+    def train(self, microbatches: Sequence[Any], loss_fn: Optional[LossFn] = None) -> Optional[list[torch.Tensor]]:
+        """One step's forward and backward; the mean loss (unscaled) on the last stage.
+        ``loss_fn``: this step's loss (the engine's token mean) instead of the runner's."""
         self.prepare(microbatches)
-        loss = self.executor.train_batch(iter([self._item(mb) for mb in microbatches]))
+        loss = self.executor.train_batch(iter([self._item(mb) for mb in microbatches]), loss_fn=loss_fn)
         if not self.is_last:
             return None
         assert loss is not None  # the last stage computes the loss
         return [loss]
 
-    def evaluate(self, microbatches: Sequence[Any]) -> Optional[list[torch.Tensor]]:
-        """The forward-only schedule over ``microbatches``: each one's loss on the last stage."""
+    def evaluate(self, microbatches: Sequence[Any], loss_fn: Optional[LossFn] = None) -> Optional[list[torch.Tensor]]:
+        """The forward-only schedule over ``microbatches``: each one's loss on the last stage
+        (``loss_fn``: as for :meth:`train`)."""
         self.prepare(microbatches)
-        losses = self.executor.eval_batch(iter([self._item(mb) for mb in microbatches]), len(microbatches))
+        losses = self.executor.eval_batch(iter([self._item(mb) for mb in microbatches]), len(microbatches),
+                                          loss_fn=loss_fn)
         return losses if self.is_last else None

@@ -26,6 +26,26 @@ pipeline adds no factor (its stages hold disjoint parameters; a micro-batch's lo
 computed once, on the last stage). The loss REPORTED is the unscaled mean of the
 micro-batch losses (the executor keeps each loss before it is scaled).
 
+What a micro-batch's loss is (:class:`TokenMean`). Where the engine owns the loss (the
+reference GPT's cross-entropy through ``train_batch`` / ``eval_batch``:
+``ModelParts.token_loss``), the step's loss is the mean over every target token of the
+global batch, TorchTitan's choice: ``sum_k l_k / N``, ``N`` the step's count of
+non-ignored targets (``!= -100``) over all micro-batches and replicas. Micro-batch ``i``
+with token-loss sum ``L_i`` contributes ``L_i / n_bar``, where ``n_bar = N / (ga * dp)``
+is the step's mean count per micro-batch; the contract's ``1/ga`` and ``1/dp`` then make
+the gradient exactly ``d(sum_i L_i / N)``, and the reported mean of those losses over the
+``ga * dp`` micro-batches is ``sum_i L_i / N``: nothing else changes (evaluation: the same
+over its own micro-batches). The per-micro-batch mean ``L_i / n_i`` that it replaces is
+not the loss of one process over the global batch when the ``n_i`` differ (padding, packed
+documents, SFT masks); when they are equal, ``n_bar = n_i`` and the two are bit-identical.
+``N`` is counted where the data enters (every target of the step is known before its first
+forward) and all-reduced ONCE per step over the LOSS group: the ranks whose targets are
+parts of one global batch and whose gradients the ``1/dp`` averages (today the dp group;
+with context parallelism dp x cp, as TorchTitan's ``loss`` mesh). It stays on the device
+(no host read); a step with no target at all counts ``N = 1`` (loss 0, gradient 0). Users'
+losses (a module that returns its own loss, a ``loss_fn``, the DeepSpeed loop's
+``engine.backward(loss)``) keep DeepSpeed's meaning: the loss given, divided by ``ga``.
+
 Unscaling, the non-finite check (fp16) and clipping belong to the optimizer's ``step``;
 the global norm is computed on the device and read on the host only by a caller that asks
 for it. With fp16 the skip decision needs one host read per step (whether any rank
@@ -54,7 +74,8 @@ from engine.validate import check_int
 
 NO_TIES = AxisGroup.single("embedding")  # no tied weights across stages: nothing to sum
 
-__all__ = ["NO_TIES", "StepFactors", "step_factors", "scale_loss", "sum_tied_grads", "GradientStep", "LocalGradients"]
+__all__ = ["NO_TIES", "StepFactors", "step_factors", "scale_loss", "TokenMean", "token_mean", "sum_tied_grads",
+           "GradientStep", "LocalGradients"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,33 @@ def scale_loss(loss: torch.Tensor, num_microbatches: int, loss_scale: float) -> 
     if num_microbatches > 1:
         loss = loss / num_microbatches
     return loss if loss_scale == 1.0 else loss * loss_scale
+
+
+class TokenMean:
+    """One step's token normaliser (see the module docstring): ``TokenMean(n_bar)(L_i) = L_i / n_bar``.
+
+    ``mean_count``: ``n_bar = N / (m * loss group size)``, a 0-dim fp32 tensor on the device
+    (``m``: this rank's micro-batches of the step, ``N``: the step's global target count)."""
+
+    def __init__(self, mean_count: torch.Tensor) -> None:
+        self.mean_count = mean_count
+
+    def __call__(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The micro-batch loss to report and differentiate, from its token-loss SUM (0-dim)."""
+        return loss_sum / self.mean_count
+
+
+def token_mean(targets: Sequence[torch.Tensor], loss_group: AxisGroup, *, ignore_index: int,
+               device: torch.device) -> TokenMean:
+    """The :class:`TokenMean` of a step whose micro-batches on this rank have ``targets``
+    (any shapes), counting those ``!= ignore_index``: one all-reduce over ``loss_group``, on
+    ``device``, no host read (a CPU target tensor is counted on the host and copied)."""
+    if not targets:
+        raise ValueError("token_mean needs the targets of at least one micro-batch")
+    local = torch.stack([(t != ignore_index).sum().to(device, torch.int64) for t in targets]).sum()  # 0-dim
+    comm.all_reduce(local, loss_group)  # N: exact in int64, whatever the order
+    n_bar = local.clamp(min=1).double() / (len(targets) * loss_group.size)  # rounded once, to fp32 below
+    return TokenMean(n_bar.float())
 
 
 def sum_tied_grads(grads: Sequence[torch.Tensor], group: AxisGroup) -> None:
