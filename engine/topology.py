@@ -38,7 +38,8 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 
 from engine.validate import check_int
 
-__all__ = ["Axis", "Coord", "Mesh", "MESH_AXES", "PER_AXIS_ROLES", "ROLE_AXES", "Role", "Topology", "TopologyError"]
+__all__ = ["Axis", "Coord", "EXPERT_ROLE_AXES", "Mesh", "MESH_AXES", "PER_AXIS_ROLES", "ROLE_AXES", "Role", "Topology",
+           "TopologyError"]
 
 
 class TopologyError(ValueError):
@@ -76,6 +77,8 @@ class Role(str, enum.Enum):
     AMAX = "amax"    # ranks whose FP8 amax must agree (every copy of a scaled tensor)
     TP = "tp"        # tensor parallelism: the ranks that split one layer
     PP = "pp"        # pipeline parallelism: the stages of one model replica
+    EP = "ep"        # expert parallelism: the ranks whose experts together make one layer's (all-to-all)
+    EXPERT_GRAD = "expert_grad"  # the replicas of one expert shard: reduce and partition its gradients
 
 
 # The role table: the axes each role spans (in MESH_AXES order).
@@ -86,6 +89,12 @@ ROLE_AXES: dict[Role, tuple[Axis, ...]] = {
     Role.AMAX: (Axis.TP, Axis.DP),
     Role.TP: (Axis.TP,),
     Role.PP: (Axis.PP,),
+}
+
+# The expert roles live on the expert folding (Topology.expert_mesh: tp, ep, edp, pp), by axis name.
+EXPERT_ROLE_AXES: dict[Role, tuple[str, ...]] = {
+    Role.EP: ("ep",),
+    Role.EXPERT_GRAD: ("edp",),
 }
 
 # Roles reduced axis by axis (a MAX is separable): no flattened communicator is built for them.

@@ -98,6 +98,9 @@ class Muon(torch.optim.Optimizer):
         for gi, (gv, group) in enumerate(zip(view.groups, self.param_groups)):
             if not group["use_muon"]:
                 continue
+            if gv.expert:
+                raise ValueError("expert-sharded parameters are in a Muon group: Muon's owners and exchange span the "
+                                 "grad group, not an expert shard's replicas; keep expert weights in an AdamW group")
             if gv.tied:
                 raise ValueError("a tied weight (embedding / LM head) is in a Muon group: tied weights are AdamW "
                                  "parameters; remove it from the muon patterns")

@@ -13,13 +13,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
+from engine.topology import Role
 from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
 from engine.zero.init import GatheredParameters, Init
 from engine.zero.stage0 import DataParallelOptimizer
@@ -44,7 +46,8 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
                          stage3_prefetch_bucket_size: int = 50_000_000,
                          stage3_max_live_parameters: int = 1_000_000_000,
                          stage3_max_reuse_distance: int = 0,
-                         stage3_param_persistence_threshold: int = 100_000) -> ZeroOptimizer:
+                         stage3_param_persistence_threshold: int = 100_000,
+                         role_groups: Mapping[Role, AxisGroup] = MappingProxyType({})) -> ZeroOptimizer:
     """The ZeRO optimizer for ``stage`` (0-3) over the run's ``groups`` (its DP group; or the
     DP :class:`~engine.distributed.groups.AxisGroup` alone for data parallelism without TP/PP).
 
@@ -54,14 +57,17 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
     over this rank's fp32 master shard(s), e.g. ``lambda g: torch.optim.AdamW(g, lr=1e-3)``.
     Stage 3 needs the module (``module=`` or as ``params_or_module``) to hook its forward.
     The TP and PP groups are used only for the global gradient norm and the overflow vote;
-    the embedding group sums ``tied_params``' gradients across stages.
+    the embedding group sums ``tied_params``' gradients across stages. ``role_groups``:
+    groups of roles the ``groups`` do not build, e.g. ``{Role.EXPERT_GRAD: group}`` for the
+    flat groups of expert-sharded parameters (``Placement.expert``), which are reduced and
+    partitioned over it instead of the grad role's group.
     """
     if stage not in STAGES:
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     common: dict[str, Any] = dict(
         tied_params=tied_params,
         precision=precision, loss_scaler=loss_scaler, reduce_bucket_size=reduce_bucket_size,
-        overlap_comm=overlap_comm, alignment=alignment, clip_grad=clip_grad)
+        overlap_comm=overlap_comm, alignment=alignment, clip_grad=clip_grad, role_groups=role_groups)
     if stage == 3:
         mod = module if module is not None else params_or_module
         if not isinstance(mod, torch.nn.Module):

@@ -51,7 +51,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union, cast
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -139,13 +140,13 @@ class ZeroOptimizer:
     # MAX_INFLIGHT + 1 full-size accumulators and MAX_INFLIGHT (shard,) receive buffers)
     MAX_INFLIGHT: int = 2
 
-    def __init__(self, params: ParamsArg, optimizer_factory: OptimizerFactory,
+    def __init__(self, params: ParamsArg, optimizer_factory: OptimizerFactory,  # noqa: PLR0913 (keyword-only options named as DeepSpeed's zero_optimization keys)
                  groups: Union[ParallelGroups, AxisGroup], *,
                  tied_params: Sequence[torch.nn.Parameter] = (),
                  precision: Optional[PrecisionPolicy] = None,
                  loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
                  reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True, alignment: int = 8,
-                 clip_grad: float = 0.0):
+                 clip_grad: float = 0.0, role_groups: Mapping[Role, AxisGroup] = MappingProxyType({})):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
                                "engine.distributed.env.init_distributed(), or gloo with world_size=1)")
@@ -175,15 +176,17 @@ class ZeroOptimizer:
         keyed = group_params([g["params"] for g in user_groups], tied_params)
         self.groups: list[FlatGroup] = []
         self.buckets: list[FlatBucket] = []
-        num_shards = self.grad_size if self.shards_optimizer_state else 1
-        shard_index = self.grad_rank if self.shards_optimizer_state else 0
+        self._reduce_groups = {Role.GRAD: self.grad_group, **role_groups}
         for key, plist in keyed.items():
+            reduce_group = self._reduce_group_of(key)
+            num_shards = reduce_group.size if self.shards_optimizer_state else 1
+            shard_index = reduce_group.rank if self.shards_optimizer_state else 0
             buckets: list[FlatBucket] = []
             for chunk in self._plan_buckets(key, cast(list[torch.nn.Parameter], plist)):  # module parameters
                 layout = build_layout([param_numel(p) for p in chunk], num_shards, self.alignment)
                 buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
             options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
-            group = FlatGroup(key, buckets, options, self._device)
+            group = FlatGroup(key, buckets, options, self._device, reduce_group)
             self.groups.append(group)
             self.buckets.extend(buckets)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -282,6 +285,20 @@ class ZeroOptimizer:
         every reduction and sum the tied weights (:meth:`reduce_gradients`)."""
         self.reduce_gradients()
 
+    def _reduce_group_of(self, key: GroupKey) -> AxisGroup:
+        """The group a flat group is reduced and partitioned over: the grad role's, or for
+        expert shards the expert-gradient role's (``role_groups``), which must lie inside it
+        (an expert's replicas are a subset of the data replicas)."""
+        role = Role.EXPERT_GRAD if key.expert else Role.GRAD
+        group = self._reduce_groups.get(role)
+        if group is None:
+            raise ValueError("expert-sharded parameters (Placement.expert) are reduced over the replicas of their "
+                             "expert shard: pass role_groups={Role.EXPERT_GRAD: <that group>}")
+        if not set(group.ranks) <= set(self.grad_group.ranks):
+            raise ValueError(f"the {role.value} group {list(group.ranks)} is not inside the grad group "
+                             f"{list(self.grad_group.ranks)}: an expert shard's replicas are data replicas")
+        return group
+
     def _grad_factor(self) -> float:
         """The contract's gradient factor 1 / (dp * S), applied as the hooks add a gradient
         into an fp32 accumulator (engine.zero.step)."""
@@ -359,7 +376,7 @@ class ZeroOptimizer:
         # land in a pooled (shard,) receive buffer that is added into it when they complete
         if b.reductions > 0:
             b.recv = self._recv_pool.acquire(b.layout.shard_numel)
-        b.launch_reduce(self.grad_group, sharded=True, async_op=self.overlap_comm, out=b.recv)
+        b.launch_reduce(b.reduce_group, sharded=True, async_op=self.overlap_comm, out=b.recv)
         b.reductions += 1
         self._inflight.append(b)
         if not self.overlap_comm:
@@ -392,7 +409,7 @@ class ZeroOptimizer:
         # Always async: the hooks only launch with overlap_comm, and after backward the
         # remaining buckets are queued back to back and waited together (gloo, 2 ranks,
         # 11 x 500k fp32: 30 ms one at a time, 20 ms queued).
-        b.launch_reduce(self.grad_group, sharded=self.shards_optimizer_state, async_op=True)
+        b.launch_reduce(b.reduce_group, sharded=self.shards_optimizer_state, async_op=True)
 
     def _launch_remaining(self) -> None:
         """Launch the reduction of every bucket the hooks did not launch."""
@@ -440,8 +457,19 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ norm and step
     def _mesh_groups(self) -> list[AxisGroup]:
-        groups = [self.grad_group] if self.shards_optimizer_state else []
+        # unsharded state with more than one reduce group (stage 0 with expert shards): each
+        # flat group counts on the replica that speaks for it, summed over the grad group
+        several = any(g.reduce_group is not self.grad_group for g in self.groups)
+        groups = [self.grad_group] if self.shards_optimizer_state or several else []
         return [g for g in groups + [self.tp_group, self.pp_group] if g.size > 1]
+
+    def _counts_in_norm(self, g: FlatGroup, tp_rank: int, several: bool) -> bool:
+        """Each element of the unsharded model once: TP-replicated groups on tp rank 0 only,
+        pipeline duplicates of tied weights never, and (unsharded state summed over the grad
+        group, see _mesh_groups) each group on the first of its replicas."""
+        if g.key.tied_copy or (not g.key.tp_sharded and tp_rank != 0):
+            return False
+        return self.shards_optimizer_state or not several or g.reduce_group.rank == 0
 
     def _grad_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(global grad norm, any non-finite anywhere) as 0-dim tensors on the device (no
@@ -449,6 +477,7 @@ class ZeroOptimizer:
         if self._norm_cache is not None:
             return self._norm_cache
         tp_rank = comm.group_rank(self.tp_group)
+        several = any(g.reduce_group is not self.grad_group for g in self.groups)
         stats = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of squares, non-finite count]
         for g in self.groups:
             # One fp32 pass per shard: the norm is non-finite iff an element is (or the sum of
@@ -457,9 +486,7 @@ class ZeroOptimizer:
             # No host sync here: a non-finite norm lands in both stats (the count decides).
             norm = torch.linalg.vector_norm(g.master.grad)
             stats[1] += (~torch.isfinite(norm)).to(stats.dtype)
-            # Each element of the unsharded model once: TP-replicated groups on tp rank 0 only,
-            # pipeline duplicates of tied weights never.
-            if g.key.tied_copy or (not g.key.tp_sharded and tp_rank != 0):
+            if not self._counts_in_norm(g, tp_rank, several):
                 continue
             stats[0] += norm.double() ** 2
         for grp in self._mesh_groups():
@@ -539,7 +566,7 @@ class ZeroOptimizer:
         # a separate send buffer: the shard's slot in ``full`` is also written by the gather
         send = b.shard_master.to(b.dtype, copy=True)
         assert b.full is not None  # stages 0-2 keep every bucket bound
-        return comm.all_gather(b.full, send, self.grad_group, async_op=True)
+        return comm.all_gather(b.full, send, b.reduce_group, async_op=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear accumulated gradients (``set_to_none`` accepted for torch compatibility)."""

@@ -132,6 +132,13 @@ class FlatBucket:
         if cursor < self.layout.padded_numel:
             self.grad_acc[cursor:].zero_()
 
+    @property
+    def reduce_group(self) -> AxisGroup:
+        """The group this bucket's gradient is reduced (and its state partitioned) over: its
+        flat group's (the grad role, or the expert-gradient role for expert shards)."""
+        assert self.group is not None  # bound by FlatGroup right after construction
+        return self.group.reduce_group
+
     def launch_reduce(self, group: AxisGroup, sharded: bool, async_op: bool,
                       out: Optional[torch.Tensor] = None) -> None:
         """Sum the accumulator over ``group``: into ``shard_grad`` (reduce-scatter; or into
@@ -220,11 +227,13 @@ class BufferPool:
 
 
 class FlatGroup:
-    """The buckets of one group key and their concatenated fp32 master shard."""
+    """The buckets of one group key and their concatenated fp32 master shard, reduced and
+    partitioned over ``reduce_group``."""
 
     def __init__(self, key: GroupKey, buckets: Sequence[FlatBucket], options: dict[str, Any],
-                 device: torch.device):
+                 device: torch.device, reduce_group: AxisGroup):
         self.key = key
+        self.reduce_group = reduce_group
         self.buckets = list(buckets)
         self.options = dict(options)
         total = sum(b.layout.shard_numel for b in self.buckets)

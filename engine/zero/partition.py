@@ -146,7 +146,9 @@ class GroupKey:
     ``param_group``: index of the user's optimizer param group (its hyper-parameters);
     ``dtype``: the parameters' dtype; ``tp_sharded``: TP-sharded vs TP-replicated (the
     gradient norm counts replicated elements once per TP group); ``tied_copy``: a pipeline
-    duplicate of a tied weight (not counted in the norm); both from the parameter's
+    duplicate of a tied weight (not counted in the norm); ``expert``: an expert shard, whose
+    gradient is reduced and partitioned over the expert-gradient role instead of the grad
+    role (a flat group of its own); all three from the parameter's
     :class:`~engine.placement.Placement`; ``tied_index``: >= 0 for a tied
     weight (original or copy), which gets a flat buffer of its own so that its layout is
     the same on every pipeline stage that holds it (its gradient is summed across them).
@@ -157,12 +159,13 @@ class GroupKey:
     tp_sharded: bool
     tied_copy: bool = False
     tied_index: int = -1
+    expert: bool = False
 
 
 def group_key(param: torch.Tensor, param_group: int, tied_index: int = -1) -> GroupKey:
     placement = placement_of(param)
     return GroupKey(param_group=param_group, dtype=param.dtype, tp_sharded=placement.tp_sharded,
-                    tied_copy=placement.tied_copy, tied_index=tied_index)
+                    tied_copy=placement.tied_copy, tied_index=tied_index, expert=placement.expert_sharded)
 
 
 def group_params(param_groups: Sequence[Iterable[torch.Tensor]],

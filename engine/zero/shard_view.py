@@ -74,7 +74,9 @@ class GroupView:
     >= 0 for a tied weight (``tied_copy``: a pipeline stage's duplicate of it); ``owner``:
     this rank writes the group in a checkpoint (ZeRO-0 replicas: DP rank 0 only;
     TP-replicated groups: TP rank 0 only; a tied copy never, its original is written);
-    ``master``: the live ``(shard,)`` fp32 master (the inner optimizer's parameter)."""
+    ``master``: the live ``(shard,)`` fp32 master (the inner optimizer's parameter);
+    ``expert``: expert shards, reduced and partitioned over the expert-gradient group (its
+    buckets' shard index is this rank's place in that group, not in the grad group)."""
 
     param_group: int  # the user's param group index
     tp_sharded: bool
@@ -84,6 +86,7 @@ class GroupView:
     tied_copy: bool = False
     owner: bool = True
     master: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,9 +262,9 @@ def build_shard_view(groups: Sequence[Any], sharded: bool, grad_group: AxisGroup
             raise RuntimeError(f"flat group of {g.master.numel()} elements does not match its buckets ({off})")
         key = g.key
         # the one copy that speaks for the replicas: index 0 of every group the state is replicated over
-        owner = not key.tied_copy and (sharded or grad_group.rank == 0) and (key.tp_sharded or tp_rank == 0)
+        owner = not key.tied_copy and (sharded or g.reduce_group.rank == 0) and (key.tp_sharded or tp_rank == 0)
         out.append(GroupView(key.param_group, key.tp_sharded, key.tied_index >= 0, tuple(buckets),
-                             key.tied_index, key.tied_copy, owner, g.master))
+                             key.tied_index, key.tied_copy, owner, g.master, key.expert))
     access = _InnerAccess(optimizer, publish) if optimizer is not None and publish is not None else None
     return ShardView(tuple(out), grad_group, grad_group.size, grad_group.rank, tp_group, tp_size, tp_rank, stage, sharded,
                      type(optimizer).__name__ if optimizer is not None else "", access)

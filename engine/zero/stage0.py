@@ -51,7 +51,7 @@ class DataParallelOptimizer(ZeroOptimizer):
             return
         for g in self.groups:
             assert g.master.grad is not None  # the group's master gradient storage (_init_grad_storage)
-            work = comm.all_reduce(g.master.grad, self.grad_group, async_op=True)
+            work = comm.all_reduce(g.master.grad, g.reduce_group, async_op=True)
             for b in g.buckets:
                 b.launched = True
             g.buckets[-1].work = work  # waited with the group's last bucket

@@ -241,7 +241,7 @@ class Zero3Optimizer(Zero2Optimizer):
         full = b.gather_buf
         assert full is not None and b.compute_shard is not None  # set for every ZeRO-3 bucket (_init_bucket)
         _resize_storage(full, b.layout.padded_numel * full.element_size())
-        work = comm.all_gather(full, b.compute_shard, self.grad_group, async_op=True)
+        work = comm.all_gather(full, b.compute_shard, b.reduce_group, async_op=True)
         b.pending = (full, work)
         self._live_numel += b.layout.padded_numel
         self.gather_count += 1
@@ -519,16 +519,18 @@ class Zero3Optimizer(Zero2Optimizer):
             self._materialize(b)
 
     def release_after_modification(self, params: list[torch.Tensor], modifier_rank: Optional[int]) -> None:
-        """Partition ``params`` again; with ``modifier_rank`` (a DP-group rank) its values
-        are broadcast and written to every rank's compute shard and fp32 master shard."""
-        if modifier_rank is not None and not 0 <= modifier_rank < self.grad_size:
-            raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the data-parallel group of {self.grad_size}")
+        """Partition ``params`` again; with ``modifier_rank`` (a rank of each bucket's reduce
+        group: the data-parallel group for dense parameters) its values are broadcast and
+        written to every rank's compute shard and fp32 master shard."""
         for b in self._buckets_of(params):
+            if modifier_rank is not None and not 0 <= modifier_rank < b.reduce_group.size:
+                raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the data-parallel group of "
+                                 f"{b.reduce_group.size}")
             # gather_for_modification bound b.full; every ZeRO-3 bucket has a compute shard
             assert b.full is not None and b.compute_shard is not None
             if modifier_rank is not None:
-                src = self.grad_group.global_rank_of(modifier_rank)
-                comm.broadcast(b.full, src, self.grad_group)
+                src = b.reduce_group.global_rank_of(modifier_rank)
+                comm.broadcast(b.full, src, b.reduce_group)
                 shard = b.shard_of(b.full)
                 b.compute_shard.copy_(shard)
                 if b.compute_shard is not b.shard_master:

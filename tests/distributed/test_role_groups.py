@@ -27,7 +27,7 @@ def _roles(rank, world_size, widen):
         ROLE_AXES[Role.GRAD] = ROLE_AXES[Role.LOSS] = (Axis.TP, Axis.DP)
     groups = ParallelGroups.build(Topology(dp=2, tp=2, world_size=world_size), timeout_s=40.0)
     out = {role: (list(groups.role(role).ranks), _sum(groups.role(role)))
-           for role in Role if role is not Role.AMAX}
+           for role in ROLE_AXES if role is not Role.AMAX}
     out["amax"] = [list(g.ranks) for g in groups.role_axes(Role.AMAX)]
     out["same_as_dp"] = groups.role(Role.GRAD) is groups[Axis.DP]
     out["grad_is_loss"] = groups.role(Role.GRAD) is groups.role(Role.LOSS)

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from engine.topology import MESH_AXES, PER_AXIS_ROLES, ROLE_AXES, Axis, Mesh, Role, Topology, TopologyError
+from engine.topology import (
+    EXPERT_ROLE_AXES,
+    MESH_AXES,
+    PER_AXIS_ROLES,
+    ROLE_AXES,
+    Axis,
+    Mesh,
+    Role,
+    Topology,
+    TopologyError,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 3, 1), (3, 1, 1), (1, 1, 4), (2, 2, 3)]
@@ -28,7 +38,7 @@ def _brute(dp: int, tp: int, pp: int) -> dict[int, dict[str, int]]:
 def test_axis_list_and_role_table_are_complete():
     assert set(MESH_AXES) == set(Axis) and len(MESH_AXES) == len(Axis)
     assert MESH_AXES[0] is Axis.TP and MESH_AXES[-1] is Axis.PP  # TP innermost, PP outermost
-    assert set(ROLE_AXES) == set(Role)
+    assert set(ROLE_AXES) | set(EXPERT_ROLE_AXES) == set(Role) and not set(ROLE_AXES) & set(EXPERT_ROLE_AXES)
     for role, axes in ROLE_AXES.items():
         assert axes and list(axes) == [a for a in MESH_AXES if a in axes], f"{role}: axes not in mesh order"
     assert PER_AXIS_ROLES <= set(Role)
@@ -97,6 +107,7 @@ def test_expert_folding_covers_the_same_ranks(dp, tp, pp, ep):
     the dense data axis refolded (an expert group is ep neighbouring DP replicas)."""
     topo = Topology(dp=dp, tp=tp, pp=pp)
     experts = topo.expert_mesh(ep)
+    assert all(set(axes) <= set(experts.names) for axes in EXPERT_ROLE_AXES.values())
     assert experts.world_size == topo.world_size and experts.sizes == (tp, ep, dp // ep, pp)
     assert experts.groups(["tp"]) == topo.groups("tp") and experts.groups(["pp"]) == topo.groups("pp")
     assert experts.groups(["ep", "edp"]) == topo.groups("dp")
