@@ -1,4 +1,5 @@
-"""Process groups for one run, keyed by mesh axis: ``groups[Axis.TP]`` is an :class:`AxisGroup`.
+"""Process groups for one run, keyed by mesh axis (``groups[Axis.TP]``) and by role
+(``groups.role(Role.GRAD)``, see :data:`engine.topology.ROLE_AXES`): each an :class:`AxisGroup`.
 
 An :class:`AxisGroup` is one value per axis: its global ranks, this rank's index in them,
 the size, and the communicator. Everything that communicates (TP layers and mappings, the
@@ -14,17 +15,20 @@ Construction protocol (why it is written this way):
 
 * ``dist.new_group`` names an unnamed group from a per-process counter, so every rank
   must call it for EVERY group, members or not, in the SAME order; a non-member gets
-  ``NON_GROUP_MEMBER`` back and spends no communication. We walk a fixed order (tp, dp,
-  pp, then embedding when pp > 2; within an axis ``Topology.groups`` order, sorted by
-  first rank) on every rank. An axis of size 1 is skipped on every rank alike (its size
-  is global), so the counter stays in step.
+  ``NON_GROUP_MEMBER`` back and spends no communication. We walk a fixed order (the axes
+  in ``MESH_AXES`` order, then embedding when pp > 2, then the flattened role groups in
+  ``ROLE_AXES`` order; within each ``Topology.groups`` order, sorted by first rank) on every
+  rank. An axis of size 1 is skipped on every rank alike (its size is global), so the
+  counter stays in step.
 * ``use_local_synchronization`` stays False, deliberately: with True, torch names a
   group by hashing its rank list, and two groups with identical rank lists would get the
   same name and store prefix.
 * No group is built twice or built unused: with pp <= 2 the embedding group (first and
   last stage) IS the pp group and is that value; every group costs an NCCL communicator
   (GPU memory and set-up time on its first collective). No model-parallel (tp x pp) group
-  is built: nothing communicates over it. Size-1 groups get no communicator at all.
+  is built: nothing communicates over it. Size-1 groups get no communicator at all. A role
+  over one wide axis IS that axis's group; a flattened role group is built once per set
+  of wide axes, shared by every role over them.
   Since torch 2.3 no store barrier follows ``new_group`` unless
   TORCH_DIST_INIT_BARRIER=1, so calling it on every rank costs O(#groups) local work only.
 * Subgroups do NOT inherit the default group's timeout (torch uses 30 min for gloo), so
@@ -253,11 +257,16 @@ class ParallelGroups:
         if role in PER_AXIS_ROLES:
             raise ValueError(f"role {role.value!r} is reduced axis by axis and has no flattened group: "
                              "use role_axes()")
+        if role not in self.roles:
+            raise ValueError(f"role {role.value!r} lives on the expert folding (Topology.expert_mesh): this run "
+                             "builds no expert groups; pass them where they are needed (e.g. ZeRO's role_groups)")
         return self.roles[role]
 
     def role_axes(self, role: Role) -> tuple[AxisGroup, ...]:
         """The groups of each axis ``role`` spans, with a size > 1 (a separable reduction such as
         the FP8 amax MAX is taken over each in turn)."""
+        if role not in ROLE_AXES:
+            raise ValueError(f"role {role.value!r} lives on the expert folding: this run builds no expert groups")
         return tuple(self.axes[a] for a in ROLE_AXES[role] if self.axes[a].size > 1)
 
     def speaks_for(self, *replicated: Union[Role, Axis]) -> bool:
