@@ -20,7 +20,7 @@ test_dp_pp_tp_train_the_global_token_mean).
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import dense_adamw_run, run_ranks
 
 import engine
 
@@ -79,21 +79,13 @@ def _dense(token_mean=True):
     per-micro-batch means the engine used to take. Each step's loss and gradient norm."""
     from engine.models import GPT, ModelConfig
 
-    model = GPT(ModelConfig(**TINY), seed=SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for s in range(STEPS):
-        mbs = _global_batch(s)
-        if token_mean:
-            loss = model(torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs]))
-        else:
-            loss = torch.stack([model(x, y) for x, y in mbs]).mean()
-        loss.backward()
-        norms.append(torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+    def batches(step):
+        mbs = _global_batch(step)
+        if token_mean:  # one batch of everything: the GPT's mean over its targets is sum / N
+            return [(torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs]))]
+        return mbs
+
+    return dense_adamw_run(GPT(ModelConfig(**TINY), seed=SEED), batches, STEPS, lr=LR)
 
 
 @pytest.fixture(scope="module")
