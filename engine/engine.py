@@ -24,7 +24,7 @@ that were taken.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from engine.training_state import TrainingState
 from engine.weights16 import save_16bit_model
 from engine.zero import ZeroOptimizer
 from engine.zero.step import token_mean
+
+if TYPE_CHECKING:  # imported where used: the checkpoint package imports the engine's modules
+    from engine.checkpoint.async_save import AsyncSaver
 
 __all__ = ["Engine", "LRScheduler", "LossFn", "Pipeline", "split_microbatch"]
 
@@ -133,6 +136,7 @@ class Engine(nn.Module):
         self._step_skipped = False
         self._last_grad_norm: Optional[torch.Tensor] = None  # 0-dim on the device until asked for
         self._last_lr: Optional[list[float]] = None
+        self._async_saver: Optional[AsyncSaver] = None  # made at the first asynchronous save
         self._loss_group = groups.role(Role.LOSS)  # None after destroy()
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
         # steps_per_print steps
@@ -417,6 +421,8 @@ class Engine(nn.Module):
         optimizer's gradient hooks on the parameters (a reference cycle through autograd's
         C++ hook storage that garbage collection cannot break), the pipeline and the groups.
         Call it before :func:`engine.distributed.env.shutdown`; the engine cannot train afterwards."""
+        if self._async_saver is not None:  # no collectives here: an uncommitted save is abandoned
+            self._async_saver.abandon()
         remove = getattr(self.optimizer, "remove_hooks", None)
         if remove is not None:
             remove()
@@ -445,9 +451,29 @@ class Engine(nn.Module):
                         save_latest: bool = True) -> str:
         """DeepSpeed's ``save_checkpoint``: sharded, atomic, loadable at any layout
         (:func:`engine.checkpoint.save_checkpoint`, docs/checkpoints.md). Collective."""
+        if self.config.checkpoint.async_save:  # snapshot now, written in the background
+            path, _ = self.checkpoint_saver().save(save_dir, tag, client_state, save_latest=save_latest)
+            return path
         from engine.checkpoint import save_checkpoint
 
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+
+    def checkpoint_saver(self) -> AsyncSaver:
+        """This engine's one asynchronous saver (host buffers made once; at most one save in
+        flight), used by ``save_checkpoint`` under ``checkpoint.async_save`` and the entry point."""
+        if self._async_saver is None:
+            from engine.checkpoint.async_save import AsyncSaver
+
+            self._async_saver = AsyncSaver(self)
+        return self._async_saver
+
+    def wait_for_checkpoint(self) -> Optional[str]:
+        """Wait for the asynchronous save in flight and publish it (``latest``); its path, or
+        None when none was in flight. Collective; a failed write raises CheckpointError."""
+        if self._async_saver is None:
+            return None
+        outcome = self._async_saver.wait()
+        return None if outcome is None else outcome.path
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from types import FrameType
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.async_save import AsyncSaver, SaveOutcome
 from engine.checkpoint.target import Checkpointable
 from engine.distributed import comm
 from engine.distributed.groups import AxisGroup
@@ -91,17 +93,28 @@ class Checkpointer:
     preemption (then :meth:`after_step` returns True on every rank) and at the end
     (:meth:`finish`), never twice at one step. With ``save_dir=None`` it does nothing and
     installs no signal handler (a signal then ends the process as usual).
-    Use as a context manager around the loop (it installs the signal handlers)."""
+    Use as a context manager around the loop (it installs the signal handlers).
+
+    ``saver``: an :class:`~engine.checkpoint.async_save.AsyncSaver` makes the saves
+    asynchronous (``checkpoint.async_save``): a save snapshots and returns, the write is
+    committed at a later step boundary (:meth:`after_step` polls), before the next save, on
+    preemption (which waits for it, saves, and waits again) and in :meth:`finish`.
+    After each :meth:`after_step`, :attr:`step_metrics` holds ``save_blocked_s`` (the seconds
+    the loop was blocked by a save at that step: all of a synchronous save; the snapshot
+    plus any wait for the previous save for an asynchronous one) and ``save_write_s`` (a
+    save's write time, at the step it was committed), or nothing."""
 
     def __init__(self, engine: Checkpointable, save_dir: Optional[str], interval: int = 0,
-                 keep_last: Optional[int] = None) -> None:
+                 keep_last: Optional[int] = None, saver: Optional[AsyncSaver] = None) -> None:
         if interval < 0:
             raise ValueError(f"the save interval must be >= 0 steps (0: only at the end), got {interval}")
         self.engine, self.save_dir, self.interval, self.keep_last = engine, save_dir, int(interval), keep_last
+        self.saver = saver
         self.preempt = PreemptionHandler() if save_dir is not None else None
         self.preempted = False
         self.saved_at: Optional[int] = None
         self.last_path: Optional[str] = None
+        self.step_metrics: dict[str, float] = {}
 
     def __enter__(self) -> "Checkpointer":
         if self.preempt is not None:
@@ -112,27 +125,52 @@ class Checkpointer:
         if self.preempt is not None:
             self.preempt.uninstall()
 
+    def _committed(self, outcome: Optional[SaveOutcome]) -> None:
+        if outcome is not None:
+            self.last_path = outcome.path
+            self.step_metrics["save_write_s"] = outcome.write_s
+
     def save(self) -> str:
+        """Save now (asynchronous with a saver: returns the path it will have once committed)."""
         from engine.checkpoint.save import save_checkpoint
 
         assert self.save_dir is not None, "Checkpointer.save needs a save_dir"
-        self.last_path = save_checkpoint(self.engine, self.save_dir, keep_last=self.keep_last)
+        t0 = time.perf_counter()
+        if self.saver is None:
+            self.last_path = save_checkpoint(self.engine, self.save_dir, keep_last=self.keep_last)
+            self.step_metrics["save_write_s"] = time.perf_counter() - t0
+            path = self.last_path
+        else:
+            path, previous = self.saver.save(self.save_dir, keep_last=self.keep_last)
+            self._committed(previous)
+        self.step_metrics["save_blocked_s"] = time.perf_counter() - t0
         self.saved_at = self.engine.global_steps
-        return self.last_path
+        return path
 
     def after_step(self) -> bool:
-        """Collective, after every optimizer step: save if due; True when the loop must stop."""
+        """Collective, after every optimizer step: commit a finished asynchronous save, save
+        if due; True when the loop must stop (then the save is complete)."""
+        self.step_metrics = {}
         if self.save_dir is None:
             return False
         assert self.preempt is not None  # made whenever save_dir is given
         self.preempted = self.preempt.stop_requested(self.engine.device)
+        if self.saver is not None:
+            self._committed(self.saver.poll())  # a failed write raises here, on every rank
         step = self.engine.global_steps
         if self.preempted or (self.interval and step % self.interval == 0):
+            t0 = time.perf_counter()
             self.save()
+            if self.preempted and self.saver is not None:  # the job is about to end: all of it blocks
+                self._committed(self.saver.wait())
+                self.step_metrics["save_blocked_s"] = time.perf_counter() - t0
         return self.preempted
 
     def finish(self) -> Optional[str]:
-        """Save the final state unless it was just saved; returns the latest path."""
+        """Save the final state unless it was just saved, and wait for any save in flight;
+        returns the latest path."""
         if self.save_dir is not None and self.saved_at != self.engine.global_steps:
             self.save()
+        if self.saver is not None:
+            self._committed(self.saver.wait())
         return self.last_path

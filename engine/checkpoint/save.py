@@ -26,6 +26,7 @@ So ``latest`` always names a complete checkpoint.
 
 from __future__ import annotations
 
+import copy as copy_mod
 import io
 import logging
 import os
@@ -34,7 +35,8 @@ import shutil
 import socket
 import time
 import uuid
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -73,7 +75,8 @@ from engine.training_state import capture_rng
 from engine.version import __version__
 from engine.zero.shard_view import Scalar, ShardView
 
-__all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag"]
+__all__ = ["save_checkpoint", "capture_rng", "prune_tags", "agree_on_tag", "SavePlan", "begin_save", "take_snapshot",
+           "write_shard", "commit_save", "snapshot_local", "client_state_bytes", "Tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,19 +149,23 @@ def _unsaved_tensors(module: torch.nn.Module) -> list[str]:
     return sorted(buffers + frozen)
 
 
-def _write_local(engine: Checkpointable, view: ShardView, tmp_dir: str) -> dict[str, Any]:
-    """Write this rank's shard file; returns what rank 0 needs for the metadata."""
+Tensors = list[tuple[str, torch.Tensor]]   # (safetensors key, tensor) in file order
+
+
+def snapshot_local(engine: Checkpointable, view: ShardView) -> tuple[Tensors, dict[str, Any]]:
+    """This rank's tensors to write (live views: copy them before training goes on) and the
+    small description rank 0 needs for the metadata (``"file"`` is filled once written)."""
     groups = _parallel_groups(engine)
     unsaved = _unsaved_tensors(engine.module)
     if unsaved:
         logger.warning("rank %d: module state outside the optimizer is not saved (buffers or frozen parameters "
                        "are rebuilt from the config on load): %s", groups.rank, unsaved[:8])
-    coord = groups.coord
     names, aliases = parameter_names(engine.module)
     originals, copies = tied_names(view, names)
     pieces = local_pieces(view, names)
+    coord = groups.coord
     fname = shard_file_name(coord.pp, coord.tp, coord.dp)
-    tensors: list[tuple[str, torch.Tensor]] = []
+    tensors: Tensors = []
     scalar_state: dict[str, dict[str, Any]] = {}
     param_groups: dict[str, dict[str, Any]] = {}
     elementwise_keys: list[str] = []
@@ -189,23 +196,30 @@ def _write_local(engine: Checkpointable, view: ShardView, tmp_dir: str) -> dict[
         frag = Fragment(fname, pc.group, pc.offset, pc.numel, pc.start, pc.local_shape, pc.tp)
         fragments.setdefault(pc.name, []).append(frag)
         shapes[pc.name] = list(frag.full_shape())
-    file_info = None
-    if tensors:
-        writer = SafetensorsWriter(os.path.join(tmp_dir, fname), [(k, t.dtype, t.shape) for k, t in tensors],
-                                   metadata={"format": FORMAT, "rank": str(groups.rank)})
-        try:
-            for _, t in tensors:
-                writer.write(t)
-            digest = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        file_info = (fname, FileRecord(digest, writer.bytes, groups.rank,
-                                       {"pp": coord.pp, "tp": coord.tp, "dp": coord.dp}))
-    return {"rank": groups.rank, "file": file_info, "fragments": fragments, "shapes": shapes, "aliases": aliases,
+    part = {"rank": groups.rank, "file": None, "file_name": fname, "coord": coord._asdict(),
+            "fragments": fragments, "shapes": shapes, "aliases": aliases,
             "tied_originals": originals, "tied_copies": copies, "scalar_state": scalar_state,
             "param_groups": param_groups, "elementwise_keys": elementwise_keys, "elementwise_by_group": by_group,
             "order": {name: order[name] for name in fragments}, "optimizer_class": view.optimizer_class}
+    return tensors, part
+
+
+def write_shard(tmp_dir: str, part: dict[str, Any], tensors: Tensors) -> Optional[tuple[str, FileRecord]]:
+    """Write this rank's shard file (hashed while written, fsynced); None when it owns
+    nothing. No collectives: the asynchronous writer thread runs it."""
+    if not tensors:
+        return None
+    fname = part["file_name"]
+    writer = SafetensorsWriter(os.path.join(tmp_dir, fname), [(k, t.dtype, t.shape) for k, t in tensors],
+                               metadata={"format": FORMAT, "rank": str(part["rank"])})
+    try:
+        for _, t in tensors:
+            writer.write(t)
+        digest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return fname, FileRecord(digest, writer.bytes, part["rank"], dict(part["coord"]))
 
 
 # ---------------------------------------------------------------------------- metadata (rank 0)
@@ -275,7 +289,7 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
         aliases=aliases, files=files, rng={str(p["rank"]): p["rng"] for p in parts}, fp8=fp8 or None)
 
 
-def _write_client_state(tmp_dir: str, client_state: dict[str, Any]) -> FileRecord:
+def client_state_bytes(client_state: dict[str, Any]) -> bytes:
     """torch.save of the client state, refused unless it loads back with weights_only=True
     (checkpoints are data: a class instance in it would need code to load)."""
     buf = io.BytesIO()
@@ -286,8 +300,11 @@ def _write_client_state(tmp_dir: str, client_state: dict[str, Any]) -> FileRecor
         raise CheckpointError("client_state must hold only tensors and plain Python values (dict, list, tuple, "
                               f"str, int, float, bool, None) so that it loads with torch.load(weights_only=True), "
                               f"without running code: {unpickling_error(exc)}") from None
+    return buf.getvalue()
+
+
+def _write_client_state(tmp_dir: str, data: bytes) -> FileRecord:
     path = os.path.join(tmp_dir, CLIENT_STATE_FILE)
-    data = buf.getvalue()
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -383,18 +400,32 @@ def _clean_leftovers(save_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------- entry point
-def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Optional[str] = None,
-                    client_state: Optional[dict[str, Any]] = None, *, keep_last: Optional[int] = None,
-                    save_latest: bool = True) -> str:
-    """Save ``engine`` (model shards, fp32 master weights, optimizer state, LR schedule, loss
-    scaler, counters, RNG states) under ``<save_dir>/<tag>`` and point ``latest`` at it.
+@dataclass
+class SavePlan:
+    """One save between its start (:func:`begin_save`) and its commit (:func:`commit_save`).
+    ``training``, ``parts`` and ``client_bytes`` are rank 0's (None elsewhere): what it
+    needs for the metadata, fixed at the call."""
 
-    Collective: every rank calls it with the same arguments. ``tag`` defaults to
-    ``global_step{engine.global_steps}``; ``client_state``: a dict of tensors and plain
-    values, returned by :func:`~engine.checkpoint.load_checkpoint` (rank 0's is stored);
-    ``keep_last``: keep only the newest N ``global_step*`` tags (default:
-    ``checkpoint.keep_last`` of the config; None keeps all). Returns the checkpoint path.
-    """
+    tag: str
+    nonce: str
+    save_dir: str
+    tmp_dir: str
+    keep_last: Optional[int]
+    save_latest: bool
+    started: float = field(default_factory=time.perf_counter)
+    training: Optional[dict[str, Any]] = None
+    parts: Optional[list[Any]] = None
+    client_bytes: Optional[bytes] = None
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.save_dir, self.tag)
+
+
+def begin_save(engine: Checkpointable, save_dir: str, tag: Optional[str], client_state: Optional[dict[str, Any]],
+               keep_last: Optional[int], save_latest: bool) -> SavePlan:
+    """Steps 1 of the protocol (collective): agree on the tag and a nonce, make the
+    temporary directory."""
     rank, _ = _world()
     if stage_chunks(engine.module) is None and engine.config.pp > 1:
         raise CheckpointError("pipeline engines must hold StageChunks to be checkpointed")
@@ -420,52 +451,102 @@ def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Optional[str] = 
     err = _broadcast(err)
     if err is not None:
         raise CheckpointError(err)
+    return SavePlan(tag, nonce, save_dir, tmp_dir, keep_last, save_latest)
 
-    t0 = time.perf_counter()
+
+def take_snapshot(engine: Checkpointable, plan: SavePlan, client_state: Optional[dict[str, Any]],
+                  copy: Callable[[Tensors], Tensors]) -> tuple[Tensors, Any]:
+    """Step 2's reading half (collective: one gather of the small descriptions to rank 0):
+    this rank's tensors passed through ``copy`` (the asynchronous save copies them into its
+    host buffers; identity for a synchronous one) and its part, or an error line."""
+    rank, world = _world()
+    tensors: Tensors = []
     training: dict[str, Any] = {}
     try:
-        training = engine.training_state().state_dict()
-        local: Any = _write_local(engine, engine.optimizer.shard_view(), tmp_dir)
+        training = copy_mod.deepcopy(engine.training_state().state_dict())
+        tensors, local = snapshot_local(engine, engine.optimizer.shard_view())
+        tensors = copy(tensors)
         # FP8 scaling state is MAX-reduced over the amax role: one rank of it per stage sends it
         speaks = _parallel_groups(engine).speaks_for(Role.AMAX)
         local.update(rng=training["rng"], fp8=training["fp8"] if speaks else None)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        if rank == 0 and client_state is not None:
+            plan.client_bytes = client_state_bytes(client_state)
+        local = copy_mod.deepcopy(local)  # rank 0's part is not pickled by the gather
+    except Exception as exc:  # noqa: BLE001 - reported to every rank at the commit
         local = f"rank {rank}: {type(exc).__name__}: {exc}"
-    parts: Optional[list[Any]] = [None] * dist.get_world_size() if rank == 0 else None
+    parts: Optional[list[Any]] = [None] * world if rank == 0 else None
     dist.gather_object(local, parts, dst=0)
+    if rank == 0:
+        plan.training, plan.parts = training, parts
+    return tensors, local
+
+
+def commit_save(cfg: Config, plan: SavePlan, written: Any) -> str:
+    """Steps 3-4 (collective): every rank sends rank 0 what its write gave (the file record,
+    None, or an error line); rank 0 writes the metadata, publishes and prunes; the outcome
+    is raised on every rank. Runs on the main thread only (it uses collectives)."""
+    rank, world = _world()
+    got: Optional[list[Any]] = [None] * world if rank == 0 else None
+    dist.gather_object(written, got, dst=0)
     status = None
     if rank == 0:
-        assert parts is not None  # rank 0 gathered into it
-        status = _finish(engine.config, training, save_dir, tmp_dir, tag, nonce, parts, client_state, keep_last,
-                         save_latest)
+        assert got is not None and plan.parts is not None and plan.training is not None  # rank 0 holds them
+        parts = [p if isinstance(p, str) else (w if isinstance(w, str) else {**p, "file": w})
+                 for p, w in zip(plan.parts, got)]
+        status = _finish(cfg, plan.training, plan, parts)
     status = _broadcast(status)
     if status["error"] is not None:
-        raise CheckpointError(f"save_checkpoint({tag!r}) failed, nothing was published: {status['error']}")
-    logger.info("saved checkpoint %s in %.2fs", status["path"], time.perf_counter() - t0)
+        raise CheckpointError(f"save_checkpoint({plan.tag!r}) failed, nothing was published: {status['error']}")
     return status["path"]
 
 
-def _finish(cfg: Config, training: dict[str, Any], save_dir: str, tmp_dir: str, tag: str, nonce: str,
-            parts: list[Any], client_state: Optional[dict[str, Any]], keep_last: Optional[int],
-            save_latest: bool) -> dict[str, Any]:
+def save_checkpoint(engine: Checkpointable, save_dir: str, tag: Optional[str] = None,
+                    client_state: Optional[dict[str, Any]] = None, *, keep_last: Optional[int] = None,
+                    save_latest: bool = True) -> str:
+    """Save ``engine`` (model shards, fp32 master weights, optimizer state, LR schedule, loss
+    scaler, counters, RNG states) under ``<save_dir>/<tag>`` and point ``latest`` at it.
+    Synchronous: returns once published (the asynchronous form is
+    :class:`engine.checkpoint.async_save.AsyncSaver`).
+
+    Collective: every rank calls it with the same arguments. ``tag`` defaults to
+    ``global_step{engine.global_steps}``; ``client_state``: a dict of tensors and plain
+    values, returned by :func:`~engine.checkpoint.load_checkpoint` (rank 0's is stored);
+    ``keep_last``: keep only the newest N ``global_step*`` tags (default:
+    ``checkpoint.keep_last`` of the config; None keeps all). Returns the checkpoint path.
+    """
+    plan = begin_save(engine, save_dir, tag, client_state, keep_last, save_latest)
+    tensors, local = take_snapshot(engine, plan, client_state, lambda ts: ts)  # written before training goes on
+    written: Any = local if isinstance(local, str) else None
+    if written is None:
+        try:
+            written = write_shard(plan.tmp_dir, local, tensors)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the commit
+            written = f"rank {local['rank']}: {type(exc).__name__}: {exc}"
+    path = commit_save(engine.config, plan, written)
+    logger.info("saved checkpoint %s in %.2fs", path, time.perf_counter() - plan.started)
+    return path
+
+
+def _finish(cfg: Config, training: dict[str, Any], plan: SavePlan, parts: list[Any]) -> dict[str, Any]:
     """Rank 0: metadata, checks, publish, prune. Returns ``{"path", "error"}``."""
+    tag, tmp_dir = plan.tag, plan.tmp_dir
     failed = [p for p in parts if isinstance(p, str)]
     try:
         if failed:
             raise CheckpointError("; ".join(failed))
         meta = _merge(cfg, training, tag, parts)
-        if client_state is not None:
-            meta.files[CLIENT_STATE_FILE] = _write_client_state(tmp_dir, client_state)
+        if plan.client_bytes is not None:
+            meta.files[CLIENT_STATE_FILE] = _write_client_state(tmp_dir, plan.client_bytes)
             meta.client_state = CLIENT_STATE_FILE
         _check_files(tmp_dir, meta.files)
         write_metadata(tmp_dir, meta.to_json())
         os.remove(os.path.join(tmp_dir, OWNER_FILE))
         fsync_dir(tmp_dir)
-        path = _publish(save_dir, tmp_dir, tag, nonce, save_latest)
-        if keep_last is not None:
-            deleted = prune_tags(save_dir, keep_last, tag)
+        path = _publish(plan.save_dir, tmp_dir, tag, plan.nonce, plan.save_latest)
+        if plan.keep_last is not None:
+            deleted = prune_tags(plan.save_dir, plan.keep_last, tag)
             if deleted:
-                logger.info("removed old checkpoints %s (keep_last=%d)", deleted, keep_last)
+                logger.info("removed old checkpoints %s (keep_last=%d)", deleted, plan.keep_last)
         return {"path": path, "error": None}
     except Exception as exc:  # noqa: BLE001 - every rank raises it
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -298,6 +298,7 @@ class CheckpointConfig(_Section):
     tag_validation: str = "Warn"  # "Ignore" | "Warn" | "Fail"
     save_interval: int = 0  # save every N optimizer steps; 0 = never
     keep_last: Optional[int] = None  # keep the newest N checkpoints; None = keep all
+    async_save: bool = False  # snapshot at the call, write in a background thread (docs/checkpoints.md)
 
 
 @dataclass(frozen=True)

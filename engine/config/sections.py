@@ -309,6 +309,7 @@ def parse_checkpoint(top: Section) -> CheckpointConfig:
                                 case_insensitive=True),
         save_interval=s.int("save_interval", d.save_interval, min=0),
         keep_last=s.int("keep_last", None, min=1, nullable=True),
+        async_save=s.bool("async_save", d.async_save),
     )
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from engine.assembly.initialize import initialize
 from engine.checkpoint import load_checkpoint, read_metadata
-from engine.checkpoint.preempt import Checkpointer, StopTraining
+from engine.checkpoint.preempt import Checkpointer
 from engine.config import Config
 from engine.data import GlobalBatchSampler, PackedDataset, build_dataset
 from engine.distributed.env import DistEnv
@@ -104,10 +104,13 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
 def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir: Optional[str],
           peak_tflops: Optional[float] = None,
           on_step: Optional[Callable[[dict[str, Any]], None]] = None,
-          run_id: Optional[str] = None) -> list[dict[str, Any]]:
+          run_id: Optional[str] = None,
+          after_step: Optional[Callable[[dict[str, Any]], bool]] = None) -> list[dict[str, Any]]:
     """Run ``steps`` optimizer steps; returns the records (every rank computes them, rank 0
     writes them). ``peak_tflops``: per-device peak for MFU where the device table has none;
-    ``run_id``: stored in every record as ``run_id`` (which job wrote it)."""
+    ``run_id``: stored in every record as ``run_id`` (which job wrote it); ``after_step(record)``:
+    after each step, before its record is written (a checkpoint adds its fields); True
+    ends the loop once the record is written and ``on_step`` has seen it."""
     cfg: Config = engine.config
     batch_role = _groups(engine).role(Role.BATCH)  # the ranks that read different rows of the batch
     is_writer = engine.global_rank == 0
@@ -134,6 +137,7 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
             rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
             if run_id is not None:
                 rec["run_id"] = run_id
+            stop = after_step(rec) if after_step is not None else False
             if monitor.enabled:
                 monitor.write_events(engine.step_events(loss_value), rec)
             records.append(rec)
@@ -142,6 +146,8 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
                             rec["lr"], rec["grad_norm"], rec["tokens_per_s"])
             if on_step is not None:
                 on_step(rec)
+            if stop:
+                break
     finally:
         if rows is not None:
             rows.close()
@@ -297,19 +303,20 @@ class Trainer:
         o, eng = self.options, self.engine
         result = TrainResult()
         interval = self.cfg.checkpoint.save_interval if o.save_interval is None else o.save_interval
-        with Checkpointer(eng, o.save, interval) as ckpt:
+        saver = eng.checkpoint_saver() if self.cfg.checkpoint.async_save and o.save is not None else None
+        with Checkpointer(eng, o.save, interval, saver=saver) as ckpt:
             def step_done(rec: dict[str, Any]) -> None:
                 result.records.append(rec)
                 if on_step is not None:
                     on_step(rec)
-                if ckpt.after_step():
-                    raise StopTraining
 
-            try:
-                train(eng, self.sampler, max(0, o.steps - eng.global_steps), output_dir=o.output,
-                      peak_tflops=o.peak_tflops, on_step=step_done, run_id=self.run_id)
-            except StopTraining:
-                pass
+            def checkpoint(rec: dict[str, Any]) -> bool:
+                stop = ckpt.after_step()
+                rec.update(ckpt.step_metrics)  # save_blocked_s / save_write_s on the steps that saved
+                return stop
+
+            train(eng, self.sampler, max(0, o.steps - eng.global_steps), output_dir=o.output,
+                  peak_tflops=o.peak_tflops, on_step=step_done, run_id=self.run_id, after_step=checkpoint)
             if on_loop_end is not None:
                 on_loop_end()
             result.saved = ckpt.finish()
