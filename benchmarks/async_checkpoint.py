@@ -42,6 +42,17 @@ def config(a: dict) -> dict:
     }
 
 
+def _shard_bytes(eng) -> int:
+    """The bytes this rank writes: its fp32 master shards and element-wise optimizer state."""
+    view = eng.optimizer.shard_view()
+    total = 0
+    for gi, grp in enumerate(view.groups):
+        if grp.owner:
+            st = view.group_state(gi)
+            total += sum(t.numel() * t.element_size() for t in [st.master, *st.elementwise.values()])
+    return total
+
+
 def _rank(a: dict) -> dict:
     import torch
 
@@ -54,18 +65,16 @@ def _rank(a: dict) -> dict:
     eng, *_ = engine.initialize(config=config(a), dist_env=env)
     cpu, m = torch.device("cpu"), a
     g = torch.Generator().manual_seed(env.rank)
-    shard = sum(t.numel() * t.element_size() for gi, grp in enumerate(eng.optimizer.shard_view().groups)
-                if grp.owner for st in [eng.optimizer.shard_view().group_state(gi)]
-                for t in [st.master, *st.elementwise.values()])
     saver = eng.checkpoint_saver() if a["mode"] == "async" else None
-    rows, rss = [], {}
+    rows, rss, shard = [], {}, 0
     with Checkpointer(eng, a["dir"], a["interval"], saver=saver) as ckpt:
         for s in range(a["steps"]):
             ids = torch.randint(0, m["vocab"], (m["batch"], m["seq"] + 1), generator=g)
             t0 = time.perf_counter()
             eng.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))
             step_s = time.perf_counter() - t0
-            if s + 1 == a["interval"]:
+            if s + 1 == a["interval"]:  # before the first save; the moments exist after the first step
+                shard = _shard_bytes(eng)
                 gc.collect()
                 rss["before"] = current_memory_bytes(cpu)
             ckpt.after_step()
@@ -77,6 +86,8 @@ def _rank(a: dict) -> dict:
            "buffers": saver.buffers.nbytes if saver is not None else 0,
            "params": sum(p.numel() for p in eng.module.parameters())}
     eng.destroy()
+    del eng, ckpt, saver  # the saver and the Checkpointer hold the engine, which holds the groups
+    gc.collect()
     shutdown()
     return out
 

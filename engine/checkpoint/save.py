@@ -19,6 +19,11 @@ Protocol (collective over the default group; every rank calls it):
    (temporary file + rename) and prunes old ``global_step*`` tags (``keep_last``).
 4. Rank 0 tells every rank the outcome; a failure anywhere is raised on every rank.
 
+The steps are separate functions (:func:`begin_save`: 1; :func:`take_snapshot` and
+:func:`write_shard`: 2; :func:`commit_save`: 3-4) so that :mod:`engine.checkpoint.async_save`
+runs the write of step 2 in a background thread and 3-4 later, on the main thread; the
+metadata is gathered at the call, the file records at the commit.
+
 A crash or kill before the rename leaves only a ``.tmp-*`` directory that nothing reads;
 after it, ``latest`` still names the previous tag until it is replaced in one rename.
 So ``latest`` always names a complete checkpoint.

@@ -18,6 +18,9 @@ the tiny reference GPT in fp32 on CPU.
 5. The Checkpointer: on preemption it waits for the save in flight, saves, waits again (the
    checkpoint is published when ``after_step`` returns True); ``step_metrics`` carries
    ``save_blocked_s`` on the steps that saved and ``save_write_s`` when a write is committed.
+6. launch/train.py with ``async_save`` and ``save_interval`` 2: the rows of the steps that
+   saved carry ``save_blocked_s``, a later row ``save_write_s``; the end of the run waits for
+   its save; resuming gives the uninterrupted (synchronous-save) run's losses bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import _muon_common as M
 import pytest
 import torch
 from harness import run_ranks
+from test_checkpoint_preemption import config_path  # noqa: F401 - the fixture (tokenized data once)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -260,3 +264,35 @@ def test_preemption_waits_for_the_save_in_flight_and_publishes_before_stopping(t
     assert r["final"] == str(tmp_path / "ck" / "global_step3")
     assert all("save_blocked_s" in m for m in r["metrics"]), r["metrics"]  # every step saved
     assert "save_write_s" in r["metrics"][2]  # the preemption save is committed before stopping
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_entry_point_async_saves_report_blocked_time_and_resume_bit_for_bit(tmp_path, config_path):
+    import json
+
+    from test_checkpoint_preemption import _finish, _launch, _losses
+
+    from engine.checkpoint import read_latest
+
+    cfg = json.load(open(config_path))
+    cfg["checkpoint"] = {"async_save": True, "save_interval": 2}
+    async_cfg = str(tmp_path / "async.json")
+    json.dump(cfg, open(async_cfg, "w"))
+    run, ref, ckpt = (str(tmp_path / n) for n in ("run", "ref", "ckpt"))
+    cwd = str(tmp_path)
+    first = _launch(2, ["--config", async_cfg, "--steps", "5", "--output", run, "--save", ckpt], cwd)
+    reference = _launch(2, ["--config", config_path, "--steps", "7", "--output", ref], cwd)
+    for rc, log in _finish(first) + _finish(reference):
+        assert rc == 0, log[-3000:]
+    assert read_latest(ckpt) == "global_step5"  # the end of the run waited for its save
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [("save_blocked_s" in r) for r in rows] == [False, True, False, True, False]
+    assert all(r["save_blocked_s"] >= 0 for r in rows if "save_blocked_s" in r)
+    assert any("save_write_s" in r for r in rows[2:])  # the write of step 2 committed at a later step
+    resumed = _launch(2, ["--config", async_cfg, "--steps", "7", "--output", run, "--load", ckpt, "--save", ckpt],
+                      cwd)
+    for rc, log in _finish(resumed):
+        assert rc == 0, log[-3000:]
+    assert _losses(run) == _losses(ref)  # async saves + resume == uninterrupted, bit for bit
+    assert read_latest(ckpt) == "global_step7"

@@ -161,6 +161,7 @@ MALFORMED = [
     ("fp8-history", [("fp8.amax_history_len", 0)], 2, ["fp8.amax_history_len"]),
     ("tag-validation", [("checkpoint.tag_validation", "Maybe")], 2, ["checkpoint.tag_validation"]),
     ("keep-last-zero", [("checkpoint.keep_last", 0)], 2, ["checkpoint.keep_last"]),
+    ("async-save-str", [("checkpoint.async_save", "yes")], 2, ["checkpoint.async_save"]),
     ("save-interval-neg", [("checkpoint.save_interval", -1)], 2, ["checkpoint.save_interval"]),
     ("load-universal", [("checkpoint.load_universal", True)], 2, ["checkpoint.load_universal"]),
     ("train-files-str", [("data.train_files", "a.txt")], 2, ["data.train_files", "list"]),
@@ -225,6 +226,7 @@ def test_defaults_filled():
     assert cfg.seed == 1234 and cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10
     assert cfg.scheduler is None
     assert cfg.checkpoint.tag_validation == "Warn" and cfg.checkpoint.keep_last is None
+    assert cfg.checkpoint.async_save is False
     assert cfg.data.train_files is None and cfg.data.document_masking is False
     assert cfg.fp8.amax_history_len == 16 and cfg.fp8.margin == 0 and cfg.fp8.recipe == "delayed"
     p = cfg.optimizer.params
@@ -339,13 +341,14 @@ def test_schedulers():
 
 
 def test_checkpoint_data_and_misc():
-    cfg = load_config(make(("checkpoint", {"tag_validation": "fail", "save_interval": 50, "keep_last": 2,
+    cfg = load_config(make(("checkpoint", {"tag_validation": "fail", "save_interval": 50, "keep_last": 2, "async_save": True,
                                            "use_node_local_storage": False, "parallel_write": {"pipeline_stage": True}}),
                            ("data", {"train_files": ["a.txt", "b.txt"], "tokenizer_model": "t.model",
                                      "cache_dir": "/tmp/c", "document_masking": True}),
                            ("steps_per_print", None), ("seed", 0), ("gradient_clipping", 0),
                            ("zero_allow_untested_optimizer", True), ("prescale_gradients", False)), world_size=2)
     assert cfg.checkpoint.tag_validation == "Fail" and cfg.checkpoint.save_interval == 50
+    assert cfg.checkpoint.async_save is True
     assert cfg.data.train_files == ("a.txt", "b.txt") and cfg.data.tokenizer_model == "t.model"
     assert cfg.steps_per_print is None and cfg.seed == 0 and cfg.gradient_clipping == 0.0
 
