@@ -467,6 +467,7 @@ def take_snapshot(engine: Checkpointable, plan: SavePlan, client_state: Optional
     rank, world = _world()
     tensors: Tensors = []
     training: dict[str, Any] = {}
+    local: Any = None  # this rank's part, or its error line
     try:
         training = copy_mod.deepcopy(engine.training_state().state_dict())
         tensors, local = snapshot_local(engine, engine.optimizer.shard_view())

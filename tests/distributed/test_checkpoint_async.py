@@ -268,7 +268,7 @@ def test_preemption_waits_for_the_save_in_flight_and_publishes_before_stopping(t
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_entry_point_async_saves_report_blocked_time_and_resume_bit_for_bit(tmp_path, config_path):
+def test_entry_point_async_saves_report_blocked_time_and_resume_bit_for_bit(tmp_path, config_path):  # noqa: F811
     import json
 
     from test_checkpoint_preemption import _finish, _launch, _losses
