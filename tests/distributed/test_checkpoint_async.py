@@ -1,7 +1,8 @@
 """Asynchronous checkpoints (``checkpoint.async_save``; engine/checkpoint/async_save.py), on
 the tiny reference GPT in fp32 on CPU.
 
-1. Exact resume at DP 2 / ZeRO-3, PP 2 and Muon (DP 2 / ZeRO-1): train 2 steps, save
+1. Exact resume at DP 2 / ZeRO-3, PP 2, Muon (DP 2 / ZeRO-1) and bf16 + FP8 delayed scaling
+   at TP 2 (the scaling state is in the snapshot): train 2 steps, save
    asynchronously, train 3 more at once while it is written, wait; the losses are the
    uninterrupted run's, and a fresh engine loading the checkpoint continues with the
    uninterrupted run's 3 losses BIT FOR BIT.
@@ -41,7 +42,9 @@ from test_checkpoint_preemption import config_path  # noqa: F401 - the fixture (
 HERE = os.path.dirname(os.path.abspath(__file__))
 STATES = ("master", "exp_avg", "exp_avg_sq")
 ASYNC = {"async_save": True}
-LAYOUTS = {"dp2_z3": (C, dict(dp=2, zero=3, micro=1)), "pp2": (C, dict(pp=2)), "muon_dp2_z1": (M, dict(dp=2, zero=1))}
+FP8 = {"enabled": True, "recipe": "delayed", "amax_history_len": 4}
+LAYOUTS = {"dp2_z3": (C, dict(dp=2, zero=3, micro=1)), "pp2": (C, dict(pp=2)), "muon_dp2_z1": (M, dict(dp=2, zero=1)),
+           "fp8_tp2": (C, dict(tp=2, layers=2, bf16={"enabled": True}, fp8=FP8))}
 
 
 def _full_states(path, states=STATES):
@@ -70,7 +73,7 @@ def _resume(rank, world, root):
 
 
 @pytest.mark.timeout(400)
-def test_async_resume_is_bit_identical_at_zero3_pp2_and_muon(tmp_path):
+def test_async_resume_is_bit_identical_at_zero3_pp2_muon_and_fp8(tmp_path):
     res = run_ranks(_resume, 2, str(tmp_path), timeout=380)
     for r in res:
         for name, o in r.items():
