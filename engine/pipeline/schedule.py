@@ -280,7 +280,8 @@ def zb_v(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
 def _forward_only_compute(stage: int, p: int, m: int, v: int) -> list[Action]:
     # Micro-batches in rounds of p (the last round may be shorter); each round goes through
     # chunk 0, then chunk 1, ... (the interleaved schedule's forward order). Every forward
-    # depends only on forwards earlier in (round, chunk, stage) order: no cycle.
+    # depends only on forwards earlier in (round, chunk, stage) order: no cycle (with V
+    # placement too: a chunk waits only on its own chunk's neighbour or on the chunk before).
     return [Action(F, i, c) for r in range(0, m, p) for c in range(v) for i in range(r, min(r + p, m))]
 
 
@@ -292,22 +293,25 @@ def _check_forward_only_args(stage: int, num_stages: int, num_microbatches: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _build_all_forward_only(p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+def _build_all_forward_only(p: int, m: int, v: int, placement: str) -> tuple[tuple[Action, ...], ...]:
     compute = [_forward_only_compute(s, p, m, v) for s in range(p)]
-    return tuple(tuple(row) for row in place_comms(compute, p, v))
+    return tuple(tuple(row) for row in place_comms(compute, p, v, placement))
 
 
-def build_all_forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """Every rank's forward-only action list (evaluation), indexed by pipeline rank."""
+def build_all_forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                           placement: str = "loop") -> list[list[Action]]:
+    """Every rank's forward-only action list (evaluation), indexed by pipeline rank;
+    ``placement``: the training schedule's (:func:`placement_of`)."""
     _check_forward_only_args(0, num_stages, num_microbatches, virtual_stages)
-    return [list(row) for row in _build_all_forward_only(num_stages, num_microbatches, virtual_stages)]
+    return [list(row) for row in _build_all_forward_only(num_stages, num_microbatches, virtual_stages, placement)]
 
 
-def forward_only(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[Action]:
+def forward_only(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                 placement: str = "loop") -> list[Action]:
     """Rank ``stage``'s evaluation schedule: only forwards (``F``) and the activation
     transfers between them, communication placed as for the training schedules."""
     _check_forward_only_args(stage, num_stages, num_microbatches, virtual_stages)
-    return list(_build_all_forward_only(num_stages, num_microbatches, virtual_stages)[stage])
+    return list(_build_all_forward_only(num_stages, num_microbatches, virtual_stages, placement)[stage])
 
 
 def format_table(per_rank: Sequence[Sequence[Action]], compute_only: bool = True) -> str:
