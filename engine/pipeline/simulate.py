@@ -42,8 +42,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from engine.pipeline.actions import (Action, ActionKind, ScheduleError, comm_batches, is_local_hop, next_hop, prev_hop,
-                                     stage_and_chunk, virtual_stage)
+from engine.pipeline.actions import (
+    Action,
+    ActionKind,
+    ScheduleError,
+    comm_batches,
+    is_local_hop,
+    next_hop,
+    prev_hop,
+    stage_and_chunk,
+    virtual_stage,
+)
 
 __all__ = ["ScheduleError", "TimedAction", "SimResult", "simulate", "check_actions", "reference_times",
            "producer", "DEFAULT_COSTS", "CostModel", "cost_table", "per_stage_costs", "bubble_fraction",

@@ -82,3 +82,13 @@ def test_zb_v_arguments():
         build_all("zb-v", 4, 8, 1)
     with pytest.raises(ConfigError, match="at least 2"):
         build_all("zb-v", 1, 8, 2)
+
+
+def test_config_refuses_zb_v_until_the_engine_runs_it():
+    # the executor runs zb-v (tests/distributed/test_pipeline_exec.py); the engine does not yet
+    from engine.config import load_config
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+           "pipeline": {"stages": 2, "schedule": "zb-v", "virtual_stages": 2}}
+    with pytest.raises(ConfigError, match="not yet through the engine"):
+        load_config(cfg, world_size=2)
