@@ -5,7 +5,7 @@
 Starts ``--stages`` processes on gloo, each holding a synthetic stage of known cost: the
 forward sleeps ``f`` (``--forward-ms``), the backward ``2f`` - ``f`` on the input-gradient
 path and ``f`` on the weight-gradient path, so zb-h1's split backward is ``f`` + ``f``.
-(With interleaved-1f1b each of the v chunks costs ``f/v``.) After a warm-up step it runs
+(With interleaved-1f1b and zb-v each of the v chunks costs ``f/v``.) After a warm-up step it runs
 one measured step through :class:`engine.pipeline.executor.PipelineExecutor`, gathers
 every rank's action timestamps and prints the measured bubble next to the analytic one
 (and the simulator's prediction for the same costs). Writes a Chrome trace (open in
@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from engine.distributed.groups import AxisGroup  # noqa: E402
 from engine.distributed.spawn import SpawnError, spawn  # noqa: E402
 from engine.pipeline.executor import PipelineExecutor  # noqa: E402
-from engine.pipeline.schedule import SCHEDULES, build_all  # noqa: E402
+from engine.pipeline.schedule import SCHEDULES, V_SCHEDULES, build_all, placement_of  # noqa: E402
 from engine.pipeline.simulate import bubble_formula, cost_table, simulate  # noqa: E402
 from engine.pipeline.timeline import measured_bubble, write_chrome_trace, write_gantt_png  # noqa: E402
 
@@ -115,13 +115,14 @@ def _report(args: argparse.Namespace, records) -> dict:
     # the simulator with this benchmark's costs: zb-h1's first stage has no input path to
     # split off (its inputs are data), so its weight pass is the whole 2f backward
     f = 1.0 / v
-    first = cost_table(f, 2 * f, input_grad=1e-9 if name == "zb-h1" else None)
+    split = name in ("zb-h1", *V_SCHEDULES)  # the schedules that split the backward
+    first = cost_table(f, 2 * f, input_grad=1e-9 if split else None)
     rest = cost_table(f, 2 * f)
 
     def costs(rank, a):
         return (first if rank == 0 and a.chunk == 0 else rest)[a.kind.value]
 
-    simulated = simulate(build_all(name, p, m, v), m, v, costs=costs).bubble_fraction
+    simulated = simulate(build_all(name, p, m, v), m, v, costs=costs, placement=placement_of(name)).bubble_fraction
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"bubble_{name}_p{p}_m{m}" + (f"_v{v}" if v > 1 else ""))
     write_chrome_trace(records, stem + ".trace.json", title=f"{name} p={p} m={m}")
@@ -144,14 +145,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     ap.add_argument("--virtual-stages", type=int, default=None,
-                    help="model chunks per rank (interleaved-1f1b only; default 2 there, else 1)")
+                    help="model chunks per rank (interleaved-1f1b and zb-v; default 2 there, else 1)")
     ap.add_argument("--forward-ms", type=float, default=50.0, help="forward cost of one stage (backward is 2x)")
     ap.add_argument("--steps", type=int, default=2, help="steps to run; the last one is measured")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved-1f1b" else 1
+        args.virtual_stages = 2 if args.schedule in ("interleaved-1f1b", *V_SCHEDULES) else 1
     if args.stages < 1 or args.microbatches < 1 or args.steps < 1 or args.forward_ms <= 0:
         ap.error("--stages, --microbatches and --steps must be >= 1 and --forward-ms > 0")
     build_all(args.schedule, args.stages, args.microbatches, args.virtual_stages)  # clear error early

@@ -210,6 +210,9 @@ def parse_activation_checkpointing(top: Section) -> ActivationCheckpointingConfi
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+# Schedules the pipeline executor runs but the engine does not yet wire (the loss and the tied
+# embedding on rank 0, the token count, checkpoints): refused by name rather than run half-done.
+EXECUTOR_ONLY_SCHEDULES = ("zb-v",)
 
 # Layers to pipeline stages: the one table of the names ``pipeline.partition`` and
 # PipelineModule's ``partition_method`` take, one meaning each (the config layer holds it so
@@ -229,6 +232,11 @@ CONFIG_PARTITION_METHODS = tuple(m for m in PARTITION_METHODS if not m.startswit
 def parse_pipeline(top: Section) -> PipelineConfig:
     s = top.sub("pipeline", _names(PipelineConfig))
     d = PipelineConfig()
+    raw = s.raw("schedule")
+    if isinstance(raw, str) and raw.lower() in EXECUTOR_ONLY_SCHEDULES:
+        raise ConfigError(f"pipeline.schedule {raw!r} runs in engine.pipeline.executor.PipelineExecutor but not yet "
+                          f"through the engine (initialize / launch/train.py): choose one of "
+                          f"{', '.join(PIPELINE_SCHEDULES)}")
     cfg = PipelineConfig(
         stages=s.int("stages", d.stages, min=1,
                      auto_hint=" (DeepSpeed takes it from the model object)"),

@@ -11,8 +11,14 @@ than 0 (interleaved schedules), e.g. ``F3``, ``B2``, ``I5``, ``W5``, ``SEND_ACT3
 Virtual stages. With ``v`` model chunks per rank and ``p`` ranks, the model is cut into
 ``p * v`` virtual stages; chunk ``c`` on rank ``s`` is virtual stage ``c * p + s``, so a
 microbatch's route is rank 0 chunk 0 -> rank 1 chunk 0 -> ... -> rank p-1 chunk 0 ->
-rank 0 chunk 1 -> ... (Megatron's interleaved layout). With ``v == 1`` the virtual stage
-is the rank.
+rank 0 chunk 1 -> ... (Megatron's interleaved layout, placement ``"loop"``). With ``v == 1``
+the virtual stage is the rank.
+
+V placement (``"v"``, the V-shaped schedules zb-v and dualpipe-v): chunk ``c`` runs down the
+ranks on even ``c`` and back up on odd ``c``, so with ``v == 2`` rank ``s`` holds model stages
+``s`` and ``2p - 1 - s``: the first and the last stage (embedding and loss head) are both on
+rank 0, and the hand-off from chunk 0 to chunk 1 on rank ``p - 1`` stays on that rank (a
+*local* hop: no send or receive, see :func:`is_local_hop`).
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ __all__ = [
     "parse_action",
     "COMPUTE_KINDS",
     "COMM_KINDS",
+    "PLACEMENTS",
     "virtual_stage",
     "stage_and_chunk",
+    "is_local_hop",
     "next_hop",
     "prev_hop",
     "comm_batches",
@@ -118,26 +126,49 @@ def parse_action(text: str) -> Action:
 
 
 # ------------------------------------------------------------------ virtual stages
-def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
-    """Chunk ``chunk`` on rank ``stage`` is virtual stage ``chunk * num_stages + stage``."""
+PLACEMENTS = ("loop", "v")  # how model stages are laid over (rank, chunk); the module docstring
+
+
+def _check_placement(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown stage placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int, placement: str = "loop") -> int:
+    """The model stage that chunk ``chunk`` of rank ``stage`` holds: ``chunk * num_stages + stage``
+    (loop), or with V placement ``num_stages - 1 - stage`` in place of ``stage`` on odd chunks."""
+    _check_placement(placement)
+    if placement == "v" and chunk % 2 == 1:
+        return chunk * num_stages + num_stages - 1 - stage
     return chunk * num_stages + stage
 
 
-def stage_and_chunk(vstage: int, num_stages: int) -> tuple[int, int]:
+def stage_and_chunk(vstage: int, num_stages: int, placement: str = "loop") -> tuple[int, int]:
     """Inverse of :func:`virtual_stage`: ``(rank, chunk)``."""
-    return vstage % num_stages, vstage // num_stages
+    _check_placement(placement)
+    rank, chunk = vstage % num_stages, vstage // num_stages
+    if placement == "v" and chunk % 2 == 1:
+        rank = num_stages - 1 - rank
+    return rank, chunk
 
 
-def next_hop(stage: int, chunk: int, num_stages: int, virtual_stages: int) -> Optional[tuple[int, int]]:
+def next_hop(stage: int, chunk: int, num_stages: int, virtual_stages: int,
+             placement: str = "loop") -> Optional[tuple[int, int]]:
     """``(rank, chunk)`` that consumes this chunk's output; None for the very last virtual stage."""
-    vs = virtual_stage(stage, chunk, num_stages) + 1
-    return None if vs >= num_stages * virtual_stages else stage_and_chunk(vs, num_stages)
+    vs = virtual_stage(stage, chunk, num_stages, placement) + 1
+    return None if vs >= num_stages * virtual_stages else stage_and_chunk(vs, num_stages, placement)
 
 
-def prev_hop(stage: int, chunk: int, num_stages: int) -> Optional[tuple[int, int]]:
+def prev_hop(stage: int, chunk: int, num_stages: int, placement: str = "loop") -> Optional[tuple[int, int]]:
     """``(rank, chunk)`` that produces this chunk's input; None for virtual stage 0."""
-    vs = virtual_stage(stage, chunk, num_stages) - 1
-    return None if vs < 0 else stage_and_chunk(vs, num_stages)
+    vs = virtual_stage(stage, chunk, num_stages, placement) - 1
+    return None if vs < 0 else stage_and_chunk(vs, num_stages, placement)
+
+
+def is_local_hop(stage: int, hop: Optional[tuple[int, int]]) -> bool:
+    """The neighbour chunk ``hop`` is on this very rank (V placement's turn on rank p-1, or any
+    hop when p == 1): its tensor is handed over in memory, never sent."""
+    return hop is not None and hop[0] == stage
 
 
 def comm_batches(actions: list[Action]) -> list[tuple[bool, list[Action]]]:

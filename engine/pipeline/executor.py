@@ -33,6 +33,11 @@ weights summed). ``grads`` is the ZeRO optimizer, or :class:`engine.zero.step.Lo
 for a plain ``torch.optim`` optimizer (the default: no tied weights). A step may bring its
 own ``loss_fn`` (``train_batch`` / ``eval_batch``): the engine's token mean, engine.zero.step.
 
+V placement (``schedule="zb-v"``, two chunks): rank 0 holds the first and the last stage, so
+it draws the data and computes the loss; on rank ``p - 1`` chunk 0's output is handed to
+chunk 1 in memory (detached, as a received activation would be) and chunk 1's input gradient
+back to chunk 0 the same way: a local hop has no send or receive.
+
 Evaluation: :meth:`PipelineExecutor.eval_batch` runs the forward-only schedule
 (:func:`engine.pipeline.schedule.forward_only`, checked by the same simulator) through the
 same dispatch and communication code, without autograd.
@@ -62,9 +67,9 @@ from torch.utils.checkpoint import checkpoint
 from engine.data.device import move_to_device
 from engine.distributed import comm
 from engine.distributed.groups import AxisGroup
-from engine.pipeline.actions import Action, ActionKind, comm_batches, next_hop, prev_hop
+from engine.pipeline.actions import Action, ActionKind, comm_batches, is_local_hop, next_hop, prev_hop, stage_and_chunk
 from engine.pipeline.clock import make_clock
-from engine.pipeline.schedule import build_schedule, forward_only
+from engine.pipeline.schedule import build_schedule, forward_only, placement_of
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
 from engine.zero.step import GradientStep, LocalGradients
 
@@ -118,6 +123,7 @@ class PipelineExecutor:
             raise ValueError("PipelineExecutor needs at least one model chunk")
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is outside the {self.num_stages} stage_ranks {list(stage_ranks)}")
+        self.placement = placement_of(schedule)  # which model stage each (rank, chunk) holds
         if self.is_last_holder and loss_fn is None:
             raise ValueError("the last pipeline stage needs loss_fn(output, targets) -> scalar loss")
         self.stage_ranks = list(stage_ranks)
@@ -161,20 +167,30 @@ class PipelineExecutor:
         return self.stage == 0
 
     @property
+    def loss_rank(self) -> int:
+        """Pipeline rank holding the last virtual stage (0 with V placement, else p - 1)."""
+        return stage_and_chunk(self.num_stages * self.virtual_stages - 1, self.num_stages, self.placement)[0]
+
+    @property
     def is_last_holder(self) -> bool:
         """This rank holds the last virtual stage (computes the loss)."""
-        return self.stage == self.num_stages - 1
+        return self.stage == self.loss_rank
+
+    def _prev(self, chunk: int) -> Optional[tuple[int, int]]:
+        return prev_hop(self.stage, chunk, self.num_stages, self.placement)
+
+    def _next(self, chunk: int) -> Optional[tuple[int, int]]:
+        return next_hop(self.stage, chunk, self.num_stages, self.virtual_stages, self.placement)
 
     def _is_first(self, chunk: int) -> bool:
-        return prev_hop(self.stage, chunk, self.num_stages) is None
+        return self._prev(chunk) is None
 
     def _is_last(self, chunk: int) -> bool:
-        return next_hop(self.stage, chunk, self.num_stages, self.virtual_stages) is None
+        return self._next(chunk) is None
 
     def _peer(self, a: Action) -> int:
         towards_next = a.kind in (K.SEND_ACT, K.RECV_GRAD)
-        hop = (next_hop(self.stage, a.chunk, self.num_stages, self.virtual_stages) if towards_next
-               else prev_hop(self.stage, a.chunk, self.num_stages))
+        hop = self._next(a.chunk) if towards_next else self._prev(a.chunk)
         assert hop is not None, f"{a} on stage {self.stage} has no peer"
         return self.stage_ranks[hop[0]]
 
@@ -205,7 +221,7 @@ class PipelineExecutor:
         rank holding the last virtual stage, an empty list elsewhere; no gradient changes.
         ``loss_fn``: as for :meth:`train_batch`."""
         m = self.num_microbatches if num_microbatches is None else num_microbatches
-        actions = forward_only(self.stage, self.num_stages, m, self.virtual_stages)
+        actions = forward_only(self.stage, self.num_stages, m, self.virtual_stages, self.placement)
         self._eval = True
         try:
             self._run(actions, m, data_iter, "eval_batch", loss_fn)
@@ -293,7 +309,7 @@ class PipelineExecutor:
             loss = torch.stack(self._losses).mean()
         if self.broadcast_loss and self.num_stages > 1:
             buf = loss.clone() if loss is not None else torch.zeros((), device=self.device)
-            comm.broadcast(buf, self.stage_ranks[-1], self.pp_group)
+            comm.broadcast(buf, self.stage_ranks[self.loss_rank], self.pp_group)
             loss = buf
         return loss
 
@@ -373,25 +389,47 @@ class PipelineExecutor:
                 f"was built for activation_shape={self.activation_shape} {self.activation_dtype}: every stage "
                 f"boundary must carry one tensor of that shape and dtype (evaluation included: micro-batches "
                 f"of the training micro-batch size)")
+        nxt = self._next(chunk)
+        if is_local_hop(self.stage, nxt):  # V's turn: the next chunk is here; it takes a detached input
+            assert nxt is not None
+            self._arrived[(K.RECV_ACT, mb, nxt[1])] = out.detach()
+            if not self._eval:
+                st["root"][key] = self._root_of(out, chunk)
+            return
         if self._eval:
             st["out"][key] = out  # kept until its send completes
             return
-        if out.grad_fn is None:
-            raise ValueError(f"stage {self.stage} chunk {chunk} output does not require grad: "
-                             f"a non-final chunk must have trainable parameters or a grad-requiring input")
         st["out"][key] = out
         # The backward restarts from the output's autograd edge, so the output's values
         # can be dropped once sent.
-        st["root"][key] = get_gradient_edge(out)
+        st["root"][key] = self._root_of(out, chunk)
+
+    def _root_of(self, out: torch.Tensor, chunk: int) -> Any:
+        if out.grad_fn is None:
+            raise ValueError(f"stage {self.stage} chunk {chunk} output does not require grad: "
+                             f"a non-final chunk must have trainable parameters or a grad-requiring input")
+        return get_gradient_edge(out)
+
+    def _keep_input_grad(self, mb: int, chunk: int, dx: Optional[torch.Tensor]) -> None:
+        """The input gradient goes to the send, or across a local hop straight to the previous chunk."""
+        if dx is None:
+            return
+        prev = self._prev(chunk)
+        if is_local_hop(self.stage, prev):
+            assert prev is not None
+            self._arrived[(K.RECV_GRAD, mb, prev[1])] = dx
+        else:
+            self._state["dx"][(mb, chunk)] = dx
 
     def _output_grad(self, mb: int, chunk: int) -> Optional[torch.Tensor]:
         return None if self._is_last(chunk) else self._arrived.pop((K.RECV_GRAD, mb, chunk))
 
     def _await_inputs(self, a: Action) -> None:
-        """Wait for the received tensor compute ``a`` consumes, if any."""
-        if a.kind is K.FORWARD and not self._is_first(a.chunk):
+        """Wait for the received tensor compute ``a`` consumes, if any (a local hop's is there)."""
+        if a.kind is K.FORWARD and not self._is_first(a.chunk) and not is_local_hop(self.stage, self._prev(a.chunk)):
             key = (K.RECV_ACT, a.microbatch, a.chunk)
-        elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and not self._is_last(a.chunk):
+        elif (a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and not self._is_last(a.chunk)
+              and not is_local_hop(self.stage, self._next(a.chunk))):
             key = (K.RECV_GRAD, a.microbatch, a.chunk)
         else:
             return
@@ -404,7 +442,7 @@ class PipelineExecutor:
         full_backward(st["root"].pop(key), grad)
         st["out"].pop(key, None)
         if x is not None:
-            st["dx"][key] = x.grad
+            self._keep_input_grad(mb, chunk, x.grad)
 
     def _backward_input(self, mb: int, chunk: int) -> None:
         key, st = (mb, chunk), self._state
@@ -413,8 +451,7 @@ class PipelineExecutor:
         params = [p for p in self.chunks[chunk].parameters()]
         dx, st["w"][key] = backward_input(st["root"].pop(key), grad, x, params)
         st["out"].pop(key, None)
-        if dx is not None:
-            st["dx"][key] = dx
+        self._keep_input_grad(mb, chunk, dx)
 
     def _backward_weight(self, mb: int, chunk: int) -> None:
         backward_weight(self._state["w"].pop((mb, chunk)))

@@ -3,7 +3,7 @@
 The model is a list of layers ``[embedding, block_1 .. block_N, head]`` (the head carries
 the loss). :func:`partition_layers` cuts it into ``num_parts`` contiguous pieces
 (``num_parts = pp * virtual_stages``; piece ``k`` is virtual stage ``k``, i.e. chunk
-``k // pp`` of rank ``k % pp``) and returns the boundaries: piece ``k`` holds layers
+``k // pp`` of rank ``k % pp`` in the loop placement; :func:`layers_of` takes the placement) and returns the boundaries: piece ``k`` holds layers
 ``bounds[k]:bounds[k+1]``. Every piece is non-empty and contiguous, so the embedding is
 always on the first stage and the head on the last.
 
@@ -27,6 +27,7 @@ from typing import Sequence
 
 from engine.config.sections import CONFIG_PARTITION_METHODS, PARTITION_METHODS
 from engine.errors import ConfigError
+from engine.pipeline.actions import virtual_stage
 from engine.validate import check_int
 
 __all__ = ["PARTITION_METHODS", "partition_layers", "part_sizes", "layers_of"]
@@ -108,9 +109,11 @@ def part_sizes(layer_params: Sequence[int], bounds: Sequence[int]) -> list[int]:
     return [sum(layer_params[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def layers_of(bounds: Sequence[int], stage: int, num_stages: int, chunk: int = 0) -> range:
-    """Layer indices of ``chunk`` on pipeline rank ``stage`` (virtual stage ``chunk*pp + stage``)."""
-    k = chunk * num_stages + stage
+def layers_of(bounds: Sequence[int], stage: int, num_stages: int, chunk: int = 0, placement: str = "loop") -> range:
+    """Layer indices of ``chunk`` on pipeline rank ``stage``: piece ``virtual_stage(stage, chunk)``
+    under the schedule's ``placement`` (``chunk*pp + stage`` for the loop, V: ``2p-1-stage`` on chunk 1;
+    :func:`engine.pipeline.schedule.stage_index`)."""
+    k = virtual_stage(stage, chunk, num_stages, placement)
     if not 0 <= k < len(bounds) - 1:
         raise ConfigError(f"stage {stage} chunk {chunk} is outside the {len(bounds) - 1} pieces")
     return range(bounds[k], bounds[k + 1])

@@ -10,7 +10,9 @@ global order is what keeps FIFO communication streams (NCCL) free of cycles. The
 simulator (:mod:`engine.pipeline.simulate`) checks both properties for any cost model.
 
 Names (``pipeline.schedule`` and every command line): ``gpipe``, ``1f1b``,
-``interleaved-1f1b`` (with ``virtual_stages`` model chunks per rank) and ``zb-h1``.
+``interleaved-1f1b`` (with ``virtual_stages`` model chunks per rank), ``zb-h1`` and ``zb-v``
+(two chunks per rank in V placement, :mod:`engine.pipeline.vshape`). Which model stage a
+rank's chunk holds is :func:`stage_index`, the one answer for every schedule.
 Evaluation runs :func:`forward_only` (no backward, any number of micro-batches and model
 chunks) through the same executor; the simulator checks it with ``forward_only=True``.
 """
@@ -22,18 +24,23 @@ from collections import deque
 from typing import Callable, Sequence
 
 from engine.errors import ConfigError
-from engine.pipeline.actions import Action, ActionKind, next_hop, prev_hop, virtual_stage
+from engine.pipeline.actions import Action, ActionKind, is_local_hop, next_hop, prev_hop, virtual_stage
 from engine.pipeline.simulate import producer, reference_times
+from engine.pipeline.vshape import zb_v_orders
 from engine.validate import check_int
 
 __all__ = [
     "SCHEDULES",
+    "V_SCHEDULES",
+    "placement_of",
+    "stage_index",
     "build_schedule",
     "build_all",
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",
     "zb_h1",
+    "zb_v",
     "forward_only",
     "build_all_forward_only",
     "compute_order",
@@ -46,7 +53,25 @@ __all__ = [
 F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
               ActionKind.BACKWARD_WEIGHT)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+V_SCHEDULES = ("zb-v",)  # V placement, exactly two chunks per rank
+
+
+def placement_of(name: str) -> str:
+    """The stage placement of schedule ``name``: ``"v"`` for the V-shaped ones, else ``"loop"``."""
+    return "v" if name in V_SCHEDULES else "loop"
+
+
+def stage_index(name: str, rank: int, chunk: int, num_stages: int, virtual_stages: int = 1) -> int:
+    """The model stage (piece of the layer list, 0 = embedding side) that ``chunk`` of pipeline
+    rank ``rank`` holds under schedule ``name``: ``chunk * p + rank`` for the loop placement
+    (interleaved 1F1B's; the rank itself with one chunk), ``rank`` / ``2p - 1 - rank`` for V."""
+    check_int("num_stages (pipeline-parallel size)", num_stages, minimum=1)
+    check_int("virtual_stages", virtual_stages, minimum=1)
+    check_int("rank", rank, minimum=0, maximum=num_stages - 1, fix=f"it is outside the {num_stages} stages")
+    check_int("chunk", chunk, minimum=0, maximum=virtual_stages - 1,
+              fix=f"it is outside the {virtual_stages} chunks per rank")
+    return virtual_stage(rank, chunk, num_stages, placement_of(name))
 
 
 def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches: int,
@@ -69,14 +94,21 @@ def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches
                 f"interleaved-1f1b needs the number of microbatches ({num_microbatches}) to be a "
                 f"multiple of the pipeline stages ({num_stages}): set gradient_accumulation_steps "
                 f"to a multiple of {num_stages}")
+    elif name in V_SCHEDULES:
+        if num_stages < 2:
+            raise ConfigError(f"{name} needs at least 2 pipeline stages; use 1f1b for pp=1")
+        if virtual_stages != 2:
+            raise ConfigError(f"{name} runs exactly two model chunks per rank (V placement): set "
+                              f"pipeline.virtual_stages to 2 (got {virtual_stages})")
     elif virtual_stages != 1:
         raise ConfigError(f"pipeline.virtual_stages={virtual_stages} needs schedule "
-                          f"'interleaved-1f1b'; {name!r} runs one model chunk per rank (set it to 1)")
+                          f"'interleaved-1f1b' (or 2 with a V schedule: {', '.join(V_SCHEDULES)}); "
+                          f"{name!r} runs one model chunk per rank (set it to 1)")
 
 
 # ------------------------------------------------------------------ comm placement
 def place_comms(compute: Sequence[Sequence[Action]], num_stages: int,
-                virtual_stages: int) -> list[list[Action]]:
+                virtual_stages: int, placement: str = "loop") -> list[list[Action]]:
     """Interleave every rank's compute order with the sends and receives it needs.
 
     Each transfer gets a time T (when its producer ends in the simulator's free-communication
@@ -85,10 +117,11 @@ def place_comms(compute: Sequence[Sequence[Action]], num_stages: int,
     Every rank posts its transfers in (T, tie-break) order - one global order, so FIFO
     communication streams (NCCL) never wait on each other in a cycle - and a receive is
     posted before the compute during which its data arrives, a send right after the
-    compute that produced it. A rank then never waits longer than the data takes.
+    compute that produced it. A rank then never waits longer than the data takes. A local
+    hop (both chunks on one rank, ``placement="v"``) gets no transfer.
     """
-    p, v = num_stages, virtual_stages
-    times = reference_times(compute, p, v)
+    p, v, pl = num_stages, virtual_stages, placement
+    times = reference_times(compute, p, v, placement=pl)
     end_of = {(s, "F" if a.kind is F else "B", a.microbatch, a.chunk): t[1]
               for s in range(p) for a, t in zip(compute[s], times[s]) if a.kind is not W}
     out: list[list[Action]] = []
@@ -97,15 +130,15 @@ def place_comms(compute: Sequence[Sequence[Action]], num_stages: int,
         for a in compute[s]:
             if a.kind is W:
                 continue
-            vs = virtual_stage(s, a.chunk, p)
+            vs = virtual_stage(s, a.chunk, p, pl)
             data = 0 if a.kind is F else 1
-            dep = producer(s, a, p, v)
-            if dep is not None:  # receive: sender is the producer's virtual stage
-                sender = virtual_stage(dep[0], dep[3], p)
+            dep = producer(s, a, p, v, pl)
+            if dep is not None and dep[0] != s:  # receive: sender is the producer's virtual stage
+                sender = virtual_stage(dep[0], dep[3], p, pl)
                 recv = ActionKind.RECV_ACT if a.kind is F else ActionKind.RECV_GRAD
                 ops.append(((end_of[dep], data, a.microbatch, sender), Action(recv, a.microbatch, a.chunk)))
-            has_consumer = (next_hop(s, a.chunk, p, v) if a.kind is F else prev_hop(s, a.chunk, p)) is not None
-            if has_consumer:
+            consumer = next_hop(s, a.chunk, p, v, pl) if a.kind is F else prev_hop(s, a.chunk, p, pl)
+            if consumer is not None and not is_local_hop(s, consumer):
                 send = ActionKind.SEND_ACT if a.kind is F else ActionKind.SEND_GRAD
                 key = (end_of[(s, "F" if a.kind is F else "B", a.microbatch, a.chunk)], data, a.microbatch, vs)
                 ops.append((key, Action(send, a.microbatch, a.chunk)))
@@ -188,6 +221,7 @@ _COMPUTE: dict[str, Callable[[int, int, int, int], list[Action]]] = {
     "1f1b": lambda s, p, m, v: _1f1b_compute(s, p, m),
     "interleaved-1f1b": _interleaved_compute,
     "zb-h1": lambda s, p, m, v: _zb_h1_compute(s, p, m),
+    "zb-v": lambda s, p, m, v: list(zb_v_orders(p, m)[s]),
 }
 
 
@@ -201,7 +235,7 @@ def compute_order(name: str, stage: int, num_stages: int, num_microbatches: int,
 @functools.lru_cache(maxsize=256)
 def _build_all(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     compute = [compute_order(name, s, p, m, v) for s in range(p)]
-    return tuple(tuple(row) for row in place_comms(compute, p, v))
+    return tuple(tuple(row) for row in place_comms(compute, p, v, placement_of(name)))
 
 
 def build_all(name: str, num_stages: int, num_microbatches: int,
@@ -239,10 +273,15 @@ def zb_h1(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
     return build_schedule("zb-h1", stage, num_stages, num_microbatches)
 
 
+def zb_v(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    return build_schedule("zb-v", stage, num_stages, num_microbatches, 2)
+
+
 def _forward_only_compute(stage: int, p: int, m: int, v: int) -> list[Action]:
     # Micro-batches in rounds of p (the last round may be shorter); each round goes through
     # chunk 0, then chunk 1, ... (the interleaved schedule's forward order). Every forward
-    # depends only on forwards earlier in (round, chunk, stage) order: no cycle.
+    # depends only on forwards earlier in (round, chunk, stage) order: no cycle (with V
+    # placement too: a chunk waits only on its own chunk's neighbour or on the chunk before).
     return [Action(F, i, c) for r in range(0, m, p) for c in range(v) for i in range(r, min(r + p, m))]
 
 
@@ -254,22 +293,25 @@ def _check_forward_only_args(stage: int, num_stages: int, num_microbatches: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _build_all_forward_only(p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+def _build_all_forward_only(p: int, m: int, v: int, placement: str) -> tuple[tuple[Action, ...], ...]:
     compute = [_forward_only_compute(s, p, m, v) for s in range(p)]
-    return tuple(tuple(row) for row in place_comms(compute, p, v))
+    return tuple(tuple(row) for row in place_comms(compute, p, v, placement))
 
 
-def build_all_forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-    """Every rank's forward-only action list (evaluation), indexed by pipeline rank."""
+def build_all_forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                           placement: str = "loop") -> list[list[Action]]:
+    """Every rank's forward-only action list (evaluation), indexed by pipeline rank;
+    ``placement``: the training schedule's (:func:`placement_of`)."""
     _check_forward_only_args(0, num_stages, num_microbatches, virtual_stages)
-    return [list(row) for row in _build_all_forward_only(num_stages, num_microbatches, virtual_stages)]
+    return [list(row) for row in _build_all_forward_only(num_stages, num_microbatches, virtual_stages, placement)]
 
 
-def forward_only(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[Action]:
+def forward_only(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                 placement: str = "loop") -> list[Action]:
     """Rank ``stage``'s evaluation schedule: only forwards (``F``) and the activation
     transfers between them, communication placed as for the training schedules."""
     _check_forward_only_args(stage, num_stages, num_microbatches, virtual_stages)
-    return list(_build_all_forward_only(num_stages, num_microbatches, virtual_stages)[stage])
+    return list(_build_all_forward_only(num_stages, num_microbatches, virtual_stages, placement)[stage])
 
 
 def format_table(per_rank: Sequence[Sequence[Action]], compute_only: bool = True) -> str:

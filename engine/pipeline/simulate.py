@@ -19,6 +19,10 @@ planner's per-piece costs), :func:`bubble_fraction` (also the measured bubble of
 with free communication on compute-only lists, from which
 :func:`engine.pipeline.schedule.place_comms` orders the transfers.
 
+Placement (``placement="loop"`` or ``"v"``, :mod:`engine.pipeline.actions`): which model stage
+each (rank, chunk) holds. A hop between two chunks of one rank (V placement's turn) is local:
+no send or receive, the consumer must come after its producer in the rank's own list.
+
 ``forward_only=True`` checks an evaluation schedule
 (:func:`engine.pipeline.schedule.forward_only`): one forward per (microbatch, chunk) with
 its activation transfers, and no backward or gradient transfer at all.
@@ -38,7 +42,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from engine.pipeline.actions import Action, ActionKind, ScheduleError, comm_batches, next_hop, prev_hop
+from engine.pipeline.actions import (
+    Action,
+    ActionKind,
+    ScheduleError,
+    comm_batches,
+    is_local_hop,
+    next_hop,
+    prev_hop,
+    stage_and_chunk,
+    virtual_stage,
+)
 
 __all__ = ["ScheduleError", "TimedAction", "SimResult", "simulate", "check_actions", "reference_times",
            "producer", "DEFAULT_COSTS", "CostModel", "cost_table", "per_stage_costs", "bubble_fraction",
@@ -63,11 +77,11 @@ DEFAULT_COSTS: Mapping[str, float] = cost_table()
 
 
 def per_stage_costs(forward: Sequence[float], backward: Sequence[float],
-                    num_stages: int) -> Callable[[int, Action], float]:
-    """A cost model from per-virtual-stage forward and backward times (index
-    ``chunk * num_stages + rank``, the order of the model's pieces), split by :func:`cost_table`."""
+                    num_stages: int, placement: str = "loop") -> Callable[[int, Action], float]:
+    """A cost model from per-virtual-stage forward and backward times (index: the model stage
+    of (rank, chunk) under ``placement``, the order of the model's pieces), split by :func:`cost_table`."""
     tables = [cost_table(f, b) for f, b in zip(forward, backward)]
-    return lambda rank, a: tables[a.chunk * num_stages + rank][a.kind.value]
+    return lambda rank, a: tables[virtual_stage(rank, a.chunk, num_stages, placement)][a.kind.value]
 
 
 def bubble_fraction(busy: Sequence[float], span: float) -> float:
@@ -99,7 +113,9 @@ def bubble_formula(schedule: str, num_stages: int, num_microbatches: int, virtua
     gpipe / 1f1b: (p-1)/(m+p-1); interleaved-1f1b: (p-1)/(v*m+p-1). zb-h1 (backward split
     evenly, input grad b_i = weight grad b_w = backward/2, m >= p): a rank idles only
     (p-1)*(f + b_i - b_w) while its busy time stays m*(f + backward) - with backward =
-    2 x forward a third of 1F1B's idle time (p-1)*(f + backward).
+    2 x forward a third of 1F1B's idle time (p-1)*(f + backward). zb-v (two half-stage chunks
+    per rank, backward split evenly, m >= p): only the first forwards wait, (p-1)*f/2; the
+    lower bound, which :mod:`engine.pipeline.vshape`'s order attains (see there).
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
     if schedule in ("gpipe", "1f1b"):
@@ -111,6 +127,12 @@ def bubble_formula(schedule: str, num_stages: int, num_microbatches: int, virtua
             raise ValueError(f"the zb-h1 bubble formula assumes microbatches ({m}) >= stages ({p})")
         b_in = b_w = backward / 2
         idle = (p - 1) * max(forward + b_in - b_w, 0.0)
+        return idle / (m * (forward + backward) + idle)
+    if schedule == "zb-v":  # forward, backward: of a whole stage; a chunk does half of each
+        if m < p:
+            raise ValueError(f"the zb-v bubble formula assumes microbatches ({m}) >= stages ({p})")
+        # only the start: rank p-1 waits p-1 chunk forwards; W's fill every later gap
+        idle = (p - 1) * forward / 2
         return idle / (m * (forward + backward) + idle)
     raise ValueError(f"no bubble formula for schedule {schedule!r}")
 
@@ -139,16 +161,17 @@ def _num_chunks(per_rank: Sequence[Sequence[Action]]) -> int:
 _BACKWARD_KINDS = (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.RECV_GRAD, K.SEND_GRAD)
 
 
-def _check_rank(rank: int, actions: Sequence[Action], p: int, m: int, v: int, forward_only: bool = False) -> None:
+def _check_rank(rank: int, actions: Sequence[Action], p: int, m: int, v: int, forward_only: bool = False,
+                placement: str = "loop") -> None:
     seen: Counter = Counter()
     where = f"rank {rank}"
     for idx, a in enumerate(actions):
         at = f"{where}, action #{idx} ({a})"
         _check_bounds(a, at, m, v, forward_only)
-        _check_order(rank, a, at, seen, p, v)
+        _check_order(rank, a, at, seen, p, v, placement)
         seen[(a.kind, (a.microbatch, a.chunk))] += 1
 
-    _check_complete(rank, seen, p, m, v, forward_only)
+    _check_complete(rank, seen, p, m, v, forward_only, placement)
 
 
 def _check_bounds(a: Action, at: str, m: int, v: int, forward_only: bool) -> None:
@@ -161,18 +184,20 @@ def _check_bounds(a: Action, at: str, m: int, v: int, forward_only: bool) -> Non
         raise ScheduleError(f"{at}: chunk {a.chunk} is outside [0, {v})")
 
 
-def _check_order(rank: int, a: Action, at: str, seen: Counter, p: int, v: int) -> None:
+def _check_order(rank: int, a: Action, at: str, seen: Counter, p: int, v: int, placement: str = "loop") -> None:
     """Every action ``a`` depends on on this rank (``seen``, the actions before it) came first."""
     key = (a.microbatch, a.chunk)
-    has_prev = prev_hop(rank, a.chunk, p) is not None
-    has_next = next_hop(rank, a.chunk, p, v) is not None
+    prev, nxt = prev_hop(rank, a.chunk, p, placement), next_hop(rank, a.chunk, p, v, placement)
+    if seen[(a.kind, key)]:
+        raise ScheduleError(f"{at}: duplicate action")
+    if _check_local(a, at, seen, rank, prev, nxt):
+        return
+    has_prev, has_next = prev is not None, nxt is not None
 
     def need(kind: ActionKind, why: str) -> None:
         if not seen[(kind, key)]:
             raise ScheduleError(f"{at}: comes before {Action(kind, *key)} ({why})")
 
-    if seen[(a.kind, key)]:
-        raise ScheduleError(f"{at}: duplicate action")
     k = a.kind
     if k is K.RECV_ACT and not has_prev or k is K.SEND_ACT and not has_next:
         raise ScheduleError(f"{at}: this chunk has no neighbour in that direction")
@@ -195,17 +220,54 @@ def _check_order(rank: int, a: Action, at: str, seen: Counter, p: int, v: int) -
         raise ScheduleError(f"{at}: the input gradient is sent before it is computed")
 
 
-def _check_complete(rank: int, seen: Counter, p: int, m: int, v: int, forward_only: bool) -> None:
+def _check_local(a: Action, at: str, seen: Counter, rank: int, prev: Optional[tuple[int, int]],
+                 nxt: Optional[tuple[int, int]]) -> bool:
+    """Checks of an action next to a local hop (V placement's turn); True when nothing else applies.
+
+    A local hop has no transfer: the forward after it needs the producer's forward earlier in
+    this list, the backward before it needs the consumer's input-grad (or full backward)."""
+    k, mb = a.kind, a.microbatch
+    local_prev, local_next = is_local_hop(rank, prev), is_local_hop(rank, nxt)
+    if (k in (K.RECV_ACT, K.SEND_GRAD) and local_prev) or (k in (K.SEND_ACT, K.RECV_GRAD) and local_next):
+        raise ScheduleError(f"{at}: the neighbour chunk is on this rank (a local hop has no transfer)")
+    if k is K.FORWARD and local_prev and prev is not None and not seen[(K.FORWARD, (mb, prev[1]))]:
+        raise ScheduleError(f"{at}: comes before {Action(K.FORWARD, mb, prev[1])} (its local producer)")
+    if k in (K.BACKWARD, K.BACKWARD_INPUT) and local_next and nxt is not None and not (
+            seen[(K.BACKWARD, (mb, nxt[1]))] or seen[(K.BACKWARD_INPUT, (mb, nxt[1]))]):
+        raise ScheduleError(f"{at}: comes before the backward of microbatch {mb} chunk {nxt[1]} "
+                            f"(its local output gradient)")
+    if k is K.FORWARD and local_prev:
+        return True  # its input is local: no receive to check
+    if k in (K.BACKWARD, K.BACKWARD_INPUT) and local_next:
+        _check_backward_has_forward(a, at, seen)
+        return True
+    return False
+
+
+def _check_backward_has_forward(a: Action, at: str, seen: Counter) -> None:
+    key = (a.microbatch, a.chunk)
+    if not seen[(K.FORWARD, key)]:
+        raise ScheduleError(f"{at}: comes before {Action(K.FORWARD, *key)} (a backward needs its forward)")
+    other = K.BACKWARD_INPUT if a.kind is K.BACKWARD else K.BACKWARD
+    if seen[(other, key)]:
+        raise ScheduleError(f"{at}: mixes a full backward with a split one")
+
+
+def _check_complete(rank: int, seen: Counter, p: int, m: int, v: int, forward_only: bool,
+                    placement: str = "loop") -> None:
     """Every (microbatch, chunk) has all the actions it needs on rank ``rank``."""
     where = f"rank {rank}"
     for mb in range(m):
         for c in range(v):
             key = (mb, c)
+            prev, nxt = prev_hop(rank, c, p, placement), next_hop(rank, c, p, v, placement)
+            sends_act = nxt is not None and not is_local_hop(rank, nxt)
+            sends_grad = prev is not None and not is_local_hop(rank, prev)
             missing = []
             if not seen[(K.FORWARD, key)]:
                 missing.append(str(Action(K.FORWARD, mb, c)))
             if forward_only:
-                if next_hop(rank, c, p, v) is not None and not seen[(K.SEND_ACT, key)]:
+                if sends_act and not seen[(K.SEND_ACT, key)]:
                     missing.append(str(Action(K.SEND_ACT, mb, c)))
                 if missing:
                     raise ScheduleError(f"{where}: microbatch {mb} chunk {c} is missing {', '.join(missing)}")
@@ -214,47 +276,49 @@ def _check_complete(rank: int, seen: Counter, p: int, m: int, v: int, forward_on
                 missing.append(str(Action(K.BACKWARD, mb, c)))
             if seen[(K.BACKWARD_INPUT, key)] and not seen[(K.BACKWARD_WEIGHT, key)]:
                 missing.append(str(Action(K.BACKWARD_WEIGHT, mb, c)))
-            if prev_hop(rank, c, p) is not None and not seen[(K.SEND_GRAD, key)]:
+            if sends_grad and not seen[(K.SEND_GRAD, key)]:
                 missing.append(str(Action(K.SEND_GRAD, mb, c)))
-            if next_hop(rank, c, p, v) is not None and not seen[(K.SEND_ACT, key)]:
+            if sends_act and not seen[(K.SEND_ACT, key)]:
                 missing.append(str(Action(K.SEND_ACT, mb, c)))
             if missing:
                 raise ScheduleError(f"{where}: microbatch {mb} chunk {c} is missing {', '.join(missing)}")
 
 
-def _peer_key(rank: int, a: Action, p: int, v: int) -> tuple:
+def _peer_key(rank: int, a: Action, p: int, v: int, placement: str = "loop") -> tuple:
     """A key equal for a send and the receive it pairs with: (kind of data, microbatch, sender vstage)."""
+    vs = virtual_stage(rank, a.chunk, p, placement)
     if a.kind is K.SEND_ACT:
-        return ("act", a.microbatch, a.chunk * p + rank)
+        return ("act", a.microbatch, vs)
     if a.kind is K.RECV_ACT:
-        return ("act", a.microbatch, a.chunk * p + rank - 1)
+        return ("act", a.microbatch, vs - 1)
     if a.kind is K.SEND_GRAD:
-        return ("grad", a.microbatch, a.chunk * p + rank)
-    return ("grad", a.microbatch, a.chunk * p + rank + 1)  # RECV_GRAD
+        return ("grad", a.microbatch, vs)
+    return ("grad", a.microbatch, vs + 1)  # RECV_GRAD
 
 
 def check_actions(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
-                  virtual_stages: Optional[int] = None, forward_only: bool = False) -> None:
+                  virtual_stages: Optional[int] = None, forward_only: bool = False,
+                  placement: str = "loop") -> None:
     """Static checks (1) and (2) of the module docstring; raises :class:`ScheduleError`."""
     p, m = len(per_rank), num_microbatches
     v = virtual_stages if virtual_stages is not None else _num_chunks(per_rank)
     if p < 1:
         raise ScheduleError("no ranks given")
     for r, acts in enumerate(per_rank):
-        _check_rank(r, acts, p, m, v, forward_only)
+        _check_rank(r, acts, p, m, v, forward_only, placement)
     sends: Counter[tuple] = Counter()
     recvs: Counter[tuple] = Counter()
     for r, acts in enumerate(per_rank):
         for a in acts:
             if a.is_comm:
-                (sends if a.kind in (K.SEND_ACT, K.SEND_GRAD) else recvs)[_peer_key(r, a, p, v)] += 1
+                (sends if a.kind in (K.SEND_ACT, K.SEND_GRAD) else recvs)[_peer_key(r, a, p, v, placement)] += 1
     if sends != recvs:
         diff = sorted((sends - recvs).keys())[:3] + sorted((recvs - sends).keys())[:3]
         raise ScheduleError(f"unpaired sends/receives (kind, microbatch, sender virtual stage): {diff}")
-    _check_pair_order(per_rank, p, v)
+    _check_pair_order(per_rank, p, v, placement)
 
 
-def _check_pair_order(per_rank: Sequence[Sequence[Action]], p: int, v: int) -> None:
+def _check_pair_order(per_rank: Sequence[Sequence[Action]], p: int, v: int, placement: str = "loop") -> None:
     """Transfers from rank a to rank b are posted in the same order on both: NCCL (and gloo
     with one tag) pair the k-th send with the k-th receive, not by content."""
     sent: dict[tuple[int, int], list] = {}
@@ -263,10 +327,10 @@ def _check_pair_order(per_rank: Sequence[Sequence[Action]], p: int, v: int) -> N
         for a in acts:
             if not a.is_comm:
                 continue
-            key = _peer_key(r, a, p, v)
-            sender_rank = key[2] % p
+            key = _peer_key(r, a, p, v, placement)
+            sender_rank = stage_and_chunk(key[2], p, placement)[0]
             if a.kind in (K.SEND_ACT, K.SEND_GRAD):
-                receiver = (key[2] + (1 if key[0] == "act" else -1)) % p
+                receiver = stage_and_chunk(key[2] + (1 if key[0] == "act" else -1), p, placement)[0]
                 sent.setdefault((r, receiver), []).append(key)
             else:
                 received.setdefault((sender_rank, r), []).append(key)
@@ -277,19 +341,21 @@ def _check_pair_order(per_rank: Sequence[Sequence[Action]], p: int, v: int) -> N
 
 
 # ------------------------------------------------------------------ free-communication timing
-def producer(stage: int, a: Action, p: int, v: int) -> Optional[tuple[int, str, int, int]]:
-    """(rank, "F" or "B", microbatch, chunk) of the neighbour compute whose output ``a`` consumes."""
+def producer(stage: int, a: Action, p: int, v: int, placement: str = "loop") -> Optional[tuple[int, str, int, int]]:
+    """(rank, "F" or "B", microbatch, chunk) of the neighbour compute whose output ``a`` consumes
+    (on this very rank for a local hop)."""
     if a.kind is K.FORWARD:
-        hop = prev_hop(stage, a.chunk, p)
+        hop = prev_hop(stage, a.chunk, p, placement)
         return None if hop is None else (hop[0], "F", a.microbatch, hop[1])
     if a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
-        hop = next_hop(stage, a.chunk, p, v)
+        hop = next_hop(stage, a.chunk, p, v, placement)
         return None if hop is None else (hop[0], "B", a.microbatch, hop[1])
     return None
 
 
 def reference_times(compute: Sequence[Sequence[Action]], num_stages: int, virtual_stages: int,
-                    costs: Mapping[str, float] = DEFAULT_COSTS) -> list[list[tuple[float, float]]]:
+                    costs: Mapping[str, float] = DEFAULT_COSTS,
+                    placement: str = "loop") -> list[list[tuple[float, float]]]:
     """(start, end) of every compute action when communication is free and instant: the
     simulator on compute-only lists (no sends or receives to pair yet), which
     :func:`engine.pipeline.schedule.place_comms` uses to order the transfers.
@@ -307,7 +373,7 @@ def reference_times(compute: Sequence[Sequence[Action]], num_stages: int, virtua
         for s in range(p):
             while len(times[s]) < len(compute[s]):
                 a = compute[s][len(times[s])]
-                dep = producer(s, a, p, v)
+                dep = producer(s, a, p, v, placement)
                 if dep is not None and dep not in ended:
                     break
                 start = max(clock[s], ended[dep] if dep is not None else 0.0)
@@ -331,20 +397,26 @@ def _cost_fn(costs: Optional[CostModel]) -> Callable[[int, Action], float]:
     return lambda rank, a: float(table[a.kind.value])
 
 
-def _consumed_key(rank: int, a: Action, p: int, v: int) -> Optional[tuple]:
-    """Peer key of the receive compute ``a`` waits for, if any."""
-    if a.kind is K.FORWARD and prev_hop(rank, a.chunk, p) is not None:
-        return _peer_key(rank, Action(K.RECV_ACT, a.microbatch, a.chunk), p, v)
-    if a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and next_hop(rank, a.chunk, p, v) is not None:
-        return _peer_key(rank, Action(K.RECV_GRAD, a.microbatch, a.chunk), p, v)
+def _consumed_key(rank: int, a: Action, p: int, v: int, placement: str = "loop") -> Optional[tuple]:
+    """Peer key of the receive compute ``a`` waits for, if any (none across a local hop: its
+    producer ran earlier on this rank)."""
+    if a.kind is K.FORWARD:
+        hop = prev_hop(rank, a.chunk, p, placement)
+        if hop is not None and not is_local_hop(rank, hop):
+            return _peer_key(rank, Action(K.RECV_ACT, a.microbatch, a.chunk), p, v, placement)
+    if a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
+        hop = next_hop(rank, a.chunk, p, v, placement)
+        if hop is not None and not is_local_hop(rank, hop):
+            return _peer_key(rank, Action(K.RECV_GRAD, a.microbatch, a.chunk), p, v, placement)
     return None
 
 
 class _Run:
     """The state of one simulation: per rank a CPU pointer and a comm-stream pointer."""
 
-    def __init__(self, per_rank: Sequence[Sequence[Action]], v: int, cost, comm_cost: float):
+    def __init__(self, per_rank: Sequence[Sequence[Action]], v: int, cost, comm_cost: float, placement: str = "loop"):
         self.p, self.v, self.cost, self.comm_cost = len(per_rank), v, cost, comm_cost
+        self.placement = placement
         self.items = [comm_batches(list(acts)) for acts in per_rank]
         # the comm batches of each rank in order, as indices into items
         self.stream_items = [[i for i, (c, _) in enumerate(it) if c] for it in self.items]
@@ -361,7 +433,7 @@ class _Run:
         self.holds = True  # forwards hold activations until their backward (not when evaluating)
 
     def _keys(self, r: int, acts: list[Action]) -> list[tuple[tuple, bool]]:
-        return [(_peer_key(r, a, self.p, self.v), a.kind in (K.SEND_ACT, K.SEND_GRAD)) for a in acts]
+        return [(_peer_key(r, a, self.p, self.v, self.placement), a.kind in (K.SEND_ACT, K.SEND_GRAD)) for a in acts]
 
     def step_cpu(self, r: int) -> bool:
         if self.cpu[r] >= len(self.items[r]):
@@ -371,7 +443,7 @@ class _Run:
             self.posted[(r, self.cpu[r])] = self.clock[r]
         else:
             a = acts[0]
-            need = _consumed_key(r, a, self.p, self.v)
+            need = _consumed_key(r, a, self.p, self.v, self.placement)
             if need is not None and need not in self.finished:
                 return False
             start = max(self.clock[r], self.finished[need] if need is not None else 0.0)
@@ -432,16 +504,18 @@ class _Run:
 
 def simulate(per_rank: Sequence[Sequence[Action]], num_microbatches: int,
              virtual_stages: Optional[int] = None, costs: Optional[CostModel] = None,
-             comm_cost: float = 0.0, forward_only: bool = False) -> SimResult:
+             comm_cost: float = 0.0, forward_only: bool = False, placement: str = "loop") -> SimResult:
     """Check, pair, run and time the schedule (module docstring). Raises ScheduleError.
 
     ``costs``: a mapping from action prefix ("F", "B", "I", "W") to time, or a callable
     ``(rank, action) -> time``. ``comm_cost`` is added to every comm batch.
     ``forward_only``: an evaluation schedule (no activation is held: peak 0).
+    ``placement``: the schedule's stage placement (``"v"`` for zb-v / dualpipe-v;
+    :func:`engine.pipeline.schedule.placement_of`).
     """
-    check_actions(per_rank, num_microbatches, virtual_stages, forward_only)
+    check_actions(per_rank, num_microbatches, virtual_stages, forward_only, placement)
     v = virtual_stages if virtual_stages is not None else _num_chunks(per_rank)
-    run = _Run(per_rank, v, _cost_fn(costs), comm_cost)
+    run = _Run(per_rank, v, _cost_fn(costs), comm_cost, placement)
     run.holds = not forward_only
     run.run()
     makespan = max(max(run.clock), max(run.stream_clock))

@@ -23,6 +23,7 @@ from harness import RankFailure, run_ranks
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.partition import layers_of, partition_layers
+from engine.pipeline.schedule import placement_of, stage_index
 from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
 from engine.zero.step import NO_TIES, LocalGradients
 
@@ -108,7 +109,9 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
     ref_layers = build_layers(num_blocks)
     ref = nn.Sequential(*ref_layers)
     bounds = partition_layers([1] * len(layers), p * v, "blocks")
-    idx = [list(layers_of(bounds, rank, p, c)) for c in range(v)]
+    idx = [list(layers_of(bounds, rank, p, c, placement_of(schedule))) for c in range(v)]
+    loss_rank = next(r for r in range(p) for c in range(v) if stage_index(schedule, r, c, p, v) == p * v - 1)
+    data_ranks = {0, loss_rank}
     chunks = [nn.Sequential(*[layers[i] for i in ids]) for ids in idx]
     probe = None
     if rank == 0 and not checkpointing:  # rank 0 chunk 0 sends every output it makes
@@ -116,14 +119,17 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
     # (pipeline param, reference param) for every parameter of this rank's chunks
     pairs = [(pp, rp) for ids in idx for i in ids
              for pp, rp in zip(layers[i].parameters(), ref_layers[i].parameters())]
-    tied = ([layers[0].emb.weight] if rank == 0 else []) + ([layers[-1].weight] if rank == p - 1 else [])
+    # V placement: embedding and head on rank 0 share the very parameter, nothing to sum
+    tied = [] if loss_rank == 0 else (
+        ([layers[0].emb.weight] if rank == 0 else []) + ([layers[-1].weight] if rank == p - 1 else []))
     calls = []
     ex = PipelineExecutor(chunks, stage=rank, stage_ranks=list(range(p)), pp_group=AxisGroup.world(),
                           num_microbatches=m, activation_shape=(MB_SIZE, SEQ, HIDDEN), loss_fn=loss_fn,
                           schedule=schedule, activation_checkpointing=checkpointing,
-                          grads=LocalGradients(tied, emb_group))
+                          grads=LocalGradients(tied, emb_group) if tied else LocalGradients())
     ex.register_backward_end_hook(lambda: calls.append([pp.grad.clone() for pp, _ in pairs]))
-    opt = torch.optim.AdamW([pp for c in chunks for pp in c.parameters()], lr=1e-2)
+    # (dict: the tied weight is in two chunks of rank 0 with V placement; step it once)
+    opt = torch.optim.AdamW(list({id(pp): pp for c in chunks for pp in c.parameters()}.values()), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     grads_seen = []
     for step in range(steps):
@@ -132,8 +138,8 @@ def _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group, checkpointing=
         opt.zero_grad()
         # DeepSpeed's contract: exactly m microbatches drawn, and only where data is used
         it = iter(batches + make_batches(99, 3))
-        loss = ex.train_batch(it if rank in (0, p - 1) else None)
-        if rank in (0, p - 1):
+        loss = ex.train_batch(it if rank in data_ranks else None)
+        if rank in data_ranks:
             assert len(list(it)) == 3, "train_batch must draw exactly num_microbatches items"
         torch.testing.assert_close(loss, ref_loss, **STATE_TOL)
         for pp, rp in pairs:
@@ -154,7 +160,7 @@ def _equivalence(rank, world_size, m, num_blocks):
     emb_group = dist.new_group([0, p - 1])
     emb_group = AxisGroup.of(emb_group, "embedding") if rank in (0, p - 1) else NO_TIES
     out = {}
-    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]:
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]:
         grads, records = _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group)
         out[schedule] = [str(r.name) for r in records if r.kind in ("F", "B", "I", "W")]
         if schedule != "gpipe" and p == 2:  # (p=2 only, to keep the suite fast)
