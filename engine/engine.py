@@ -109,6 +109,7 @@ class Engine(nn.Module):
     _fp8_states: list[Any]
     _fp8_groups: list[AxisGroup]
     _checked_groups: list[AxisGroup]
+    _async_saver: Optional["AsyncSaver"]
 
     def __init__(self, config: Config, parts: ModelParts, optimizer: ZeroOptimizer, *,
                  device: torch.device, groups: ParallelGroups, lr_scheduler: Optional[LRScheduler] = None,
