@@ -75,7 +75,7 @@ from engine.checkpoint.target import Checkpointable
 from engine.config import Config
 from engine.distributed.groups import ParallelGroups
 from engine.distributed.lock import held_here, pid_running
-from engine.topology import Role
+from engine.topology import Axis, Role
 from engine.training_state import capture_rng
 from engine.version import __version__
 from engine.zero.shard_view import Scalar, ShardView
@@ -201,7 +201,7 @@ def snapshot_local(engine: Checkpointable, view: ShardView) -> tuple[Tensors, di
         frag = Fragment(fname, pc.group, pc.offset, pc.numel, pc.start, pc.local_shape, pc.tp)
         fragments.setdefault(pc.name, []).append(frag)
         shapes[pc.name] = list(frag.full_shape())
-    part = {"rank": groups.rank, "file": None, "file_name": fname, "coord": coord._asdict(),
+    part = {"rank": groups.rank, "file": None, "file_name": fname, "coord": {a.value: getattr(coord, a.value) for a in Axis},
             "fragments": fragments, "shapes": shapes, "aliases": aliases,
             "tied_originals": originals, "tied_copies": copies, "scalar_state": scalar_state,
             "param_groups": param_groups, "elementwise_keys": elementwise_keys, "elementwise_by_group": by_group,
