@@ -1,9 +1,9 @@
 """Typed wrappers for the collectives and batched point-to-point transfers the engine uses.
 
-One place to adapt to torch's collective API (``*_single`` names replaced the
-``*_tensor`` ones), to check shapes before a collective (a shape mismatch otherwise
-hangs or corrupts silently on some backends), and to keep the group an explicit
-argument. No hidden device syncs: async calls return the ``Work`` handle.
+One place to adapt to torch's collective API (the ``*_single`` names of torch 2.13 or the
+older ``*_tensor`` ones, chosen by :mod:`engine.torch_api`), to check shapes before a
+collective (a shape mismatch otherwise hangs or corrupts silently on some backends), and
+to keep the group an explicit argument. No hidden device syncs: async calls return the ``Work`` handle.
 
 Strict NCCL-rules mode (:mod:`engine.distributed.strict`, on in the distributed test suite, off
 by default): every call here is also checked for what NCCL requires and gloo forgives
@@ -19,6 +19,7 @@ from typing import Any, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from engine import torch_api
 from engine.distributed import strict
 from engine.distributed.groups import AxisGroup
 
@@ -69,7 +70,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup,
     strict.check_collective("reduce_scatter", out, group.process_group, extra=_op_code(op))
     if inp_is_scratch and _reduces_by_owner(group):
         return _reduce_scatter_by_owner(out, inp, group, op, async_op)
-    return dist.reduce_scatter_single(out, inp, op=op, group=group.process_group, async_op=async_op)
+    return torch_api.reduce_scatter_single(out, inp, op=op, group=group.process_group, async_op=async_op)
 
 
 def _reduces_by_owner(group: AxisGroup) -> bool:
@@ -127,7 +128,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: AxisGroup, async_op:
         return None
     strict.check_tensor(out, "all_gather output")
     strict.check_collective("all_gather", inp, group.process_group)
-    return dist.all_gather_single(out, inp, group=group.process_group, async_op=async_op)
+    return torch_api.all_gather_single(out, inp, group=group.process_group, async_op=async_op)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],

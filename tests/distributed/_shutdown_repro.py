@@ -102,7 +102,7 @@ def _collectives(wait_all: bool = False) -> list:
     t = torch.full((1024,), float(rank))
     dist.all_reduce(t)
     out = torch.empty(world * 16)
-    dist.all_gather_single(out, torch.full((16,), float(rank)))
+    dist.all_gather_into_tensor(out, torch.full((16,), float(rank)))
     dist.broadcast(t, src=0)
 
     # subgroups: every rank creates every group in the same order
