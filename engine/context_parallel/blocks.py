@@ -91,7 +91,10 @@ def merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o_b: torch.Tensor, lse_b: 
 
 
 # ----------------------------------------------------------------------------- skipping
-def piece_ranges(meta: torch.Tensor, pieces: int, has_doc: bool) -> Optional[list[tuple[int, int, int, int]]]:
+Ranges = tuple[list[int], list[int], list[int], list[int]]  # per batch row: min pos, max pos, min doc, max doc
+
+
+def piece_ranges(meta: torch.Tensor, pieces: int, has_doc: bool) -> Optional[list[Ranges]]:
     """Per piece (equal slices of the sequence dim of ``meta`` (B, 2, S)), the host values
     (min pos, max pos, min doc, max doc) over the batch rows, as a conservative summary
     (a pair is skipped only if it is hidden for every row). ``None`` off the CPU: reading
@@ -103,17 +106,17 @@ def piece_ranges(meta: torch.Tensor, pieces: int, has_doc: bool) -> Optional[lis
     lo, hi = parts.amin(dim=-1), parts.amax(dim=-1)                          # (B, 2, pieces)
     with host_sync_allowed():  # CPU tensors: no device sync
         lo_l, hi_l = lo.tolist(), hi.tolist()
-    out = []
+    out: list[Ranges] = []
     for i in range(pieces):
         pos_lo = [lo_l[r][0][i] for r in range(b)]
         pos_hi = [hi_l[r][0][i] for r in range(b)]
         doc_lo = [lo_l[r][1][i] if has_doc else 0 for r in range(b)]
         doc_hi = [hi_l[r][1][i] if has_doc else 0 for r in range(b)]
         out.append((pos_lo, pos_hi, doc_lo, doc_hi))
-    return out  # type: ignore[return-value]
+    return out
 
 
-def _hidden(qr: tuple, kr: tuple) -> bool:
+def _hidden(qr: Ranges, kr: Ranges) -> bool:
     """True iff for every batch row, no key of piece ``kr`` is visible to any query of ``qr``:
     every key comes after every query, or the document ranges do not overlap."""
     for b in range(len(qr[0])):
@@ -124,7 +127,7 @@ def _hidden(qr: tuple, kr: tuple) -> bool:
     return True
 
 
-def visible_pieces(q_ranges: Optional[list], k_ranges: Optional[list], nq: int, nk: int) -> list[list[int]]:
+def visible_pieces(q_ranges: Optional[list[Ranges]], k_ranges: Optional[list[Ranges]], nq: int, nk: int) -> list[list[int]]:
     """For each q piece, the k pieces that are not fully hidden (all of them without ranges)."""
     if q_ranges is None or k_ranges is None:
         return [list(range(nk)) for _ in range(nq)]

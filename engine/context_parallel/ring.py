@@ -96,15 +96,17 @@ class _Plan:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _count(stats: Optional[dict], qmeta: torch.Tensor, rows: slice, runs: list[tuple[int, int]]) -> None:
+def _count(stats: Optional[dict], q: torch.Tensor, rows: slice, runs: list[tuple[int, int]]) -> None:
+    """stats["pairs_computed"] += B x local query heads x rows x key columns of one block."""
     if stats is not None:
         cols = sum(b - a for a, b in runs)
-        stats["pairs_computed"] = stats.get("pairs_computed", 0) + qmeta.shape[0] * (rows.stop - rows.start) * cols
+        work = q.shape[0] * q.shape[1] * (rows.stop - rows.start) * cols
+        stats["pairs_computed"] = stats.get("pairs_computed", 0) + work
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, meta, has_doc, group, pieces, stats):  # type: ignore[no-untyped-def]
+    def forward(ctx, q, k, v, meta, has_doc, group, pieces, stats):
         cd = blocks.compute_dtype(q.dtype)
         b, nh, s, d = q.shape
         nkv = k.shape[1]
@@ -120,14 +122,14 @@ class _Ring(torch.autograd.Function):
                 mask = blocks.visible(meta[..., rows], _Plan.take(meta_t, runs), has_doc)
                 ob, lb = blocks.block_forward(q5[..., rows, :], kk[0], kk[1], mask, scale)
                 o[..., rows, :], lse[..., rows] = blocks.merge(o[..., rows, :], lse[..., rows], ob, lb)
-                _count(stats, meta, rows, runs)
+                _count(stats, q, rows, runs)
         ctx.save_for_backward(q, k, v, meta, o, lse)
         ctx.has_doc, ctx.group, ctx.pieces = has_doc, group, pieces
         ctx.mark_non_differentiable(lse)
         return o.reshape(b, nh, s, d).to(q.dtype), lse.reshape(b, nh, s)
 
     @staticmethod
-    def backward(ctx, do, _dlse):  # type: ignore[no-untyped-def]
+    def backward(ctx, do, _dlse):
         q, k, v, meta, o5, lse = ctx.saved_tensors
         group, pieces, has_doc = ctx.group, ctx.pieces, ctx.has_doc
         cd = o5.dtype
@@ -142,7 +144,7 @@ class _Ring(torch.autograd.Function):
         r = _ring_size(group)
         pending: list[Any] = []
         dkv = incoming = None
-        for t, kv_t, meta_t in _rotation(group, torch.stack([k, v]).contiguous(), meta):
+        for _, kv_t, meta_t in _rotation(group, torch.stack([k, v]).contiguous(), meta):
             contrib = torch.zeros((2, b, nkv, s, d), dtype=cd, device=q.device)  # this block's dK, dV
             plan = _Plan(meta, meta_t, pieces, has_doc, q_ranges)
             for rows, runs in plan.groups:
@@ -178,6 +180,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torc
     the local keys only). k, v (B, nkv, S_l, d); ``meta`` (B, 2, S_l) long: global positions
     and document ids of the local tokens; ``pieces``: how many equal pieces of S_l the skip
     plan looks at (2 for a head-tail shard). ``stats``: if given, ``pairs_computed`` counts
-    the (batch row, q, k) pairs the forward computed (what skipping saved)."""
+    the (batch row, query head, q, k) score entries the forward computed (skipping shows
+    as fewer than B nh S_l S)."""
     out: tuple[torch.Tensor, torch.Tensor] = _Ring.apply(q, k, v, meta, has_doc, group, pieces, stats)
     return out

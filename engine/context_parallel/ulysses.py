@@ -56,23 +56,23 @@ def _heads_to_seq(y: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):  # type: ignore[no-untyped-def]
+    def forward(ctx, x, group):
         ctx.group = group
         return _seq_to_heads(x, group)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def]
+    def backward(ctx, g):
         return _heads_to_seq(g, ctx.group), None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, group):  # type: ignore[no-untyped-def]
+    def forward(ctx, y, group):
         ctx.group = group
         return _heads_to_seq(y, group)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def]
+    def backward(ctx, g):
         return _seq_to_heads(g, ctx.group), None
 
 

@@ -6,11 +6,17 @@ output, the log-sum-exp and dq, dk, dv (for a random output gradient) are compar
 same shard of one-process attention on the whole sequence. Cases, all in one process group
 per (mode, CP size): fp32 / fp64 / bf16 inputs, causal / document-causal (random document
 lengths per row: one of 3 tokens, shorter than the CP 4 chunk of 8, and one of S/C + 5,
-longer than a rank's shard, then random lengths in [1, 30]), KV heads 1, 2 and H.
+longer than a rank's shard, then random lengths in [1, 30]) in head-tail order and in the
+document-balanced order (``balanced_document_indices``, a different token set per row and
+rank), KV heads 1, 2 and H.
 
-Tolerances: fp32 within 2e-6 absolute of one-process SDPA (fp32 summation order only: the
-blocks merge by their log-sum-exp in fp32); fp64 within 1e-12. The lse reference is the
-fp64 logsumexp of the masked scores. bf16 inputs: the error of the output and of each
+Tolerances: fp32 within 2e-6 absolute of one-process SDPA for the output, and of the exact
+(fp64) answer for the output and every gradient (fp32 summation order only: the blocks
+merge by their log-sum-exp in fp32). One-process fp32 SDPA's own gradients are up to
+~1.7e-6 off the exact answer on these cases, so our distance to SDPA's fp32 gradients is
+bounded by 2e-6 plus SDPA's own error (measured up to 3.3e-6; ours to exact <= 1.4e-6).
+fp64: within 1e-12 of one-process fp64 SDPA. The lse reference is the fp64 logsumexp of
+the masked scores (fp32: 2e-6; fp64: 1e-12). bf16 inputs: the error of the output and of each
 gradient against an fp64 reference (computed from the same bf16 values) is at most 1.5x
 that of one-process bf16 SDPA (the CP path computes and merges in fp32 and rounds once).
 The document mask is checked to matter (the causal-only output differs by > 1e-2), so a
@@ -18,6 +24,8 @@ mode that ignored doc_ids fails.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -80,66 +88,94 @@ def _layout(mode: str, cp: int, u: int, rank: int):
                     AxisGroup.of(uly, "cp_ulysses") if uly is not None else None)
 
 
-def _run_cases(rank, world, mode, u):
+def _shard(t, world, rank, rows):
+    """This rank's tokens of ``t`` (sequence dim 2 of (B, h, S, ...), dim 1 of (B, S)):
+    head-tail order, or per batch row the indices ``rows[b]``."""
     from engine.context_parallel import shard_sequence
+
+    if rows is None:
+        return shard_sequence(t, world, rank, dim=2 if t.dim() >= 3 else 1)
+    return torch.stack([t[b].index_select(1 if t.dim() >= 3 else 0, rows[b]) for b in range(B)])
+
+
+def _case(layout, world, rank, dtype, nkv, masking):
+    """One case's errors on this rank (max abs over its shard)."""
+    from engine.context_parallel.attention import attention_with_lse
+    from engine.context_parallel.sharding import balanced_document_indices
+
+    g = torch.Generator().manual_seed(1000 * nkv + (7 if masking == "doc" else 0))
+    q, k, v, do = (torch.randn(B, n, S, D, generator=g, dtype=torch.float64).to(dtype) for n in (H, nkv, nkv, H))
+    doc = _doc_ids(g, world) if masking != "causal" else None
+    mask = _mask(doc)
+    rows = [balanced_document_indices(doc[b], world, rank, chunks_per_rank=4) for b in range(B)] \
+        if doc is not None and masking == "doc-balanced" else None
+    shard = functools.partial(_shard, world=world, rank=rank, rows=rows)
+    ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
+    ol, lse = attention_with_lse(ql, kl, vl, layout, positions=shard(torch.arange(S).expand(B, S)),
+                                 doc_ids=None if doc is None else shard(doc))
+    mine = (ol.detach(), *torch.autograd.grad(ol, (ql, kl, vl), shard(do)))
+    names = ("o", "dq", "dk", "dv")
+    ref, gref, lse_ref = _reference(q, k, v, do, mask)
+    ref64, g64, _ = _reference(q.double(), k.double(), v.double(), do.double(), mask)
+    err = {n + "_exact": (a.double() - shard(b)).abs().max().item() for n, a, b in zip(names, mine, (ref64, *g64))}
+    err.update({n + "_sdpa_exact": (c.double() - b).abs().max().item()           # SDPA's own error
+                for n, b, c in zip(names, (ref64, *g64), (ref, *gref))})
+    if dtype == torch.bfloat16:
+        return err
+    err.update({n: (a - shard(b)).abs().max().item() for n, a, b in zip(names, mine, (ref, *gref))})
+    err["lse"] = (lse.double() - shard(lse_ref)).abs().max().item()
+    if doc is not None:   # the document mask changes the answer: a mode ignoring it fails
+        err["doc_effect"] = (shard(_reference(q, k, v, do, _mask(None))[0]) - shard(ref)).abs().max().item()
+    return err
+
+
+def _computed_pairs(layout, world, rank):
+    """Score entries the forward computes on this rank for a causal head-tail fp32 case."""
     from engine.context_parallel.attention import attention_with_lse
 
+    q = torch.randn(B, H, S // world, D)
+    stats: dict = {}
+    attention_with_lse(q, q, q, layout, positions=_shard(torch.arange(S).expand(B, S), world, rank, None),
+                       stats=stats)
+    return stats["pairs_computed"]
+
+
+def _run_cases(rank, world, mode, u):
     layout = _layout(mode, world, u, rank)
-    out = {}
-    for dname, dtype in DTYPES.items():
-        for nkv in (1, 2, H):
-            for masking in ("causal", "doc"):
-                g = torch.Generator().manual_seed(1000 * nkv + (7 if masking == "doc" else 0))
-                q, k, v, do = (torch.randn(B, n, S, D, generator=g, dtype=torch.float64)
-                               for n in (H, nkv, nkv, H))
-                doc = _doc_ids(g, world) if masking == "doc" else None
-                q, k, v, do = (t.to(dtype) for t in (q, k, v, do))
-                mask = _mask(doc)
-
-                def shard(t):
-                    return shard_sequence(t, world, rank, dim=2 if t.dim() >= 3 else 1)
-
-                ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-                pos = shard(torch.arange(S).expand(B, S))
-                ol, lse = attention_with_lse(ql, kl, vl, layout, positions=pos,
-                                             doc_ids=None if doc is None else shard(doc))
-                grads = torch.autograd.grad(ol, (ql, kl, vl), shard(do))
-                mine = (ol.detach(), *grads)
-                names = ("o", "dq", "dk", "dv")
-                if dname == "bf16":
-                    ref64, g64, _ = _reference(q.double(), k.double(), v.double(), do.double(), mask)
-                    ref16, g16, _ = _reference(q, k, v, do, mask)
-                    full64, full16 = (ref64, *g64), (ref16, *g16)
-                    err = {n: (a.double() - shard(b)).abs().max().item() for n, a, b in zip(names, mine, full64)}
-                    base = {n: (a.double() - b).abs().max().item() for n, a, b in zip(names, full16, full64)}
-                    out[(dname, nkv, masking)] = {"err": err, "sdpa_err": base}
-                    continue
-                ref, gref, lse_ref = _reference(q, k, v, do, mask)
-                err = {n: (a - shard(b)).abs().max().item() for n, a, b in zip(names, mine, (ref, *gref))}
-                err["lse"] = (lse.double() - shard(lse_ref)).abs().max().item()
-                if doc is not None:   # the document mask changes the answer: a mode ignoring it fails
-                    causal = _reference(q, k, v, do, _mask(None))[0]
-                    err["doc_effect"] = (shard(causal) - shard(ref)).abs().max().item()
-                out[(dname, nkv, masking)] = {"err": err}
+    out = {(dname, nkv, masking): _case(layout, world, rank, dtype, nkv, masking)
+           for dname, dtype in DTYPES.items() for nkv in (1, 2, H) for masking in ("causal", "doc", "doc-balanced")}
+    out["pairs"] = _computed_pairs(layout, world, rank)
     return out
 
 
-def _check(results):
+def _check(results, cp):
+    # skipping: with 2C chunks of c tokens, a rank's query chunk a needs the key chunks
+    # b <= a only, so each rank computes (2C + 1) c^2 of its 4C c^2 pairs per head and row
+    # (every mode, the same on every rank: the computed work is balanced too)
+    c = S // (2 * cp)
+    assert [r.pop("pairs") for r in results] == [B * H * (2 * cp + 1) * c * c] * cp
     for key in results[0]:
         if key[0] == "bf16":
             for n in ("o", "dq", "dk", "dv"):
-                mine = max(r[key]["err"][n] for r in results)
-                base = results[0][key]["sdpa_err"][n]
+                mine = max(r[key][n + "_exact"] for r in results)
+                base = results[0][key][n + "_sdpa_exact"]
                 assert mine <= 1.5 * base, f"{key} {n}: CP error {mine:.3g} > 1.5 x one-process bf16 SDPA {base:.3g}"
             continue
+        tol = TOL[key[0]]
         for n in ("o", "lse", "dq", "dk", "dv"):
-            worst = max(r[key]["err"][n] for r in results)
-            assert worst <= TOL[key[0]], f"{key} {n}: {worst:.3g} > {TOL[key[0]]}"
-        if key[2] == "doc":
-            assert max(r[key]["err"]["doc_effect"] for r in results) > 1e-2
+            worst = max(r[key][n] for r in results)
+            # fp32 gradients: one-process SDPA's own fp32 backward is up to ~1.7e-6 off the exact
+            # answer here, so the distance to it may exceed 2e-6 while ours is closer to exact
+            slack = 0.0 if key[0] == "fp64" or n in ("o", "lse") else results[0][key][n + "_sdpa_exact"]
+            assert worst <= tol + slack, f"{key} {n}: {worst:.3g} from one-process SDPA > {tol} + {slack:.3g}"
+            if n != "lse":
+                exact = max(r[key][n + "_exact"] for r in results)
+                assert exact <= tol, f"{key} {n}: {exact:.3g} from the fp64 answer > {tol}"
+        if key[2] != "causal":
+            assert max(r[key]["doc_effect"] for r in results) > 1e-2
 
 
 @pytest.mark.parametrize("mode,cp,u", [("ring", 2, 1), ("ring", 4, 1), ("ulysses", 2, 2), ("ulysses", 4, 4),
                                        ("hybrid", 2, 2), ("hybrid", 4, 2)])
 def test_cp_attention_matches_one_process(mode, cp, u):
-    _check(run_ranks(_run_cases, cp, mode, u, timeout=300))
+    _check(run_ranks(_run_cases, cp, mode, u, timeout=300), cp)
