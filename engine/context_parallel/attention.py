@@ -22,9 +22,16 @@ from engine.context_parallel.ring import ring_attention
 
 __all__ = ["context_parallel_attention", "attention_with_lse"]
 
+# How many equal pieces of a rank's S/C tokens the skip plan judges separately (the first
+# that divides S/C): 8 = 4 per head-tail chunk, and one per chunk of the document-balanced
+# order (balanced_document_indices' default chunks_per_rank); finer pieces skip more of
+# the causal diagonal and of documents, coarser ones make larger matmuls.
+PIECES = (8, 4, 2, 1)
+
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, *,
-                               positions: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               positions: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                               stats: Optional[dict] = None) -> torch.Tensor:
     """Causal (and, with ``doc_ids``, document-causal) softmax attention, scale 1/sqrt(d),
     of this rank's queries against the keys of the whole sequence.
 
@@ -32,8 +39,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     applied with the true positions). ``positions`` (B, S/C) long: the global position of
     each local token in the sequence (masking compares them: key j is visible to query i
     iff pos_j <= pos_i and, with ``doc_ids`` (B, S/C), doc_j == doc_i). Returns
-    (B, nh, S/C, d) in q's order and dtype. Autograd flows to q, k and v."""
-    return attention_with_lse(q, k, v, layout, positions=positions, doc_ids=doc_ids)[0]
+    (B, nh, S/C, d) in q's order and dtype. Autograd flows to q, k and v. ``stats``: a
+    dict that counts the score entries computed (``pairs_computed``, for benchmarks)."""
+    return _attention(q, k, v, layout, positions, doc_ids, stats, with_lse=False)[0]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, *,
@@ -42,11 +50,21 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     """:func:`context_parallel_attention` and its log-sum-exp (B, nh, S/C) per local query
     (fp32; fp64 for fp64 inputs; not differentiable). ``stats`` as in :func:`ring_attention`
     (for tests and benchmarks)."""
+    o, lse = _attention(q, k, v, layout, positions, doc_ids, stats, with_lse=True)
+    assert lse is not None
+    return o, lse
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, positions: torch.Tensor,
+               doc_ids: Optional[torch.Tensor], stats: Optional[dict], with_lse: bool
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The pipeline of the module docstring; the lse (one more all-to-all under Ulysses) only
+    ``with_lse``."""
     _check(q, k, v, layout, positions, doc_ids)
     has_doc = doc_ids is not None
     meta = torch.stack([positions, doc_ids if doc_ids is not None else torch.zeros_like(positions)], dim=1)
     u = layout.ulysses_size
-    pieces = 2 if q.shape[2] % 2 == 0 else 1                                # a head-tail shard's two chunks
+    pieces = next(p for p in PIECES if q.shape[2] % p == 0)
     if u > 1:
         group = layout.ulysses
         assert group is not None
@@ -59,8 +77,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     if u > 1:
         assert layout.ulysses is not None
         o = ulysses.heads_to_seq(o, layout.ulysses)
-        lse = ulysses.heads_to_seq(lse.unsqueeze(-1), layout.ulysses).squeeze(-1)
-    return o, lse
+        if with_lse:
+            lse = ulysses.heads_to_seq(lse.unsqueeze(-1), layout.ulysses).squeeze(-1)
+    return o, lse if with_lse else None
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, positions: torch.Tensor,

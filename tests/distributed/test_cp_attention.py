@@ -149,11 +149,19 @@ def _run_cases(rank, world, mode, u):
 
 
 def _check(results, cp):
-    # skipping: with 2C chunks of c tokens, a rank's query chunk a needs the key chunks
-    # b <= a only, so each rank computes (2C + 1) c^2 of its 4C c^2 pairs per head and row
-    # (every mode, the same on every rank: the computed work is balanced too)
+    # skipping: the 2C chunks of c tokens are judged in m = P/2 sub-chunks of c/m tokens
+    # (P pieces per rank, attention.PIECES); query sub-chunk a needs key sub-chunks b <= a
+    # only, so a rank computes sum over its sub-chunks of (a + 1) (c/m)^2 pairs per head and
+    # row: the same on every rank in every mode (the computed work is balanced too), and
+    # about half of the dense (S/C) S
+    from engine.context_parallel.attention import PIECES
+
     c = S // (2 * cp)
-    assert [r.pop("pairs") for r in results] == [B * H * (2 * cp + 1) * c * c] * cp
+    m = next(p for p in PIECES if (S // cp) % p == 0) // 2
+    subs = list(range(m)) + list(range((2 * cp - 1) * m, 2 * cp * m))      # rank 0's sub-chunks
+    expected = B * H * sum(a + 1 for a in subs) * (c // m) ** 2
+    assert [r.pop("pairs") for r in results] == [expected] * cp
+    assert expected < 0.6 * B * H * (S // cp) * S
     for key in results[0]:
         if key[0] == "bf16":
             for n in ("o", "dq", "dk", "dv"):
