@@ -50,14 +50,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, group):  # type: ignore[no-untyped-def]
+    def forward(ctx, t, group):
         ctx.group = group
         parts = [torch.empty_like(t) for _ in range(len(group.ranks))]
         dist.all_gather(parts, t.contiguous(), group=group.handle)
         return torch.cat(parts, dim=-2)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def]
+    def backward(ctx, g):
         g = g.contiguous()
         dist.all_reduce(g, group=ctx.group.handle)
         return g.chunk(len(ctx.group.ranks), dim=-2)[ctx.group.rank], None
