@@ -228,7 +228,7 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_no_pipeline("forward")
-        with self.timers.phase("forward"):
+        with self.timers.phase("forward"), comm.no_host_sync("the forward"):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
@@ -365,7 +365,7 @@ class Engine(nn.Module):
             losses = []
             for i, mb in enumerate(mbs):
                 self.optimizer.set_boundary(i == ga - 1)
-                with self.timers.phase("forward"):
+                with self.timers.phase("forward"), comm.no_host_sync("the forward"):
                     loss = self._micro_loss(mb, step_loss)
                 with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
                     self.optimizer.backward(loss, num_microbatches=ga)
