@@ -149,6 +149,7 @@ def _rank_main(args, mode: str, cp: int, u: int, order: str):  # type: ignore[no
     dist.barrier()
     out = {"time": median(times[1:]), "sent": sent, "work": _work(layout, rows, doc, h),
            "computed": stats["pairs_computed"]}
+    del layout, q, k, v, o  # drop the group handles before shutdown joins gloo's threads
     shutdown()
     return out
 
