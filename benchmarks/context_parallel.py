@@ -188,11 +188,19 @@ def main() -> None:
                    "tokens/s": args.batch * args.seq / max(r["time"] for r in res)}
             table.append(row)
             print(row, flush=True)
-    cols = list(table[0])
-    text = markdown_table(table, cols)
+    text = render(table)
     print(text)
     if args.out:
         _write(args, text)
+
+
+RATIOS = ("work max/mean", "computed max/mean", "computed/unmasked", "MB sent/rank", "formula MB")
+
+
+def render(table: list[dict]) -> str:
+    """The markdown table, ratios and MB with 3 decimals (1.0 vs 1.02 matters here)."""
+    rows = [{k: f"{v:.3f}" if k in RATIOS else v for k, v in r.items()} for r in table]
+    return markdown_table(rows, list(table[0]))
 
 
 def _write(args: argparse.Namespace, table: str) -> None:
@@ -221,6 +229,8 @@ NOTES = """Reading the table:
   dK/dV travel in fp32.
 - tokens/s: on this shared 2-core machine C ranks share 2 cores, so tokens/s does not scale
   with C here; it shows the overhead of each mode, not the speed-up a GPU per rank gives.
+  Other jobs ran at the same time (see the load average above), so the times are noisy
+  (two repetitions after a warm-up, median per rank, slowest rank).
 """
 
 
