@@ -8,10 +8,13 @@ Steps (:func:`autotp_parts`; the assembly then broadcasts from DP rank 0 and bui
 optimizer, :mod:`engine.assembly.assemble`):
 
 1. TP ranks start from TP rank 0's weights (the whole model is broadcast over the TP group,
-   parameter by parameter; skipped for a meta-device model, whose weights are loaded later
+   parameter by parameter, each through the engine's device and back, so the device holds
+   one parameter at a time; skipped for a meta-device model, whose weights are loaded later
    with :func:`engine.checkpoint.hf.load_hf_weights`);
-2. :func:`engine.tensor_parallel.auto.autotp` swaps the projections for their shards;
-3. the model goes to the engine's device and dtype (DP replicas start from DP rank 0's);
+2. :func:`engine.tensor_parallel.auto.autotp` swaps the projections for their shards, where
+   the model is (host memory for a model built on the CPU);
+3. the model goes to the engine's device and dtype (DP replicas start from DP rank 0's):
+   only the shards and the replicated parameters reach the device, never the whole model;
 4. the optimizer: the config's, or the client's (an instance built over the *unsharded*
    parameters, or a callable called with the sharded ones), over the sharded parameters,
    as at TP = 1 (:mod:`engine.optim.client`): its param groups and per-group
@@ -178,9 +181,20 @@ def _hf_train_batch_loss(model: nn.Module, bcast: TPBatchBroadcast) -> Optional[
 
 
 @torch.no_grad()
-def _broadcast_module(module: nn.Module, src: int, group: AxisGroup) -> None:
+def _broadcast_module(module: nn.Module, src: int, group: AxisGroup, device: torch.device) -> None:
+    """Every parameter and buffer from global rank ``src``, one at a time through ``device``
+    (the collectives' device): a tensor elsewhere (host memory) is copied there, broadcast
+    and copied back, so the device holds at most one tensor of the model."""
+    if group.size == 1:
+        return
     for t in list(module.parameters()) + list(module.buffers()):
-        comm.broadcast(t.data, src, group)
+        if t.device == device:
+            comm.broadcast(t.data, src, group)
+            continue
+        staged = t.data.to(device)
+        comm.broadcast(staged, src, group)
+        t.data.copy_(staged)
+        del staged
 
 
 def autotp_parts(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Optional[Iterable[Any]],
@@ -200,10 +214,11 @@ def autotp_parts(cfg: Config, model: nn.Module, client_opt: Any, model_parameter
     meta = any(p.is_meta for p in model.parameters())
     tp_src = groups.tp_ranks[0]
     if not meta:
-        model.to(device=device)
-        _broadcast_module(model, tp_src, groups.tp_group)   # TP ranks slice the same weights
-    result = autotp(model, groups.tp_group, specs)
-    if meta:
+        _broadcast_module(model, tp_src, groups.tp_group, device)   # TP ranks slice the same weights
+    result = autotp(model, groups.tp_group, specs)  # split where the model is (the host, usually)
+    if not meta:
+        model.to(device=device)  # the shards (and replicated parameters) only
+    else:
         # weights come later (engine.checkpoint.hf.load_hf_weights); buffers computed in
         # __init__ (rotary inv_freq) are recomputed by the model's own initialiser
         model.to_empty(device=device)

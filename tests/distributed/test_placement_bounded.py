@@ -181,3 +181,46 @@ def test_pipeline_sample_runs_staged_and_equals_the_dense_model(results):
         for s in r["samples"]:
             assert s["got"] == s["want"]
             assert s["grew"] <= s["largest_param"] + slack < s["dense_bytes"], s
+
+
+# ---------------------------------------------------------------------- AutoTP (2 ranks)
+def _autotp(rank, world):
+    """What reaches the device when AutoTP takes a Hugging Face model: ``model.to(device)``
+    must come after the split (before the change the whole model went to every GPU first),
+    and the TP broadcast stages one tensor at a time on the device."""
+    import engine
+    import engine.assembly.autotp as at
+    from _autotp_models import build
+
+    model = build("llama", seed=rank)  # different weights per rank: the broadcast must make them equal
+    whole = sum(p.numel() for p in model.parameters())
+    moved, staged = [], []
+    real_to, real_bcast = nn.Module.to, at.comm.broadcast
+
+    def to(self, *a, **k):
+        if self is model and (a or "device" in k):
+            moved.append(sum(p.numel() for p in self.parameters()))
+        return real_to(self, *a, **k)
+
+    def bcast(t, src, group, **k):
+        staged.append(t.numel())
+        return real_bcast(t, src, group, **k)
+
+    nn.Module.to, at.comm.broadcast = to, bcast
+    try:
+        eng, *_ = engine.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "seed": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "tensor_parallel": {"autotp_size": 2}})
+    finally:
+        nn.Module.to, at.comm.broadcast = real_to, real_bcast
+    sharded = sum(p.numel() for p in eng.module.parameters())
+    eng.destroy()
+    return {"whole": whole, "moved": moved, "sharded": sharded, "staged": staged,
+            "largest": max(p.numel() for p in build("llama").parameters())}
+
+
+def test_autotp_moves_only_the_shards_to_the_device():
+    for r in run_ranks(_autotp, 2, timeout=180):
+        assert r["moved"] and all(n == r["sharded"] for n in r["moved"]), r
+        assert r["sharded"] < r["whole"]
+        assert r["staged"] and max(r["staged"]) <= r["largest"], r  # one tensor at a time
