@@ -224,3 +224,43 @@ def test_autotp_moves_only_the_shards_to_the_device():
         assert r["moved"] and all(n == r["sharded"] for n in r["moved"]), r
         assert r["sharded"] < r["whole"]
         assert r["staged"] and max(r["staged"]) <= r["largest"], r  # one tensor at a time
+
+
+# ---------------------------------------------------------------------- PipelineModule (2 ranks)
+def _pipe(rank, world):
+    """After engine.initialize a PipelineModule holds this rank's stage only: the other
+    stage's layers are released (their parameters freed), and the module refuses a second
+    whole-model use with a clear error."""
+    import weakref
+
+    import engine
+    from engine.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    net = PipelineModule([LayerSpec(nn.Linear, 16, 16) for _ in range(4)], num_stages=2,
+                         loss_fn=lambda out, y: ((out - y) ** 2).mean(), partition_method="uniform")
+    refs = [weakref.ref(p) for p in net.parameters()]
+    whole = sum(p.numel() for p in net.parameters())
+    eng, *_ = engine.initialize(model=net, model_parameters=[p for p in net.parameters()], config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "seed": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}})
+    gc.collect()
+    kept = sum(p.numel() for p in net.parameters())
+    alive = sum(1 for r in refs if r() is not None)
+    x = torch.randn(1, 16)
+    loss = eng.train_batch(iter([(x, x), (x, x)]))
+    try:
+        net(x)
+        err = ""
+    except RuntimeError as e:
+        err = str(e)
+    eng.destroy()
+    return {"whole": whole, "kept": kept, "alive": alive, "params": len(refs), "err": err,
+            "trained": loss is None or bool(torch.isfinite(loss))}
+
+
+def test_pipeline_module_keeps_only_its_stage():
+    for r in run_ranks(_pipe, 2, timeout=180):
+        assert r["kept"] * 2 == r["whole"], r  # two of the four equal layers
+        assert r["alive"] * 2 == r["params"], r  # the other stage's parameters are gone
+        assert r["trained"] and "build a new PipelineModule" in r["err"]
