@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
-from engine.distributed import comm
+from engine.distributed import comm, strict
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.build import (
@@ -110,8 +110,9 @@ class TPBatchBroadcast:
 
     One fixed-size descriptor broadcast (key, dtype, shape of each tensor argument), one
     all-reduce that checks the ranks passed the same argument structure (so a mismatch is
-    an error on every rank, not a hang), then one broadcast per tensor. Tensors are moved
-    to ``device`` first (NCCL needs them there)."""
+    an error on every rank, not a hang), one host read of both (the source's shapes size the
+    receive buffers: the only device sync of the hook), then one broadcast per tensor.
+    Tensors are moved to ``device`` first (NCCL needs them there)."""
 
     def __init__(self, group: AxisGroup, src: int, device: torch.device) -> None:
         self.group, self.src, self.device = group, src, device
@@ -137,22 +138,27 @@ class TPBatchBroadcast:
         mine = self._describe(slots).to(self.device)
         desc = mine.clone()
         comm.broadcast(desc, self.src, self.group)
-        # same keys in the same order on every rank (shapes may differ: rank 0's win)
-        ok = torch.tensor([int(len(slots) <= _MAX_TENSORS and all(t.dtype in _DTYPES and t.dim() <= _MAX_DIMS
-                                                                  for _, t in slots))], device=self.device)
-        n = int(desc[0])
-        ok[0] *= int(n == len(slots) and all(int(desc[1 + j * _SLOT]) == int(mine[1 + j * _SLOT])
-                                             for j in range(min(n, _MAX_TENSORS))))
+        # same keys in the same order on every rank (shapes may differ: rank 0's win), decided on
+        # the device: the count, and the key hash of each of this rank's slots
+        supported = len(slots) <= _MAX_TENSORS and all(t.dtype in _DTYPES and t.dim() <= _MAX_DIMS for _, t in slots)
+        keys = torch.arange(min(len(slots), _MAX_TENSORS), device=self.device) * _SLOT + 1
+        same = (desc[0] == mine[0]) & (desc[keys] == mine[keys]).all()
+        ok = (same & supported).to(torch.int64).view(1)
         comm.all_reduce(ok, self.group, op=dist.ReduceOp.MIN)
-        if not int(ok[0]):
+        # the one host read of the forward (it was one per descriptor field, 20-30): the source's
+        # shapes size the receive buffers, so they must reach the host before the broadcasts
+        with strict.host_sync_allowed():
+            host = torch.cat([ok, desc]).tolist()
+        if not host[0]:
             raise ValueError(f"AutoTP: the ranks of a tensor-parallel group called the model with different tensor "
                              f"arguments (or more than {_MAX_TENSORS} tensors / {_MAX_DIMS} dims, or an unsupported "
                              f"dtype): every TP rank must call it with the same argument names")
+        desc_host = host[1:]
         new_args, kwargs = list(args), dict(kwargs)
         for j, (key, t) in enumerate(slots):
             base = 1 + j * _SLOT
-            dtype, ndim = _DTYPES[int(desc[base + 1])], int(desc[base + 2])
-            shape = [int(x) for x in desc[base + 3:base + 3 + ndim]]
+            dtype, ndim = _DTYPES[desc_host[base + 1]], desc_host[base + 2]
+            shape = desc_host[base + 3:base + 3 + ndim]
             buf = t.to(self.device).contiguous() if self.is_src else torch.empty(shape, dtype=dtype,
                                                                                  device=self.device)
             comm.broadcast(buf, self.src, self.group)
