@@ -19,9 +19,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import launch, markdown_table  # noqa: E402
-
 import torch  # noqa: E402
+from common import launch, markdown_table  # noqa: E402
 
 
 class _Counting:

@@ -104,7 +104,7 @@ def _partition(p: nn.Parameter, group: AxisGroup, dtype: Optional[torch.dtype], 
     set_data(p, torch.empty(0, dtype=flat.dtype, device=device))
 
 
-def set_data(p: torch.Tensor, t: torch.Tensor) -> None:
+def set_data(p: Any, t: torch.Tensor) -> None:  # a Parameter, also typed as a PartitionedParameter
     """``p.data = t``, also where the two tensor types cannot share a shallow copy (a
     placeholder on another kind of device, e.g. the meta device tests use as a fake
     accelerator): then ``p`` is swapped in place (``torch.utils.swap_tensors``, as

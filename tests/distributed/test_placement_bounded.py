@@ -188,9 +188,10 @@ def _autotp(rank, world):
     """What reaches the device when AutoTP takes a Hugging Face model: ``model.to(device)``
     must come after the split (before the change the whole model went to every GPU first),
     and the TP broadcast stages one tensor at a time on the device."""
+    from _autotp_models import build
+
     import engine
     import engine.assembly.autotp as at
-    from _autotp_models import build
 
     model = build("llama", seed=rank)  # different weights per rank: the broadcast must make them equal
     whole = sum(p.numel() for p in model.parameters())
