@@ -77,6 +77,7 @@ def results():
     return run_ranks(_run, 2, timeout=300)
 
 
+@pytest.mark.slow
 def test_bf16_reductions_send_half_the_bytes_at_every_stage(results):
     for r in results:
         for stage in (0, 1, 2, 3):
@@ -85,6 +86,7 @@ def test_bf16_reductions_send_half_the_bytes_at_every_stage(results):
             assert fp32["bytes"] > 0 and bf16["bytes"] * 2 == fp32["bytes"], (stage, fp32["bytes"], bf16["bytes"])
 
 
+@pytest.mark.slow
 def test_bf16_reductions_drift_little_from_fp32(results):
     for r in results:
         for stage in (0, 1, 2, 3):

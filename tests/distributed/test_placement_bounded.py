@@ -162,6 +162,7 @@ def results(tmp_path_factory):
     return run_ranks(_all, 4, str(tmp_path_factory.mktemp("w16")), timeout=300)
 
 
+@pytest.mark.slow
 def test_zero3_save_16bit_model_gathers_one_unit_at_a_time(results):
     for rank, r in enumerate(results):
         e = r["export"]
@@ -174,6 +175,7 @@ def test_zero3_save_16bit_model_gathers_one_unit_at_a_time(results):
         assert e["grew"] <= bound, (rank, e)
 
 
+@pytest.mark.slow
 def test_pipeline_sample_runs_staged_and_equals_the_dense_model(results):
     # activations of the sample: a few (1, S, max(V, 4H)) fp32 tensors, ~8 KiB each here
     slack = 16 * MODEL["seq_len"] * max(MODEL["vocab_size"], 4 * MODEL["hidden_size"]) * 4
@@ -220,6 +222,7 @@ def _autotp(rank, world):
             "largest": max(p.numel() for p in build("llama").parameters())}
 
 
+@pytest.mark.slow
 def test_autotp_moves_only_the_shards_to_the_device():
     for r in run_ranks(_autotp, 2, timeout=180):
         assert r["moved"] and all(n == r["sharded"] for n in r["moved"]), r
