@@ -191,6 +191,10 @@ class OpBuilder:
     def with_cuda(self) -> bool:
         return _cuda_problem(self.settings.cuda_arch_list) is None
 
+    def cuda_problem(self) -> Optional[str]:
+        """Why the CUDA kernel is not built here (no nvcc, a torch without CUDA, ...), or None."""
+        return _cuda_problem(self.settings.cuda_arch_list)
+
     def sources(self, with_cuda: Optional[bool] = None) -> list[Path]:
         cuda = self.with_cuda() if with_cuda is None else with_cuda
         names = self.spec.cpu_sources + (self.spec.cuda_sources if cuda else ())
