@@ -397,8 +397,9 @@ def no_host_sync(where: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def host_sync_allowed() -> Iterator[None]:
-    """Exempt a read that only happens on CPU tensors (a ``t.device.type == "cpu"`` branch:
-    input range checks that cost no device sync) from rule 6."""
+    """Exempt from rule 6 a read that only happens on CPU tensors (a ``t.device.type == "cpu"``
+    branch: input range checks that cost no device sync), or the one read a design needs and
+    documents at the call (AutoTP's input broadcast: the source's shapes size the buffers)."""
     if _STATE is None:
         yield
         return
