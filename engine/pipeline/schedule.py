@@ -24,7 +24,8 @@ from collections import deque
 from typing import Callable, Sequence
 
 from engine.errors import ConfigError
-from engine.pipeline.actions import Action, ActionKind, is_local_hop, next_hop, prev_hop, virtual_stage
+from engine.pipeline.actions import (Action, ActionKind, is_local_hop, next_hop, prev_hop, stage_and_chunk,
+                                     virtual_stage)
 from engine.pipeline.simulate import producer, reference_times
 from engine.pipeline.vshape import zb_v_orders
 from engine.validate import check_int
@@ -34,6 +35,7 @@ __all__ = [
     "V_SCHEDULES",
     "placement_of",
     "stage_index",
+    "loss_stage",
     "build_schedule",
     "build_all",
     "gpipe",
@@ -72,6 +74,14 @@ def stage_index(name: str, rank: int, chunk: int, num_stages: int, virtual_stage
     check_int("chunk", chunk, minimum=0, maximum=virtual_stages - 1,
               fix=f"it is outside the {virtual_stages} chunks per rank")
     return virtual_stage(rank, chunk, num_stages, placement_of(name))
+
+
+def loss_stage(name: str, num_stages: int, virtual_stages: int = 1) -> int:
+    """The pipeline rank holding the last model stage (the head and the loss): ``p - 1`` in the
+    loop placement, 0 in V placement (where it also holds the embedding)."""
+    check_int("num_stages (pipeline-parallel size)", num_stages, minimum=1)
+    check_int("virtual_stages", virtual_stages, minimum=1)
+    return stage_and_chunk(num_stages * virtual_stages - 1, num_stages, placement_of(name))[0]
 
 
 def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches: int,
