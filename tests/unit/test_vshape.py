@@ -4,7 +4,7 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.pipeline.actions import Action, ActionKind, is_local_hop, next_hop, parse_action, prev_hop
-from engine.pipeline.schedule import SCHEDULES, build_all, compute_order, stage_index
+from engine.pipeline.schedule import SCHEDULES, build_all, compute_order, loss_stage, stage_index
 from engine.pipeline.simulate import ScheduleError, bubble_formula, check_actions, simulate
 
 K = ActionKind
@@ -84,11 +84,22 @@ def test_zb_v_arguments():
         build_all("zb-v", 1, 8, 2)
 
 
-def test_config_refuses_zb_v_until_the_engine_runs_it():
-    # the executor runs zb-v (tests/distributed/test_pipeline_exec.py); the engine does not yet
+def test_config_takes_zb_v_with_two_chunks_and_refuses_dualpipe_v_by_name():
     from engine.config import load_config
 
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
-           "pipeline": {"stages": 2, "schedule": "zb-v", "virtual_stages": 2}}
-    with pytest.raises(ConfigError, match="not yet through the engine"):
-        load_config(cfg, world_size=2)
+    def cfg(**pipe):
+        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+                "pipeline": {"stages": 2, "schedule": "zb-v", "virtual_stages": 2, **pipe}}
+
+    got = load_config(cfg(), world_size=2).pipeline
+    assert (got.schedule, got.virtual_stages, got.stages) == ("zb-v", 2, 2)
+    with pytest.raises(ConfigError, match="exactly two model chunks.*set pipeline.virtual_stages to 2"):
+        load_config(cfg(virtual_stages=1), world_size=2)
+    with pytest.raises(ConfigError, match="needs pipeline.stages >= 2"):
+        load_config(cfg(stages=1), world_size=1)
+    with pytest.raises(ConfigError, match="pipeline.schedule 'dualpipe-v': DualPipeV .* not implemented"):
+        load_config(cfg(schedule="dualpipe-v"), world_size=2)
+
+
+def test_loss_stage_is_rank_0_in_v_placement():
+    assert [loss_stage(s, 4, v) for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2))] == [3, 3, 0]
