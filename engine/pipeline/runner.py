@@ -17,7 +17,7 @@ them from its own copy (the executor's ``side_inputs``) and nothing extra is sen
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,19 @@ def microbatch_doc_ids(mb: Any) -> Optional[torch.Tensor]:
     """The input document ids (B, S) of a micro-batch: ``engine.data.Batch.input_doc_ids``
     or a dict's ``"doc_ids"``; None when it has none."""
     return to_microbatch(mb).doc_ids
+
+
+def _weight_pass_gather(grads: GradientStep) -> Optional[Callable[[list[nn.Parameter]], None]]:
+    """ZeRO-3 releases a unit between uses: a deferred weight pass (zb-h1, zb-v) makes its
+    parameters whole first (the executor's ``gather_params``); None for the other stages."""
+    if not isinstance(grads, Zero3Optimizer):
+        return None
+    opt = grads
+
+    def gather(params: list[nn.Parameter]) -> None:
+        opt.gather_for_modification(cast(list[torch.Tensor], params))
+
+    return gather
 
 
 class PipelineRunner:
@@ -91,7 +104,7 @@ class PipelineRunner:
             schedule=self.cfg.pipeline.schedule, activation_dtype=dtype, device=self.device,
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
             broadcast_loss=False, record=False, side_inputs=self.document_masking,
-            gather_params=self.grads.gather_for_modification if isinstance(self.grads, Zero3Optimizer) else None)
+            gather_params=_weight_pass_gather(self.grads))
 
     def prepare(self, microbatches: Sequence[Any]) -> None:
         """One-time setup before a step, outside its no-host-sync region: the boundary-shape

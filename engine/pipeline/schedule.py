@@ -24,8 +24,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from engine.errors import ConfigError
-from engine.pipeline.actions import (Action, ActionKind, is_local_hop, next_hop, prev_hop, stage_and_chunk,
-                                     virtual_stage)
+from engine.pipeline.actions import Action, ActionKind, is_local_hop, next_hop, prev_hop, stage_and_chunk, virtual_stage
 from engine.pipeline.simulate import producer, reference_times
 from engine.pipeline.vshape import zb_v_orders
 from engine.validate import check_int
