@@ -209,12 +209,9 @@ def parse_activation_checkpointing(top: Section) -> ActivationCheckpointingConfi
     )
 
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
 # Schedules that take two model chunks per rank in V placement (engine.pipeline.schedule.V_SCHEDULES).
-V_PIPELINE_SCHEDULES = ("zb-v",)
-# Schedules named by the design (issue 33) but not built: refused by name rather than run half-done.
-UNBUILT_SCHEDULES = {"dualpipe-v": "DualPipeV (DeepSeek's DualPipe folded into a V) is not implemented yet; "
-                                   "\"zb-v\" is the V-shaped schedule the engine runs"}
+V_PIPELINE_SCHEDULES = ("zb-v", "dualpipe-v")
 
 # Layers to pipeline stages: the one table of the names ``pipeline.partition`` and
 # PipelineModule's ``partition_method`` take, one meaning each (the config layer holds it so
@@ -234,10 +231,6 @@ CONFIG_PARTITION_METHODS = tuple(m for m in PARTITION_METHODS if not m.startswit
 def parse_pipeline(top: Section) -> PipelineConfig:
     s = top.sub("pipeline", _names(PipelineConfig))
     d = PipelineConfig()
-    raw = s.raw("schedule")
-    if isinstance(raw, str) and raw.lower() in UNBUILT_SCHEDULES:
-        raise ConfigError(f"pipeline.schedule {raw!r}: {UNBUILT_SCHEDULES[raw.lower()]}; choose one of "
-                          f"{', '.join(PIPELINE_SCHEDULES)}")
     cfg = PipelineConfig(
         stages=s.int("stages", d.stages, min=1,
                      auto_hint=" (DeepSpeed takes it from the model object)"),
@@ -261,7 +254,7 @@ def parse_pipeline(top: Section) -> PipelineConfig:
                           f"(got {cfg.virtual_stages})")
     if cfg.schedule not in ("interleaved-1f1b", *V_PIPELINE_SCHEDULES) and cfg.virtual_stages != 1:
         raise ConfigError(f"pipeline.virtual_stages = {cfg.virtual_stages} needs pipeline.schedule "
-                          f"\"interleaved-1f1b\" (or 2 with \"zb-v\"; got \"{cfg.schedule}\"): change the "
+                          f"\"interleaved-1f1b\" (or 2 with \"zb-v\" / \"dualpipe-v\"; got \"{cfg.schedule}\"): change the "
                           "schedule or set virtual_stages 1")
     return cfg
 

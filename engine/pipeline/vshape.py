@@ -43,7 +43,7 @@ import functools
 from engine.pipeline.actions import Action, ActionKind, virtual_stage
 from engine.pipeline.simulate import reference_times
 
-__all__ = ["zb_v_orders"]
+__all__ = ["zb_v_orders", "dualpipe_v_order"]
 
 F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 _COST = {F: 1, B: 2, I: 1, W: 1}  # chunk-forward units: the default cost table's (backward = 2 x forward)
@@ -160,3 +160,66 @@ def zb_v_orders(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
                 best = (span, peak, orders)
     assert best is not None
     return tuple(tuple(o) for o in best[2])
+
+
+# ------------------------------------------------------------------ DualPipeV
+def dualpipe_v_order(rank: int, p: int, m: int) -> list[Action]:
+    """Rank ``rank``'s DualPipeV compute order (DeepSeek-V3's DualPipe folded into a V, as in
+    DeepSeek's open DualPipeV schedule), in eight phases. Forwards and backwards take the next
+    micro-batch of their chunk in order; a zero-bubble backward is an ``I`` whose ``W`` joins a
+    FIFO queue that the ``W`` steps drain; every other backward is one ``B``. An overlapped
+    forward-backward pair (``F`` of one chunk, then the backward of the other) is two adjacent
+    actions: this executor runs them one after the other (overlapping them needs two streams).
+    Needs ``m >= 2p`` micro-batches (the steady phase 4 has ``m - 2p + rank + 1`` pairs)."""
+    nf, nb = [0, 0], [0, 0]  # next micro-batch of each chunk's forward / backward
+    queue: list[Action] = []  # deferred weight passes, oldest first
+    out: list[Action] = []
+
+    def fwd(c: int) -> None:
+        out.append(Action(F, nf[c], c))
+        nf[c] += 1
+
+    def bwd(c: int, zero_bubble: bool = False) -> None:
+        if zero_bubble:
+            out.append(Action(I, nb[c], c))
+            queue.append(Action(W, nb[c], c))
+        else:
+            out.append(Action(B, nb[c], c))
+        nb[c] += 1
+
+    def weight() -> None:
+        out.append(queue.pop(0))
+
+    r = rank
+    for _ in range(2 * (p - r - 1)):  # 1: nF0
+        fwd(0)
+    for _ in range(r + 1):  # 2: nF0F1
+        fwd(0)
+        fwd(1)
+    for _ in range(p - r - 1):  # 3: nB1W1F1 (zero bubble)
+        bwd(1, True)
+        weight()
+        fwd(1)
+    for _ in range(m - 2 * p + r + 1):  # 4 (main): nF0B1F1B0, overlapped pairs
+        fwd(0)
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    for _ in range(p - r - 1):  # 5: nB1F1B0
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    zero_bubble = False
+    for i in range(r + 1):  # 6: nB1B0, the second half zero bubble
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zero_bubble = True
+        bwd(1, zero_bubble)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zero_bubble = True
+        bwd(0, zero_bubble)
+    for _ in range(p - r - 1):  # 7: nWB0 (zero bubble)
+        weight()
+        bwd(0, True)
+    while queue:  # 8: nW
+        weight()
+    return out

@@ -1,4 +1,4 @@
-"""The V-shaped schedule zb-v through the engine and launch/train.py's loop.
+"""The V-shaped schedules zb-v and dualpipe-v through the engine and launch/train.py's loop.
 
 1. Loss trajectories: 4 fp32 steps of the tiny reference GPT (tied embedding) through the
    loop launch/train.py runs (engine.initialize + engine.training.trainer.train) at
@@ -9,6 +9,8 @@
    parameter on rank 0, as in one process). With an untied embedding, zb-v's losses equal
    1F1B's BIT FOR BIT at pp 2: the same micro-batch sums in the same order (each W
    accumulates its micro-batch's weight gradient in micro-batch order).
+   dualpipe-v the same way at (1,1,2) (tied, and untied: bit for bit), (2,1,2) ZeRO-3,
+   (1,2,2) ZeRO-2, (1,1,4) and (1,2,4) ZeRO-1 (micro-batches of 1 where it needs 2p of them).
    Then eval_batch (forward-only walk in V placement) and the weights gathered into one
    dense model on rank 0 give the same eval loss.
 2. launch/train.py under torchrun with zb-v at pp 2: the per-step losses of one process,
@@ -43,12 +45,15 @@ RTOL = 1e-5
 STD = sysconfig.get_paths()["stdlib"]
 
 
-def tiny_config(cache_dir: str, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, schedule: str = "zb-v",
-                sp: bool = False, ckpt: int = 0, layers: int = 2, tie: bool = True) -> dict:
-    """The tiny reference GPT with a global batch of 8 sequences (micro-batch 2)."""
-    v = 2 if schedule in ("zb-v", "interleaved-1f1b") and pp > 1 else 1
+def tiny_config(cache_dir: str, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0, schedule: str = "zb-v", *,
+                sp: bool = False, ckpt: int = 0, micro: int = 2, layers: int = 2, **model: bool) -> dict:
+    """The tiny reference GPT with a global batch of 8 sequences (micro-batch 2; dualpipe-v needs
+    2p micro-batches per replica, so some of its layouts take micro-batches of 1);
+    ``tie=False``: untied embedding."""
+    tie = model.get("tie", True)
+    v = 2 if schedule in ("zb-v", "dualpipe-v", "interleaved-1f1b") and pp > 1 else 1
     return {
-        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "seed": 7, "gradient_clipping": 1.0,
+        "train_batch_size": 8, "train_micro_batch_size_per_gpu": micro, "seed": 7, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
         "scheduler": {"type": "cosine", "params": {"warmup_num_steps": 2, "total_num_steps": 8}},
         "zero_optimization": {"stage": zero, "reduce_bucket_size": 5000},
@@ -120,10 +125,12 @@ def _check(world, layouts, cache_dir, reference):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_zb_v_trains_like_one_process_at_pp2(cache_dir, reference):
-    layouts = [dict(pp=2), dict(pp=2, ckpt=1), dict(pp=2, tie=False), dict(pp=2, tie=False, schedule="1f1b")]
+    layouts = [dict(pp=2), dict(pp=2, ckpt=1), dict(pp=2, tie=False), dict(pp=2, tie=False, schedule="1f1b"),
+               dict(pp=2, schedule="dualpipe-v"), dict(pp=2, tie=False, schedule="dualpipe-v")]
     runs = _check(2, layouts, cache_dir, reference)
-    untied = [runs[json.dumps(dict(pp=2, tie=False, **s), sort_keys=True)] for s in ({}, {"schedule": "1f1b"})]
-    assert untied[0] == untied[1], f"zb-v vs 1F1B, bit for bit: {untied}"
+    untied = [runs[json.dumps(dict(pp=2, tie=False, **s), sort_keys=True)]
+              for s in ({}, {"schedule": "1f1b"}, {"schedule": "dualpipe-v"})]
+    assert untied[0] == untied[1] == untied[2], f"zb-v, 1F1B, dualpipe-v, bit for bit: {untied}"
     assert reference["two"][STEPS - 1] < reference["two"][0] - 0.01, f"the tiny model did not learn: {reference}"
 
 
@@ -131,13 +138,16 @@ def test_zb_v_trains_like_one_process_at_pp2(cache_dir, reference):
 @pytest.mark.timeout(600)
 def test_zb_v_with_dp_zero_tp_and_pp4(cache_dir, reference):
     _check(4, [dict(dp=2, pp=2, zero=1), dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, zero=3),
-               dict(tp=2, pp=2, zero=1, sp=True), dict(pp=4, layers=6)], cache_dir, reference)
+               dict(tp=2, pp=2, zero=1, sp=True), dict(pp=4, layers=6),
+               dict(dp=2, pp=2, zero=3, micro=1, schedule="dualpipe-v"), dict(tp=2, pp=2, zero=2, schedule="dualpipe-v"),
+               dict(pp=4, layers=6, micro=1, schedule="dualpipe-v")], cache_dir, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_zb_v_on_eight_ranks(cache_dir, reference):
-    _check(8, [dict(dp=2, pp=4, zero=3, layers=6), dict(tp=2, pp=4, zero=1, layers=6)], cache_dir, reference)
+    _check(8, [dict(dp=2, pp=4, zero=3, layers=6), dict(tp=2, pp=4, zero=1, layers=6, micro=1, schedule="dualpipe-v")],
+           cache_dir, reference)
 
 
 # ------------------------------------------------------------------ 2. launch/train.py

@@ -99,21 +99,52 @@ def test_zb_v_arguments():
         build_all("zb-v", 1, 8, 2)
 
 
-def test_config_takes_zb_v_with_two_chunks_and_refuses_dualpipe_v_by_name():
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+def test_config_takes_v_schedules_with_two_chunks(name):
     from engine.config import load_config
 
     def cfg(**pipe):
         return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
-                "pipeline": {"stages": 2, "schedule": "zb-v", "virtual_stages": 2, **pipe}}
+                "pipeline": {"stages": 2, "schedule": name, "virtual_stages": 2, **pipe}}
 
     got = load_config(cfg(), world_size=2).pipeline
-    assert (got.schedule, got.virtual_stages, got.stages) == ("zb-v", 2, 2)
+    assert (got.schedule, got.virtual_stages, got.stages) == (name, 2, 2)
     with pytest.raises(ConfigError, match="exactly two model chunks.*set pipeline.virtual_stages to 2"):
         load_config(cfg(virtual_stages=1), world_size=2)
     with pytest.raises(ConfigError, match="needs pipeline.stages >= 2"):
         load_config(cfg(stages=1), world_size=1)
-    with pytest.raises(ConfigError, match="pipeline.schedule 'dualpipe-v': DualPipeV .* not implemented"):
-        load_config(cfg(schedule="dualpipe-v"), world_size=2)
+
+
+# ------------------------------------------------------------------ DualPipeV
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 1, 3, 8])
+def test_dualpipe_v_every_compute_once_and_simulated(p, extra):
+    m = 2 * p + extra
+    per_rank = build_all("dualpipe-v", p, m, 2)
+    for r in range(p):
+        compute = [a for a in per_rank[r] if a.is_compute]
+        assert compute == compute_order("dualpipe-v", r, p, m, 2)
+        fwd = sorted((a.microbatch, a.chunk) for a in compute if a.kind is K.FORWARD)
+        assert fwd == [(i, c) for i in range(m) for c in range(2)]
+        # each (micro-batch, chunk) one full backward B, or an input grad I and its weight grad W
+        full = {(a.microbatch, a.chunk) for a in compute if a.kind is K.BACKWARD}
+        inp = sorted((a.microbatch, a.chunk) for a in compute if a.kind is K.BACKWARD_INPUT)
+        wgt = sorted((a.microbatch, a.chunk) for a in compute if a.kind is K.BACKWARD_WEIGHT)
+        assert inp == wgt and not full & set(inp) and sorted(full | set(inp)) == fwd
+        assert inp, "the zero-bubble phases split some backwards"
+    res = simulate(per_rank, m, 2, placement="v")
+    assert max(res.peak_activations) <= 2 * p + 1
+    assert res.bubble_fraction < simulate(build_all("1f1b", p, m), m).bubble_fraction
+    simulate(per_rank, m, 2, costs=lambda r, a: 1.0 + 0.3 * r + (0.7 if a.kind is K.BACKWARD_WEIGHT else 0.0),
+             comm_cost=0.4, placement="v")
+
+
+def test_dualpipe_v_overlapped_pairs_are_adjacent_and_few_microbatches_are_refused():
+    # phase 4 of rank 0 at p 2, m 6: F0 B1 F1 B0 pairs (forward of one chunk, backward of the other)
+    order = [str(a) for a in compute_order("dualpipe-v", 0, 2, 6, 2)]
+    assert "F3 B1.1 F2.1 B0 F4 B2.1 F3.1 B1" in " ".join(order)
+    with pytest.raises(ConfigError, match="at least 2 x pipeline stages = 8 micro-batches"):
+        build_all("dualpipe-v", 4, 7, 2)
 
 
 def test_loss_stage_is_rank_0_in_v_placement():
