@@ -298,7 +298,7 @@ def _sim_length(schedule: str, p: int, m: int, v: int) -> int:
     """The micro-batch count simulated: ``m`` up to ``max(p + 2, 8)``, else that (the
     steady state is reached after p micro-batches; the rest is extrapolated), rounded up to
     a multiple of p for interleaved 1F1B."""
-    n = max(p + 2, SIM_MICROBATCH_MIN)
+    n = max(p + 2, SIM_MICROBATCH_MIN, 2 * p if schedule == "dualpipe-v" else 0)  # dualpipe-v: m >= 2p
     if m <= n:
         return m
     if schedule == "interleaved-1f1b":
