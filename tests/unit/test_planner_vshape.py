@@ -62,3 +62,15 @@ def test_the_search_takes_zb_v_when_named():
                  schedules=("1f1b", "zb-v"))
     found = {(p.layout.schedule, p.layout.virtual_stages) for p in plans if p.layout.pp == 4 and not p.reasons}
     assert ("zb-v", 2) in found and ("1f1b", 1) in found
+
+
+def test_dualpipe_v_is_modelled_and_needs_2p_microbatches():
+    lay = _layout(schedule="dualpipe-v")
+    assert check_layout(SMALL, lay, FREE) == []
+    assert any("2 x pipeline stages" in w for w in check_layout(SMALL, _layout(schedule="dualpipe-v",
+                                                                                num_microbatches=6), FREE))
+    _, bubble, _ = pipeline_makespan(SMALL, lay, FREE)
+    _, one_f, _ = pipeline_makespan(SMALL, _layout(schedule="1f1b", virtual_stages=1), FREE)
+    assert 0 < bubble < one_f
+    # longer than the simulated length: extrapolated from at least 2p micro-batches
+    assert pipeline_makespan(SMALL, _layout(pp=4, schedule="dualpipe-v", num_microbatches=64), FREE)[0] > 0
