@@ -61,6 +61,8 @@ class Pipeline(Protocol):
     of a step's micro-batches on the last stage, None on the others. ``loss_fn``: this step's
     last-stage loss (the engine's token mean), instead of the runner's own."""
 
+    loss_stage: int  # the pipeline rank holding the last model stage (p - 1; 0 in V placement)
+
     def prepare(self, microbatches: Sequence[MicroBatch]) -> None: ...
 
     def train(self, microbatches: Sequence[MicroBatch],
@@ -219,7 +221,13 @@ class Engine(nn.Module):
         return self.groups is None or self.groups.is_first_stage
 
     def is_last_stage(self) -> bool:
-        return self.groups is None or self.groups.is_last_stage
+        """This rank holds the last model stage (the head and the loss): pipeline rank p - 1,
+        or 0 with a V-shaped schedule (zb-v), where it is also the first stage."""
+        if self.groups is None:
+            return True
+        if self.pipeline is not None:
+            return self.groups.pp_rank == self.pipeline.loss_stage
+        return self.groups.is_last_stage
 
     # ------------------------------------------------------------------ the DeepSpeed loop
     def _require_no_pipeline(self, what: str) -> None:
@@ -423,7 +431,7 @@ class Engine(nn.Module):
             groups = self.groups
             assert groups is not None  # destroy() drops the pipeline with the groups
             stages = groups.role(Role.PP)
-            comm.broadcast(out, stages.global_rank_of(stages.size - 1), stages)
+            comm.broadcast(out, stages.global_rank_of(self.pipeline.loss_stage), stages)
         return out
 
     # ------------------------------------------------------------------ teardown

@@ -34,7 +34,7 @@ from engine.distributed.groups import NO_TP, AxisGroup
 from engine.engine import Engine
 from engine.models import GPT
 from engine.pipeline.partition import layers_of
-from engine.pipeline.schedule import stage_index
+from engine.pipeline.schedule import placement_of, stage_index
 from engine.pipeline.stages import reference_layer_params, stage_bounds
 from engine.tensor_parallel.layers import gather_full_tensor
 from engine.topology import Role
@@ -90,7 +90,7 @@ def _receive_later_stages(model: GPT, cfg, groups, dtype: torch.dtype, device: t
     bounds = stage_bounds(reference_layer_params(cfg.model), cfg)
     for stage in range(1, cfg.pp):
         for c in range(cfg.pipeline.virtual_stages):
-            for idx in layers_of(bounds, stage, cfg.pp, c):
+            for idx in layers_of(bounds, stage, cfg.pp, c, placement_of(cfg.pipeline.schedule)):
                 for _name, target in model.layers[idx].named_parameters():
                     buf = torch.empty(target.shape, dtype=dtype, device=device)
                     op = comm.p2p_op(dist.irecv, buf, groups.pp_ranks[stage], groups.pp_group)

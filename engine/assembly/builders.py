@@ -44,15 +44,16 @@ def _stage_module(cfg: Config, chunks: Sequence[nn.Module]) -> nn.Module:
     return nn.ModuleList(chunks) if cfg.pp > 1 else chunks[0]
 
 
-def _tied_reference(cfg: Config, groups: ParallelGroups, chunks: Sequence[Any]) -> tuple[nn.Parameter, ...]:
-    """The tied embedding / head weight on the first and the last stage (``pp > 1``)."""
-    tied = []
-    if cfg.pp > 1 and cfg.model is not None and cfg.model.tie_embeddings:
-        if groups.is_first_stage:
-            tied.append(chunks[0].layers[0].weight)
-        if groups.is_last_stage:
-            tied.append(chunks[-1].layers[-1].weight)
-    return tuple(tied)
+def _tied_reference(cfg: Config, chunks: Sequence[Any]) -> tuple[nn.Parameter, ...]:
+    """The tied embedding / head weight where the first and the last model stage are on
+    different pipeline ranks (``pp > 1``; summed over the embedding group). In V placement
+    both are on rank 0 and share one parameter: nothing to sum."""
+    if cfg.pp == 1 or cfg.model is None or not cfg.model.tie_embeddings:
+        return ()
+    first, last = chunks[0].is_first, chunks[-1].is_last
+    if first and last:
+        return ()
+    return tuple(([chunks[0].layers[0].weight] if first else []) + ([chunks[-1].layers[-1].weight] if last else []))
 
 
 def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, device: torch.device,
@@ -80,7 +81,7 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     # the engine's own loss (none given): train_batch / eval_batch take the global token mean
     token = None if loss_fn is not None else TokenLoss(
         lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp_group, reduction="sum"))
-    parts = ModelParts(module, tuple(chunks), _tied_reference(cfg, groups, chunks), loss, dtype, reference=True,
+    parts = ModelParts(module, tuple(chunks), _tied_reference(cfg, chunks), loss, dtype, reference=True,
                        token_loss=token)
     return parts, OptimizerInputs(module, optimizer_factory(cfg.optimizer))
 

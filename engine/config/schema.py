@@ -254,8 +254,8 @@ class PipelineConfig(_Section):
     stages: int = 1
     partition: str = "parameters"  # "parameters" | "uniform" | "blocks": sections.PARTITION_METHODS
     activation_checkpoint_interval: int = 0  # checkpoint every N layers; 0 = off
-    schedule: str = "1f1b"  # "1f1b" | "gpipe" | "interleaved-1f1b" | "zb-h1"
-    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b only)
+    schedule: str = "1f1b"  # "1f1b" | "gpipe" | "interleaved-1f1b" | "zb-h1" | "zb-v" | "dualpipe-v"
+    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b; exactly 2 with zb-v, dualpipe-v)
     seed_layers: bool = False
     pipe_partitioned: bool = True
     grad_partitioned: bool = True

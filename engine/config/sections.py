@@ -209,10 +209,9 @@ def parse_activation_checkpointing(top: Section) -> ActivationCheckpointingConfi
     )
 
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
-# Schedules the pipeline executor runs but the engine does not yet wire (the loss and the tied
-# embedding on rank 0, the token count, checkpoints): refused by name rather than run half-done.
-EXECUTOR_ONLY_SCHEDULES = ("zb-v",)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
+# Schedules that take two model chunks per rank in V placement (engine.pipeline.schedule.V_SCHEDULES).
+V_PIPELINE_SCHEDULES = ("zb-v", "dualpipe-v")
 
 # Layers to pipeline stages: the one table of the names ``pipeline.partition`` and
 # PipelineModule's ``partition_method`` take, one meaning each (the config layer holds it so
@@ -232,11 +231,6 @@ CONFIG_PARTITION_METHODS = tuple(m for m in PARTITION_METHODS if not m.startswit
 def parse_pipeline(top: Section) -> PipelineConfig:
     s = top.sub("pipeline", _names(PipelineConfig))
     d = PipelineConfig()
-    raw = s.raw("schedule")
-    if isinstance(raw, str) and raw.lower() in EXECUTOR_ONLY_SCHEDULES:
-        raise ConfigError(f"pipeline.schedule {raw!r} runs in engine.pipeline.executor.PipelineExecutor but not yet "
-                          f"through the engine (initialize / launch/train.py): choose one of "
-                          f"{', '.join(PIPELINE_SCHEDULES)}")
     cfg = PipelineConfig(
         stages=s.int("stages", d.stages, min=1,
                      auto_hint=" (DeepSpeed takes it from the model object)"),
@@ -251,9 +245,17 @@ def parse_pipeline(top: Section) -> PipelineConfig:
     if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages < 2:
         raise ConfigError("pipeline.virtual_stages must be >= 2 with pipeline.schedule \"interleaved-1f1b\" "
                           "(with one chunk per rank it is plain 1F1B): set virtual_stages, or schedule \"1f1b\"")
-    if cfg.schedule != "interleaved-1f1b" and cfg.virtual_stages != 1:
+    if cfg.schedule in V_PIPELINE_SCHEDULES and cfg.stages < 2:
+        raise ConfigError(f"pipeline.schedule \"{cfg.schedule}\" needs pipeline.stages >= 2 (got {cfg.stages}): "
+                          "set more stages, or use \"1f1b\" without a pipeline")
+    if cfg.schedule in V_PIPELINE_SCHEDULES and cfg.virtual_stages != 2:
+        raise ConfigError(f"pipeline.schedule \"{cfg.schedule}\" runs exactly two model chunks per rank in V "
+                          f"placement (rank r holds stages r and 2p-1-r): set pipeline.virtual_stages to 2 "
+                          f"(got {cfg.virtual_stages})")
+    if cfg.schedule not in ("interleaved-1f1b", *V_PIPELINE_SCHEDULES) and cfg.virtual_stages != 1:
         raise ConfigError(f"pipeline.virtual_stages = {cfg.virtual_stages} needs pipeline.schedule "
-                          f"\"interleaved-1f1b\" (got \"{cfg.schedule}\"): change the schedule or set virtual_stages 1")
+                          f"\"interleaved-1f1b\" (or 2 with \"zb-v\" / \"dualpipe-v\"; got \"{cfg.schedule}\"): change the "
+                          "schedule or set virtual_stages 1")
     return cfg
 
 

@@ -1,7 +1,8 @@
 """Pipeline parallelism: schedules as data, a process-free simulator, partitioning, executor.
 
 - :mod:`engine.pipeline.actions`: the instruction set (``F3``, ``B2``, ``SEND_ACT3`` ...).
-- :mod:`engine.pipeline.schedule`: gpipe, 1f1b, interleaved-1f1b, zb-h1 as pure functions.
+- :mod:`engine.pipeline.schedule`: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipe-v as pure functions
+  (the V-shaped orders in :mod:`engine.pipeline.vshape`).
 - :mod:`engine.pipeline.simulate`: pairs sends with receives, detects deadlock, times a schedule.
 - :mod:`engine.pipeline.partition`: layers to stages.
 - :mod:`engine.pipeline.executor`: runs one rank's action list with point-to-point comms.

@@ -26,7 +26,8 @@ ranks may pass ``None``.
 Step arithmetic (:mod:`engine.zero.step`, the one contract): the executor differentiates
 ``grads.scale_loss(loss, num_microbatches)`` for each microbatch (``loss / m`` times the
 loss scale), keeps the unscaled loss for reporting, calls ``grads.set_boundary(True)``
-around the last gradient-producing action (``B`` or ``W``) of each model chunk, so a ZeRO
+around the last gradient-producing action (``B`` or ``W``) of each model chunk (of the later of
+two chunks that share a parameter: V placement's tied embedding and head), so a ZeRO
 optimizer launches that chunk's data-parallel reductions while the rest of the schedule
 runs, and ``grads.finish_backward()`` after the last action (reductions completed, tied
 weights summed). ``grads`` is the ZeRO optimizer, or :class:`engine.zero.step.LocalGradients`
@@ -47,6 +48,10 @@ draws them (every rank needs a data_iter); each chunk's forward of that microbat
 called as ``chunk(x, **kwargs)``. This is how data-side tensors every stage needs (the
 document ids of packed sequences) reach the middle stages without extra communication:
 all stages of a data-parallel replica read the same micro-batches.
+
+ZeRO-3 (``gather_params``, the optimizer's ``gather_for_modification``): a deferred weight
+pass (``W``) restarts autograd below the unit's pre-backward gather, so the executor makes
+its parameters whole first; the unit is released again when their gradients have arrived.
 
 Memory: an output is kept only until its backward; its data is released as soon as its
 send completes (the backward restarts from its autograd edge, which does not need the
@@ -102,6 +107,22 @@ def last_grad_actions(actions: Sequence[Action]) -> dict[int, int]:
     return last
 
 
+def _boundary_actions(actions: Sequence[Action], chunks: Sequence[torch.nn.Module]) -> dict[int, int]:
+    """chunk -> index of the action around which its data-parallel reductions launch: its last
+    gradient action, or, for chunks sharing a parameter (V placement's tied embedding and head,
+    both on rank 0), the later of theirs, so that parameter's gradient is complete when reduced."""
+    last = last_grad_actions(actions)
+    params = [{id(p) for p in c.parameters()} for c in chunks]
+    changed = True
+    while changed:
+        changed = False
+        for a in last:
+            for b in last:
+                if a != b and params[a] & params[b] and last[a] < last[b]:
+                    last[a], changed = last[b], True
+    return last
+
+
 class PipelineExecutor:
     """One pipeline rank: its chunk(s), its action list, and the state of the step in flight.
 
@@ -115,7 +136,8 @@ class PipelineExecutor:
                  schedule: str = "1f1b", activation_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None, activation_checkpointing: bool = False,
                  free_sent_outputs: bool = True, grads: Optional[GradientStep] = None,
-                 broadcast_loss: bool = True, record: bool = True, side_inputs: bool = False) -> None:
+                 broadcast_loss: bool = True, record: bool = True, side_inputs: bool = False,
+                 gather_params: Optional[Callable[[list[torch.nn.Parameter]], None]] = None) -> None:
         self.chunks = list(chunks)
         self.stage, self.num_stages = stage, len(stage_ranks)
         self.virtual_stages = len(self.chunks)
@@ -146,12 +168,13 @@ class PipelineExecutor:
             raise ValueError("tied parameters on a multi-stage pipeline need LocalGradients(tied, embedding_group) "
                              "with the first and last stage's group (ParallelGroups.embedding_group) to sum "
                              "their gradients over")
-        self._last_grad = last_grad_actions(self.actions)  # chunk -> its boundary action
+        self._last_grad = _boundary_actions(self.actions, self.chunks)  # chunk -> its boundary action
         self._eval = False  # running the forward-only schedule
         self._m = num_microbatches  # microbatches of the run in progress
         self.broadcast_loss = broadcast_loss
         self.record = record
         self.side_inputs = side_inputs
+        self.gather_params = gather_params  # ZeRO-3: make parameters whole before a W pass
         self.records: list[ActionRecord] = []
         self._clock = make_clock(self.device)
         self._raw: list[tuple] = []  # (name, kind, mb, chunk, start mark, end mark) until resolved
@@ -454,7 +477,7 @@ class PipelineExecutor:
         self._keep_input_grad(mb, chunk, dx)
 
     def _backward_weight(self, mb: int, chunk: int) -> None:
-        backward_weight(self._state["w"].pop((mb, chunk)))
+        backward_weight(self._state["w"].pop((mb, chunk)), self.gather_params)
 
     # ------------------------------------------------------------------ communication
     def _post(self, acts: list[Action]) -> None:

@@ -51,27 +51,34 @@ def _decode(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 @torch.no_grad()
 def probe_boundary(chunks: Sequence[nn.Module], inputs: torch.Tensor, groups: ParallelGroups, num_stages: int,
-                   device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:
+                   device: torch.device, placement: str = "loop") -> tuple[tuple[int, ...], torch.dtype]:
     """The one (shape, dtype) every stage boundary carries, measured on ``inputs`` (the first
-    micro-batch's inputs; used by the first virtual stage only)."""
+    micro-batch's inputs; used by the first virtual stage only). ``placement``: the
+    schedule's (a hop between two chunks of one rank, V placement's turn, is handed over here)."""
     stage, v = groups.pp_rank, len(chunks)
     ranks = list(groups.pp_ranks)
     mine = torch.full((v, _HEADER), -1, dtype=torch.int64, device=device)  # output header of each local chunk
+    local: Any = None  # the output handed to this rank's next chunk (V placement's turn)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for c in range(v):
-            prev = prev_hop(stage, c, num_stages)
+            prev = prev_hop(stage, c, num_stages, placement)
             if prev is None:
                 x = inputs.to(device)
+            elif prev[0] == stage:
+                x = torch.zeros_like(local)
             else:
                 h = torch.empty(_HEADER, dtype=torch.int64, device=device)
                 dist.recv(h, ranks[prev[0]], group=groups.pp_group.process_group)
                 shape, dtype = _decode(h)
                 x = torch.zeros(shape, dtype=dtype, device=device)
             out = chunks[c](x)
-            nxt = next_hop(stage, c, num_stages, v)
+            nxt = next_hop(stage, c, num_stages, v, placement)
             if nxt is not None:
                 mine[c] = _header(out, device)
-                dist.send(mine[c], ranks[nxt[0]], group=groups.pp_group.process_group)
+                if nxt[0] == stage:
+                    local = out
+                else:
+                    dist.send(mine[c], ranks[nxt[0]], group=groups.pp_group.process_group)
     everyone = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(everyone, mine, group=groups.pp_group.process_group)
     found = {_decode(h) for t in everyone for h in t if int(h[0]) >= 0}

@@ -17,7 +17,7 @@ them from its own copy (the executor's ``side_inputs``) and nothing extra is sen
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,9 @@ from engine.data.microbatch import split_microbatch, to_microbatch
 from engine.distributed.groups import ParallelGroups
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.probe import probe_boundary
+from engine.pipeline.schedule import loss_stage, placement_of
 from engine.pipeline.stages import check_doc_ids
+from engine.zero.stage3 import Zero3Optimizer
 from engine.zero.step import GradientStep
 
 __all__ = ["PipelineRunner", "activation_shape", "microbatch_doc_ids"]
@@ -53,9 +55,23 @@ def microbatch_doc_ids(mb: Any) -> Optional[torch.Tensor]:
     return to_microbatch(mb).doc_ids
 
 
+def _weight_pass_gather(grads: GradientStep) -> Optional[Callable[[list[nn.Parameter]], None]]:
+    """ZeRO-3 releases a unit between uses: a deferred weight pass (zb-h1, zb-v) makes its
+    parameters whole first (the executor's ``gather_params``); None for the other stages."""
+    if not isinstance(grads, Zero3Optimizer):
+        return None
+    opt = grads
+
+    def gather(params: list[nn.Parameter]) -> None:
+        opt.gather_for_modification(cast(list[torch.Tensor], params))
+
+    return gather
+
+
 class PipelineRunner:
     """This rank's pipeline: ``train(microbatches)`` / ``evaluate(microbatches)`` return the
-    per-step losses on the last stage and None elsewhere."""
+    per-step losses on the rank holding the last model stage (``loss_stage``: ``p - 1``, or 0
+    in V placement) and None elsewhere."""
 
     def __init__(self, chunks: Sequence[nn.Module], cfg: Config, groups: ParallelGroups, loss_fn: LossFn,
                  *, device: torch.device, dtype: torch.dtype, grads: GradientStep,
@@ -71,6 +87,8 @@ class PipelineRunner:
         self.cfg, self.groups, self.loss_fn, self.grads = cfg, groups, loss_fn, grads
         self.device, self.dtype = device, dtype
         self.stage, self.num_stages = groups.pp_rank, cfg.pp
+        # the pipeline rank with the head and the loss: p - 1, or 0 in V placement (zb-v)
+        self.loss_stage = loss_stage(cfg.pipeline.schedule, cfg.pp, cfg.pipeline.virtual_stages)
         self.stage_ranks = list(groups.pp_ranks)
         self.document_masking = cfg.data.document_masking
         self._executor: Optional[PipelineExecutor] = None
@@ -85,7 +103,8 @@ class PipelineRunner:
             loss_fn=self.loss_fn, grads=self.grads,
             schedule=self.cfg.pipeline.schedule, activation_dtype=dtype, device=self.device,
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
-            broadcast_loss=False, record=False, side_inputs=self.document_masking)
+            broadcast_loss=False, record=False, side_inputs=self.document_masking,
+            gather_params=_weight_pass_gather(self.grads))
 
     def prepare(self, microbatches: Sequence[Any]) -> None:
         """One-time setup before a step, outside its no-host-sync region: the boundary-shape
@@ -93,7 +112,8 @@ class PipelineRunner:
         headers happen here; see :mod:`engine.distributed.strict`, rule 6); nothing otherwise."""
         if self._executor is None:
             inputs, _ = self._split(microbatches[0])
-            self._build(*probe_boundary(self.chunks, inputs, self.groups, self.num_stages, self.device))
+            self._build(*probe_boundary(self.chunks, inputs, self.groups, self.num_stages, self.device,
+                                        placement_of(self.cfg.pipeline.schedule)))
 
     @property
     def executor(self) -> PipelineExecutor:
@@ -103,7 +123,8 @@ class PipelineRunner:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        """This rank computes the loss (holds the last model stage; rank 0 in V placement)."""
+        return self.stage == self.loss_stage
 
     def _side(self, mb: Any) -> dict:
         """Chunk keyword inputs of a micro-batch: ``{"doc_ids": (B, S)}`` with document masking."""

@@ -10,8 +10,8 @@ global order is what keeps FIFO communication streams (NCCL) free of cycles. The
 simulator (:mod:`engine.pipeline.simulate`) checks both properties for any cost model.
 
 Names (``pipeline.schedule`` and every command line): ``gpipe``, ``1f1b``,
-``interleaved-1f1b`` (with ``virtual_stages`` model chunks per rank), ``zb-h1`` and ``zb-v``
-(two chunks per rank in V placement, :mod:`engine.pipeline.vshape`). Which model stage a
+``interleaved-1f1b`` (with ``virtual_stages`` model chunks per rank), ``zb-h1``, and ``zb-v``
+and ``dualpipe-v`` (two chunks per rank in V placement, :mod:`engine.pipeline.vshape`). Which model stage a
 rank's chunk holds is :func:`stage_index`, the one answer for every schedule.
 Evaluation runs :func:`forward_only` (no backward, any number of micro-batches and model
 chunks) through the same executor; the simulator checks it with ``forward_only=True``.
@@ -24,9 +24,9 @@ from collections import deque
 from typing import Callable, Sequence
 
 from engine.errors import ConfigError
-from engine.pipeline.actions import Action, ActionKind, is_local_hop, next_hop, prev_hop, virtual_stage
+from engine.pipeline.actions import Action, ActionKind, is_local_hop, next_hop, prev_hop, stage_and_chunk, virtual_stage
 from engine.pipeline.simulate import producer, reference_times
-from engine.pipeline.vshape import zb_v_orders
+from engine.pipeline.vshape import dualpipe_v_order, zb_v_orders
 from engine.validate import check_int
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "V_SCHEDULES",
     "placement_of",
     "stage_index",
+    "loss_stage",
     "build_schedule",
     "build_all",
     "gpipe",
@@ -53,8 +54,8 @@ __all__ = [
 F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
               ActionKind.BACKWARD_WEIGHT)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
-V_SCHEDULES = ("zb-v",)  # V placement, exactly two chunks per rank
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
+V_SCHEDULES = ("zb-v", "dualpipe-v")  # V placement, exactly two chunks per rank
 
 
 def placement_of(name: str) -> str:
@@ -72,6 +73,14 @@ def stage_index(name: str, rank: int, chunk: int, num_stages: int, virtual_stage
     check_int("chunk", chunk, minimum=0, maximum=virtual_stages - 1,
               fix=f"it is outside the {virtual_stages} chunks per rank")
     return virtual_stage(rank, chunk, num_stages, placement_of(name))
+
+
+def loss_stage(name: str, num_stages: int, virtual_stages: int = 1) -> int:
+    """The pipeline rank holding the last model stage (the head and the loss): ``p - 1`` in the
+    loop placement, 0 in V placement (where it also holds the embedding)."""
+    check_int("num_stages (pipeline-parallel size)", num_stages, minimum=1)
+    check_int("virtual_stages", virtual_stages, minimum=1)
+    return stage_and_chunk(num_stages * virtual_stages - 1, num_stages, placement_of(name))[0]
 
 
 def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches: int,
@@ -100,6 +109,9 @@ def check_schedule_args(name: str, stage: int, num_stages: int, num_microbatches
         if virtual_stages != 2:
             raise ConfigError(f"{name} runs exactly two model chunks per rank (V placement): set "
                               f"pipeline.virtual_stages to 2 (got {virtual_stages})")
+        if name == "dualpipe-v" and num_microbatches < 2 * num_stages:
+            raise ConfigError(f"dualpipe-v needs at least 2 x pipeline stages = {2 * num_stages} micro-batches "
+                              f"(got {num_microbatches}): raise gradient_accumulation_steps, or use zb-v")
     elif virtual_stages != 1:
         raise ConfigError(f"pipeline.virtual_stages={virtual_stages} needs schedule "
                           f"'interleaved-1f1b' (or 2 with a V schedule: {', '.join(V_SCHEDULES)}); "
@@ -222,6 +234,7 @@ _COMPUTE: dict[str, Callable[[int, int, int, int], list[Action]]] = {
     "interleaved-1f1b": _interleaved_compute,
     "zb-h1": lambda s, p, m, v: _zb_h1_compute(s, p, m),
     "zb-v": lambda s, p, m, v: list(zb_v_orders(p, m)[s]),
+    "dualpipe-v": lambda s, p, m, v: dualpipe_v_order(s, p, m),
 }
 
 

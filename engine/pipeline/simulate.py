@@ -115,7 +115,8 @@ def bubble_formula(schedule: str, num_stages: int, num_microbatches: int, virtua
     (p-1)*(f + b_i - b_w) while its busy time stays m*(f + backward) - with backward =
     2 x forward a third of 1F1B's idle time (p-1)*(f + backward). zb-v (two half-stage chunks
     per rank, backward split evenly, m >= p): only the first forwards wait, (p-1)*f/2; the
-    lower bound, which :mod:`engine.pipeline.vshape`'s order attains (see there).
+    lower bound, which :mod:`engine.pipeline.vshape`'s order attains for the micro-batch counts listed
+    there (stage 0, which has no input gradient, runs one whole backward in that order).
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
     if schedule in ("gpipe", "1f1b"):

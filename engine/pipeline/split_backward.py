@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -141,8 +141,14 @@ def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Option
     return dx, WeightGradState(groups)
 
 
-def backward_weight(state: WeightGradState) -> None:
-    """Accumulate the parameter gradients into ``.grad`` (the deferred half of the backward)."""
+def backward_weight(state: WeightGradState,
+                    gather: Optional[Callable[[list[torch.nn.Parameter]], None]] = None) -> None:
+    """Accumulate the parameter gradients into ``.grad`` (the deferred half of the backward).
+
+    ``gather(params)``: makes ``params`` whole before their gradients are accumulated (ZeRO-3
+    releases a unit between uses; the weight pass restarts below the unit's pre-backward
+    hook, so it would otherwise meet the empty placeholder). Called on every rank of the
+    data-parallel group in the same order, since every replica runs the same schedule."""
     if state.root is not None:
         full_backward(state.root, state.root_grad)
         state.root = state.root_grad = None
@@ -161,6 +167,8 @@ def backward_weight(state: WeightGradState) -> None:
                 pins.append(j.register_prehook(lambda _go, c=captured: c))
         try:
             if edges:
+                if gather is not None:
+                    gather(g.params)
                 # through the parameters' AccumulateGrad nodes, so .grad hooks (ZeRO) fire
                 with _in_phase("weight"):
                     torch.autograd.backward(edges, grad_tensors=grads, inputs=g.params, retain_graph=True)

@@ -34,7 +34,9 @@ from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
 from engine.models.attention import AttnMask
 from engine.models.blocks import attention_inputs, forward_layers
+from engine.pipeline.actions import stage_and_chunk
 from engine.pipeline.partition import layers_of, partition_layers
+from engine.pipeline.schedule import placement_of as schedule_placement
 from engine.placement import placement_of, set_placement
 from engine.precision.fp8 import fp8_recipe_from_config, fp8_states
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -160,13 +162,19 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
         logger.info("FP8 GEMMs in the blocks' linear layers (recipe %s, format %s); embedding and LM head in %s",
                     recipe.scaling, recipe.fp8_format, dtype)
     chunks = []
+    placement = schedule_placement(cfg.pipeline.schedule)
     for c in range(cfg.pipeline.virtual_stages):
-        rng = layers_of(bounds, pp_rank, cfg.pp, c)
+        rng = layers_of(bounds, pp_rank, cfg.pp, c, placement)
         layers = build_stage_layers(model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                                     seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype,
                                     fp8_recipe=recipe)
         chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval,
                                  document_masking=cfg.data.document_masking))
+    if model.tie_embeddings and chunks[0].is_first and chunks[-1].is_last and len(chunks) > 1:
+        # V placement: the embedding (chunk 0) and the head (chunk 1) are on this rank, so the
+        # head uses the embedding's very parameter (as in one process) instead of a copy to sync
+        head = chunks[-1].layers[-1]
+        head.weight = chunks[0].layers[0].weight
     return chunks
 
 
@@ -216,7 +224,8 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
         raise ValueError(f"bounds cut {len(bounds) - 1} pieces, the pipeline has "
                          f"{cfg.pp * cfg.pipeline.virtual_stages}")
     interval = cfg.pipeline.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
-    shared = _shared_across_stages(layers, bounds, cfg.pp)
+    placement = schedule_placement(cfg.pipeline.schedule)
+    shared = _shared_across_stages(layers, bounds, cfg.pp, placement)
     # first layer using each shared parameter, taken before the last stage swaps in its copies
     # (a module shared by two layers, e.g. a TiedLayerSpec, gets the copy in both places)
     first_use = {pid: min(i for i, m in enumerate(layers) if any(id(q) == pid for q in m.parameters()))
@@ -224,9 +233,9 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
     chunks, tied = [], []
     copies: dict[int, nn.Parameter] = {}
     for c in range(cfg.pipeline.virtual_stages):
-        rng = layers_of(bounds, pp_rank, cfg.pp, c)
+        rng = layers_of(bounds, pp_rank, cfg.pp, c, placement)
         mine = layers[rng.start:rng.stop]
-        if pp_rank == cfg.pp - 1 and cfg.pp > 1:
+        if shared and pp_rank == cfg.pp - 1 and cfg.pp > 1:  # (V placement: nothing shared across ranks)
             _swap_in_tied_copies(mine, shared, copies)
         chunks.append(StageChunk(mine, rng.start, len(layers), interval, document_masking=cfg.data.document_masking))
     if cfg.pp > 1:
@@ -253,12 +262,15 @@ def _check_layers(layers: list[nn.Module], cfg: Config) -> None:
                           "or set fp8.enabled to false")
 
 
-def _shared_across_stages(layers: list[nn.Module], bounds: Sequence[int], pp: int) -> set[int]:
-    """ids of the parameters used by layers on more than one pipeline stage (piece ``k`` is on
-    stage ``k % pp``); only the first and the last stage may share one."""
+def _shared_across_stages(layers: list[nn.Module], bounds: Sequence[int], pp: int,
+                          placement: str = "loop") -> set[int]:
+    """ids of the parameters used by layers on more than one pipeline rank (piece ``k`` is on
+    rank ``k % pp`` in the loop placement; in V placement the first and last piece are both on
+    rank 0, so a tied embedding and head is one parameter there); only the first and the last
+    stage may share one."""
     owner: dict[int, set[int]] = {}
     for k in range(len(bounds) - 1):
-        rank = k % pp
+        rank = stage_and_chunk(k, pp, placement)[0]
         for m in layers[bounds[k]:bounds[k + 1]]:
             for p in m.parameters():
                 owner.setdefault(id(p), set()).add(rank)

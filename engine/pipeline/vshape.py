@@ -6,24 +6,34 @@ and ``2p - 1 - r`` (chunk 1), so a micro-batch goes down the ranks on chunk 0, t
 
 ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", §6) splits each backward into the input
 grad ``I`` (on the critical path) and the weight grad ``W`` (deferrable), and fills every slot
-where a rank would wait with a ``W``. The order is built here as data by a list scheduler
-over all ranks in unit time steps (``F = I = W``, the default cost table's split of a backward
-of twice the forward): at each step every rank takes, in this priority,
+where a rank would wait with a ``W``. Model stage 0 (rank 0, chunk 0) has no input gradient
+(its input is token ids: the executor's ``I`` there is empty and its ``W`` the whole
+backward), so its backward is one full ``B`` here, on the critical path, as it is in fact.
 
-1. the ready ``I`` of the oldest micro-batch (chunk 1 first): gradients flow back without delay;
+The order is built as data by a list scheduler over all ranks in time, with the default cost
+table (a chunk's ``F = I = W = 1``, ``B = 2``: a backward of twice the forward, split evenly):
+whenever a rank is free it takes, in this priority,
+
+1. the ready ``I`` (``B`` on stage 0) of the oldest micro-batch (chunk 1 first): gradients
+   flow back without delay;
 2. a ready chunk-1 ``F`` (it leads to the loss, so to the next ``I``); else the next chunk-0
    ``F`` while the rank's chunk activations (held, plus the chunk-1 forwards still owed to
-   micro-batches already in chunk 0) stay within ``2p``: 1F1B's peak on rank 0, ``p``
-   micro-batches of a whole stage = ``2p`` half-stage chunks;
+   micro-batches already in chunk 0) stay within ``2p``;
 3. the oldest pending ``W``.
 
 So warm-up is forwards on chunk 0 then chunk 1, and the steady state interleaves F, I and W.
-The peak is ``2p`` chunk activations on every rank (tests/unit/test_vshape.py). With ``m >= p``
-the makespan is the lower bound ``6m + p - 1`` steps (rank ``p - 1`` must wait ``p - 1``
-forwards at the start; no rank waits after that), the bubble of
-:func:`engine.pipeline.simulate.bubble_formula`, for p = 2 and 4 and odd m at p = 3 (even m
-at p = 3: one step more; the memory cap is what costs it). The order is only a list per rank: the
-simulator checks it (and the communication placed around it) under any cost model.
+Each admitted chunk-0 forward may be followed by its chunk-1 forward before a ``W`` frees a
+slot, so a rank holds at most ``cap + 1`` chunk activations. :func:`zb_v_orders` runs the
+scheduler with every cap from ``2p`` down to ``p`` and with stage 0 planned whole or split
+(the original uniform-cost plan, its ``I`` then made the ``B``), and keeps the plan with the
+shortest makespan under the default cost table, then the smallest peak: at most ``2p + 1``
+chunk activations (``p + 1/2`` stages; 1F1B's rank 0 holds ``p`` stages). The makespan is the
+lower bound ``6m + p - 1`` chunk-forward times (rank ``p - 1`` must wait ``p - 1`` forwards
+at the start: the bubble of :func:`engine.pipeline.simulate.bubble_formula`) for ``m`` in
+``{p, 2p}`` at p = 2, 3, 4, for every ``m >= 4`` at p = 2 and for ``m = 8`` at p = 3, 4;
+above it for other ``m`` (p = 4, m = 9: 0.129 against 0.053; tests/unit/test_vshape.py and
+benchmarks/results/). The order is only a list per rank: the simulator checks it (and the
+communication placed around it) under any cost model.
 """
 
 from __future__ import annotations
@@ -31,19 +41,22 @@ from __future__ import annotations
 import functools
 
 from engine.pipeline.actions import Action, ActionKind, virtual_stage
+from engine.pipeline.simulate import reference_times
 
-__all__ = ["zb_v_orders"]
+__all__ = ["zb_v_orders", "dualpipe_v_order"]
 
-F, I, W = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+F, B, I, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+_COST = {F: 1, B: 2, I: 1, W: 1}  # chunk-forward units: the default cost table's (backward = 2 x forward)
 
 
 class _Greedy:
-    """The state of the list scheduler: what is done (and when), per rank what it holds."""
+    """The state of the list scheduler: what is done (and when it ends), per rank what it holds."""
 
-    def __init__(self, p: int, m: int, limit: int) -> None:
-        self.p, self.m, self.limit = p, m, limit
-        self.done: dict[tuple[ActionKind, int, int], int] = {}  # (kind, mb, model stage) -> end step
+    def __init__(self, p: int, m: int, limit: int, whole_stage0: bool = True) -> None:
+        self.p, self.m, self.limit, self.whole_stage0 = p, m, limit, whole_stage0
+        self.done: dict[tuple[ActionKind, int, int], int] = {}  # (F or I, mb, model stage) -> end time
         self.orders: list[list[Action]] = [[] for _ in range(p)]
+        self.free = [0] * p  # when each rank finishes its current action
         self.held = [0] * p  # chunk activations held (forward done, weight grad not yet)
         self.next_f0 = [0] * p  # next micro-batch of chunk 0 (fed in order)
         self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (mb, chunk), oldest first
@@ -60,7 +73,7 @@ class _Greedy:
                 if (I, mb, k) in self.done or not self.ready(F, mb, k, t):
                     continue
                 if k == last or self.ready(I, mb, k + 1, t):
-                    return Action(I, mb, c)
+                    return Action(B if k == 0 and self.whole_stage0 else I, mb, c)
         return None
 
     def _forward(self, r: int, t: int) -> Action | None:
@@ -70,7 +83,7 @@ class _Greedy:
                 return Action(F, mb, 1)
         mb, k0 = self.next_f0[r], virtual_stage(r, 0, self.p, "v")
         # room is reserved for the chunk-1 forwards still to come of the micro-batches already in
-        # chunk 0 (never gated, they lead to the loss): the peak stays 2p chunk activations
+        # chunk 0 (never gated, they lead to the loss)
         reserved = self.held[r] + sum(1 for j in range(mb) if (F, j, k1) not in self.done)
         if mb < self.m and reserved + 1 <= self.limit and (k0 == 0 or self.ready(F, mb, k0 - 1, t)):
             return Action(F, mb, 0)
@@ -84,8 +97,11 @@ class _Greedy:
         return a
 
     def commit(self, r: int, a: Action, t: int) -> None:
-        self.done[(a.kind, a.microbatch, virtual_stage(r, a.chunk, self.p, "v"))] = t + 1
+        end = t + _COST[a.kind]
+        if a.kind is not W:  # B stands for stage 0's I (what the next actions wait on)
+            self.done[(F if a.kind is F else I, a.microbatch, virtual_stage(r, a.chunk, self.p, "v"))] = end
         self.orders[r].append(a)
+        self.free[r] = end
         if a.kind is F:
             self.held[r] += 1
             self.next_f0[r] += a.chunk == 0
@@ -95,17 +111,115 @@ class _Greedy:
             self.held[r] -= 1
 
 
-@functools.lru_cache(maxsize=64)
-def zb_v_orders(p: int, m: int, limit: int = 0) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's ZB-V compute order (module docstring), indexed by rank."""
-    g = _Greedy(p, m, limit or 2 * p)
-    total, t = 6 * p * m, 0  # F, I, W of 2 chunks x m micro-batches on each of p ranks
-    while sum(len(o) for o in g.orders) < total:
-        picked = [(r, g.pick(r, t)) for r in range(p)]  # decided on the state before step t
-        for r, a in picked:
-            if a is not None:
-                g.commit(r, a, t)
-        t += 1
-        if t > 4 * total:  # cannot happen: some rank can always move (chunk-1 F and I are never gated)
+def _list_schedule(p: int, m: int, limit: int, whole_stage0: bool) -> list[list[Action]]:
+    """One run of the list scheduler (module docstring). ``whole_stage0=False`` plans stage 0
+    as if its backward split like the others (I then W, one unit each) and then makes its
+    ``I`` the one ``B`` and drops its ``W``: the original ZB-V plan of uniform costs."""
+    g = _Greedy(p, m, limit, whole_stage0)
+    total = 6 * p * m - (m if whole_stage0 else 0)  # F, I, W of 2 chunks x m micro-batches on p ranks
+    count, t = 0, 0
+    while count < total:
+        for r in range(p):  # every free rank decides on what has ended by time t
+            if g.free[r] <= t:
+                a = g.pick(r, t)
+                if a is not None:
+                    g.commit(r, a, t)
+                    count += 1
+        later = [x for x in (*g.free, *g.done.values()) if x > t]
+        if not later and count < total:  # cannot happen: chunk-1 F and I are never gated
             raise RuntimeError(f"zb-v list scheduler made no progress (p={p}, m={m})")
-    return tuple(tuple(o) for o in g.orders)
+        t = min(later, default=t)
+    if not whole_stage0:
+        g.orders[0] = [Action(B, a.microbatch) if a.chunk == 0 and a.kind is I else a
+                       for a in g.orders[0] if not (a.chunk == 0 and a.kind is W)]
+    return g.orders
+
+
+def _held_peak(order: list[Action]) -> int:
+    """Most chunk activations held along one rank's order (F adds one, B or W frees one)."""
+    held = peak = 0
+    for a in order:
+        held += 1 if a.kind is F else -1 if a.kind in (B, W) else 0
+        peak = max(peak, held)
+    return peak
+
+
+@functools.lru_cache(maxsize=64)
+def zb_v_orders(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's ZB-V compute order (module docstring), indexed by rank: of the list
+    scheduler's plans (stage 0 planned whole or split, chunk cap ``p .. 2p``; a lower cap
+    sometimes finishes sooner) the one with the shortest makespan under the default cost
+    table, then the smallest peak."""
+    best: tuple[float, int, list[list[Action]]] | None = None
+    for whole in (True, False):
+        for limit in range(2 * p, p - 1, -1):
+            orders = _list_schedule(p, m, limit, whole)
+            span = max(end for row in reference_times(orders, p, 2, placement="v") for _, end in row)
+            peak = max(_held_peak(o) for o in orders)
+            if best is None or (span, peak) < best[:2]:
+                best = (span, peak, orders)
+    assert best is not None
+    return tuple(tuple(o) for o in best[2])
+
+
+# ------------------------------------------------------------------ DualPipeV
+def dualpipe_v_order(rank: int, p: int, m: int) -> list[Action]:
+    """Rank ``rank``'s DualPipeV compute order (DeepSeek-V3's DualPipe folded into a V, as in
+    DeepSeek's open DualPipeV schedule), in eight phases. Forwards and backwards take the next
+    micro-batch of their chunk in order; a zero-bubble backward is an ``I`` whose ``W`` joins a
+    FIFO queue that the ``W`` steps drain; every other backward is one ``B``. An overlapped
+    forward-backward pair (``F`` of one chunk, then the backward of the other) is two adjacent
+    actions: this executor runs them one after the other (overlapping them needs two streams).
+    Needs ``m >= 2p`` micro-batches (the steady phase 4 has ``m - 2p + rank + 1`` pairs)."""
+    nf, nb = [0, 0], [0, 0]  # next micro-batch of each chunk's forward / backward
+    queue: list[Action] = []  # deferred weight passes, oldest first
+    out: list[Action] = []
+
+    def fwd(c: int) -> None:
+        out.append(Action(F, nf[c], c))
+        nf[c] += 1
+
+    def bwd(c: int, zero_bubble: bool = False) -> None:
+        if zero_bubble:
+            out.append(Action(I, nb[c], c))
+            queue.append(Action(W, nb[c], c))
+        else:
+            out.append(Action(B, nb[c], c))
+        nb[c] += 1
+
+    def weight() -> None:
+        out.append(queue.pop(0))
+
+    r = rank
+    for _ in range(2 * (p - r - 1)):  # 1: nF0
+        fwd(0)
+    for _ in range(r + 1):  # 2: nF0F1
+        fwd(0)
+        fwd(1)
+    for _ in range(p - r - 1):  # 3: nB1W1F1 (zero bubble)
+        bwd(1, True)
+        weight()
+        fwd(1)
+    for _ in range(m - 2 * p + r + 1):  # 4 (main): nF0B1F1B0, overlapped pairs
+        fwd(0)
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    for _ in range(p - r - 1):  # 5: nB1F1B0
+        bwd(1)
+        fwd(1)
+        bwd(0)
+    zero_bubble = False
+    for i in range(r + 1):  # 6: nB1B0, the second half zero bubble
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zero_bubble = True
+        bwd(1, zero_bubble)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zero_bubble = True
+        bwd(0, zero_bubble)
+    for _ in range(p - r - 1):  # 7: nWB0 (zero bubble)
+        weight()
+        bwd(0, True)
+    while queue:  # 8: nW
+        weight()
+    return out

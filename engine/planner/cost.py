@@ -44,7 +44,7 @@ from engine.errors import ConfigError
 from engine.models import flops_per_token
 from engine.models.config import ModelConfig
 from engine.pipeline.partition import partition_layers
-from engine.pipeline.schedule import SCHEDULES, V_SCHEDULES, build_all, check_schedule_args
+from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args, placement_of, stage_index
 from engine.pipeline.simulate import bubble_fraction, per_stage_costs, simulate
 from engine.pipeline.stages import reference_layer_params
 from engine.planner.cluster import Cluster
@@ -153,6 +153,23 @@ def stage_shapes(model: ModelConfig, pp: int, virtual_stages: int = 1) -> list[S
     return out
 
 
+def _rank_pieces(layout: Layout, shapes: Sequence[StageShape], rank: int) -> list[StageShape]:
+    """The pieces pipeline rank ``rank`` holds, chunk by chunk, under the layout's schedule
+    (:func:`engine.pipeline.schedule.stage_index`: the loop placement, or V for zb-v)."""
+    sched = "1f1b" if layout.schedule == "none" else layout.schedule
+    return [shapes[stage_index(sched, rank, c, layout.pp, layout.virtual_stages)]
+            for c in range(layout.virtual_stages)]
+
+
+def _rank_params(model: ModelConfig, mine: Sequence[StageShape]) -> int:
+    """Unsharded parameters of one rank's pieces: a tied embedding and head on the same rank
+    (V placement, rank 0) are one matrix, counted once."""
+    n = sum(s.params for s in mine)
+    if model.tie_embeddings and len(mine) > 1 and any(s.has_embedding for s in mine) and any(s.has_head for s in mine):
+        n -= model.vocab_size * model.hidden_size
+    return n
+
+
 def _block_matmul_params(model: ModelConfig) -> int:
     counts = reference_layer_params(model)
     return counts[1] - 2 * model.hidden_size  # minus the two RMSNorm weights
@@ -195,7 +212,7 @@ def zero_state_bytes(numel: float, stage: int, dp: int, param_bytes: float = 2.0
 def _rank_states(model: ModelConfig, layout: Layout, shapes: list[StageShape], rank: int,
                  param_bytes: float) -> tuple[float, float, float]:
     """(params, grads, optimizer state) bytes of pipeline rank ``rank``."""
-    n_params = sum(shapes[c * layout.pp + rank].params for c in range(layout.virtual_stages)) / layout.tp
+    n_params = _rank_params(model, _rank_pieces(layout, shapes, rank)) / layout.tp
     st = zero_state_bytes(n_params, layout.zero_stage, layout.dp, param_bytes,
                           accumulating=layout.num_microbatches > 1 or layout.pp > 1)
     return st["params"], st["grads"], st["optimizer_state"]
@@ -232,7 +249,7 @@ def memory_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, par
     per_block_params = reference_layer_params(model)[1]
     best: Optional[MemoryEstimate] = None
     for rank in range(layout.pp):
-        mine = [shapes[c * layout.pp + rank] for c in range(layout.virtual_stages)]
+        mine = _rank_pieces(layout, shapes, rank)
         params, grads, opt = _rank_states(model, layout, shapes, rank, param_bytes)
         blocks_per_chunk = max(s.blocks for s in mine)
         acts = inflight[rank] * blocks_per_chunk * tokens * act_tok
@@ -281,7 +298,7 @@ def _sim_length(schedule: str, p: int, m: int, v: int) -> int:
     """The micro-batch count simulated: ``m`` up to ``max(p + 2, 8)``, else that (the
     steady state is reached after p micro-batches; the rest is extrapolated), rounded up to
     a multiple of p for interleaved 1F1B."""
-    n = max(p + 2, SIM_MICROBATCH_MIN)
+    n = max(p + 2, SIM_MICROBATCH_MIN, 2 * p if schedule == "dualpipe-v" else 0)  # dualpipe-v: m >= 2p
     if m <= n:
         return m
     if schedule == "interleaved-1f1b":
@@ -291,7 +308,9 @@ def _sim_length(schedule: str, p: int, m: int, v: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _sim_cached(schedule: str, p: int, m: int, v: int, fwd: tuple, bwd: tuple, comm: float):
-    return simulate(build_all(schedule, p, m, v), m, v, costs=per_stage_costs(fwd, bwd, p), comm_cost=comm)
+    placement = placement_of(schedule)
+    return simulate(build_all(schedule, p, m, v), m, v, costs=per_stage_costs(fwd, bwd, p, placement),
+                    comm_cost=comm, placement=placement)
 
 
 def _round(x: float) -> float:
@@ -363,7 +382,8 @@ def time_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param
     p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     makespan, bubble_frac, busy = pipeline_makespan(model, layout, cluster, param_bytes)
     worst = max(range(p), key=lambda r: busy[r])
-    chunks = [costs[c * p + worst] for c in range(v)]
+    sched = "1f1b" if layout.schedule == "none" else layout.schedule
+    chunks = [costs[stage_index(sched, worst, c, p, v)] for c in range(v)]
     compute = m * sum(c[2] for c in chunks)
     tp_comm = m * sum(c[3] for c in chunks)
     z3 = m * sum(c[4] for c in chunks)
@@ -371,7 +391,7 @@ def time_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param
     bubble = max(makespan - busy[worst], 0.0)
     # data-parallel gradient reduction (fp32) and parameter gather (compute dtype)
     shapes = stage_shapes(model, p, v)
-    n_local = max(sum(shapes[c * p + r].params for c in range(v)) for r in range(p)) / layout.tp
+    n_local = max(_rank_params(model, _rank_pieces(layout, shapes, r)) for r in range(p)) / layout.tp
     bw = _dp_bandwidth(layout, cluster)
     if layout.zero_stage == 0:
         dp = _ring(4 * n_local, layout.dp, bw, cluster.latency_s, 2.0)
@@ -408,8 +428,6 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[s
     if layout.pp > 1:
         if layout.schedule not in SCHEDULES:
             why.append(f"unknown schedule {layout.schedule!r}")
-        elif layout.schedule in V_SCHEDULES:  # the engine does not run them yet (config/sections.py)
-            why.append(f"schedule {layout.schedule!r} is not yet run by the engine (planner: not modelled)")
         else:
             try:
                 check_schedule_args(layout.schedule, 0, layout.pp, layout.num_microbatches, layout.virtual_stages)
@@ -455,8 +473,8 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
     largest_block_unit = max(2 * f * h, (h + 2 * model.kv_heads * model.head_dim) * h) // layout.tp
     best: Optional[dict[str, float]] = None
     for rank in range(layout.pp):
-        mine = [shapes[c * layout.pp + rank] for c in range(layout.virtual_stages)]
-        numel = sum(s.params for s in mine) / layout.tp
+        mine = _rank_pieces(layout, shapes, rank)
+        numel = _rank_params(model, mine) / layout.tp
         has_embed = rank == 0
         has_head = any(s.has_head for s in mine)
         tied_here = model.tie_embeddings and has_embed and has_head

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from engine.models.config import ModelConfig
+from engine.pipeline.schedule import V_SCHEDULES
 from engine.planner.cluster import Cluster, GiB
 from engine.planner.cost import (
     Layout,
@@ -30,7 +31,8 @@ from engine.validate import check_int
 
 __all__ = ["Plan", "plan", "enumerate_layouts", "evaluate", "format_plans", "divisors"]
 
-# GPipe has 1F1B's bubble and holds every micro-batch: dominated, so not searched by default
+# GPipe has 1F1B's bubble and holds every micro-batch: dominated, so not searched by default; zb-v
+# (two chunks in V placement) is searched when named (--schedules ... zb-v)
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1")
 
 
@@ -87,7 +89,8 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, *
                     m = 1
                 else:
                     m = global_batch // dp // mb
-                scheds = [(s, 2 if s == "interleaved-1f1b" else 1) for s in schedules] if pp > 1 else [("none", 1)]
+                scheds = ([(s, 2 if s in ("interleaved-1f1b", *V_SCHEDULES) else 1) for s in schedules]
+                          if pp > 1 else [("none", 1)])
                 for sched, v in scheds:
                     for z in zero_stages:
                         for rc in recompute:

@@ -160,7 +160,8 @@ def _equivalence(rank, world_size, m, num_blocks):
     emb_group = dist.new_group([0, p - 1])
     emb_group = AxisGroup.of(emb_group, "embedding") if rank in (0, p - 1) else NO_TIES
     out = {}
-    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]:
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2),
+                        ("dualpipe-v", 2)]:
         grads, records = _run_schedule(rank, p, schedule, v, m, num_blocks, emb_group)
         out[schedule] = [str(r.name) for r in records if r.kind in ("F", "B", "I", "W")]
         if schedule != "gpipe" and p == 2:  # (p=2 only, to keep the suite fast)

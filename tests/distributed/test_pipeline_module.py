@@ -3,7 +3,7 @@
 (TiedLayerSpec with a forward_fn), LayerSpec blocks, a plain callable, ``loss_fn``.
 
 PP = 2 x DP = 2 (4 ranks: ZeRO 1, 2, 3) and PP = 4 x DP = 2 (8 ranks: ZeRO 1, 2), partition methods
-parameters / type:<regex> / uniform, schedules 1F1B / interleaved 1F1B / GPipe, activation
+parameters / type:<regex> / uniform, schedules 1F1B / interleaved 1F1B / GPipe / ZB-V (V placement), activation
 checkpointing, against one process
 running the same layers with torch.optim.AdamW on the whole batch. A checkpoint saved at
 PP = 2 is loaded at PP = 4 and training goes on equal to the reference. Real DeepSpeed
@@ -80,7 +80,8 @@ def _train(rank, world, pp, runs, ckpt, load_ckpt):
                              activation_checkpoint_interval=interval)
         cfg = config(stage)
         if schedule is not None:  # any of the engine's schedules (DeepSpeed has its own 1F1B only)
-            cfg["pipeline"] = {"schedule": schedule, "virtual_stages": 2 if schedule.startswith("interleaved") else 1}
+            cfg["pipeline"] = {"schedule": schedule,
+                               "virtual_stages": 2 if schedule in ("interleaved-1f1b", "zb-v") else 1}
         eng, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
                                        config=cfg)
         dp_rank = eng.groups.dp_rank
@@ -101,7 +102,9 @@ def _train(rank, world, pp, runs, ckpt, load_ckpt):
 
 
 PP2_RUNS = {"saved": (1, "parameters", 0, None), "zero2": (2, "type:block", 1, "interleaved-1f1b"),
-            "zero3": (3, "parameters", 1, None)}
+            "zero3": (3, "parameters", 1, None),
+            # V placement: the boundary probe hands the turn over locally, a tied weight is one parameter
+            "zbv": (1, "uniform", 0, "zb-v")}
 
 
 @pytest.fixture(scope="module")

@@ -152,4 +152,4 @@ def test_unsupported_combinations_are_clear_errors(args, match):
 
 
 def test_all_schedule_names():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")

@@ -4,7 +4,7 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.pipeline.actions import Action, ActionKind, is_local_hop, next_hop, parse_action, prev_hop
-from engine.pipeline.schedule import SCHEDULES, build_all, compute_order, stage_index
+from engine.pipeline.schedule import SCHEDULES, build_all, compute_order, loss_stage, stage_index
 from engine.pipeline.simulate import ScheduleError, bubble_formula, check_actions, simulate
 
 K = ActionKind
@@ -36,30 +36,45 @@ def test_zb_v_every_compute_once_and_simulated(p, m):
     for r in range(p):
         compute = [a for a in per_rank[r] if a.is_compute]
         assert compute == compute_order("zb-v", r, p, m, 2)
-        for kind in (K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
-            assert sorted((a.microbatch, a.chunk) for a in compute if a.kind is kind) == [
-                (i, c) for i in range(m) for c in range(2)]
+        # model stage 0 (rank 0, chunk 0) has no input gradient: one full backward B there
+        split = [c for c in range(2) if (r, c) != (0, 0)]
+        want = {K.FORWARD: [(i, c) for i in range(m) for c in range(2)],
+                K.BACKWARD: [(i, 0) for i in range(m)] if r == 0 else [],
+                K.BACKWARD_INPUT: [(i, c) for i in range(m) for c in split],
+                K.BACKWARD_WEIGHT: [(i, c) for i in range(m) for c in split]}
+        for kind, pairs in want.items():
+            assert sorted((a.microbatch, a.chunk) for a in compute if a.kind is kind) == pairs, (r, kind)
     res = simulate(per_rank, m, 2, placement="v")
-    # memory: never more than 2p half-stage chunks = 1F1B's peak on rank 0 (p whole stages)
-    assert max(res.peak_activations) <= 2 * p
+    # memory: at most 2p + 1 half-stage chunks (p + 1/2 stages; 1F1B's rank 0 holds p stages)
+    assert max(res.peak_activations) <= 2 * p + 1
     # uneven costs and communication latency: still valid, no deadlock
     simulate(per_rank, m, 2, costs=lambda r, a: 1.0 + 0.3 * r + (0.7 if a.kind is K.BACKWARD_WEIGHT else 0.0),
              comm_cost=0.4, placement="v")
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (3, 3), (3, 5)])
+COSTS = {"F": 0.5, "B": 1.0, "I": 0.5, "W": 0.5}  # a chunk is half of a stage (f=1, b=2)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (2, 5), (2, 8), (2, 16), (3, 3), (3, 6), (3, 8), (4, 4), (4, 8)])
 def test_zb_v_bubble_is_the_analytic_lower_bound(p, m):
-    costs = {"F": 0.5, "B": 1.0, "I": 0.5, "W": 0.5}  # a chunk is half of a stage (f=1, b=2)
-    res = simulate(build_all("zb-v", p, m, 2), m, 2, costs=costs, placement="v")
+    res = simulate(build_all("zb-v", p, m, 2), m, 2, costs=COSTS, placement="v")
     assert res.bubble_fraction == pytest.approx(bubble_formula("zb-v", p, m), abs=1e-9)
-    one = simulate(build_all("1f1b", p, m), m)
-    assert res.bubble_fraction < one.bubble_fraction
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [4, 5, 9, 12, 16])
+def test_zb_v_bubble_above_the_bound_below_1f1b(p, m):
+    if m < p:
+        pytest.skip("the bound assumes m >= p")
+    res = simulate(build_all("zb-v", p, m, 2), m, 2, costs=COSTS, placement="v")
+    assert res.bubble_fraction >= bubble_formula("zb-v", p, m) - 1e-9  # a lower bound
+    assert res.bubble_fraction < simulate(build_all("1f1b", p, m), m).bubble_fraction
 
 
 def test_zb_v_p4_m8_figures():
     res = simulate(build_all("zb-v", 4, 8, 2), 8, 2, placement="v")
     assert res.bubble_fraction == pytest.approx(3 / 51)  # (p-1)/(6m+p-1); 1F1B: 3/11
-    assert res.peak_activations == (8, 8, 8, 8)
+    assert res.peak_activations == (9, 9, 9, 9)  # 2p + 1 chunks = 4.5 stages; 1F1B: 4, 3, 2, 1
 
 
 def test_local_hop_has_no_transfer_and_keeps_its_order():
@@ -84,11 +99,53 @@ def test_zb_v_arguments():
         build_all("zb-v", 1, 8, 2)
 
 
-def test_config_refuses_zb_v_until_the_engine_runs_it():
-    # the executor runs zb-v (tests/distributed/test_pipeline_exec.py); the engine does not yet
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+def test_config_takes_v_schedules_with_two_chunks(name):
     from engine.config import load_config
 
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
-           "pipeline": {"stages": 2, "schedule": "zb-v", "virtual_stages": 2}}
-    with pytest.raises(ConfigError, match="not yet through the engine"):
-        load_config(cfg, world_size=2)
+    def cfg(**pipe):
+        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+                "pipeline": {"stages": 2, "schedule": name, "virtual_stages": 2, **pipe}}
+
+    got = load_config(cfg(), world_size=2).pipeline
+    assert (got.schedule, got.virtual_stages, got.stages) == (name, 2, 2)
+    with pytest.raises(ConfigError, match="exactly two model chunks.*set pipeline.virtual_stages to 2"):
+        load_config(cfg(virtual_stages=1), world_size=2)
+    with pytest.raises(ConfigError, match="needs pipeline.stages >= 2"):
+        load_config(cfg(stages=1), world_size=1)
+
+
+# ------------------------------------------------------------------ DualPipeV
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 1, 3, 8])
+def test_dualpipe_v_every_compute_once_and_simulated(p, extra):
+    m = 2 * p + extra
+    per_rank = build_all("dualpipe-v", p, m, 2)
+    for r in range(p):
+        compute = [a for a in per_rank[r] if a.is_compute]
+        assert compute == compute_order("dualpipe-v", r, p, m, 2)
+        fwd = sorted((a.microbatch, a.chunk) for a in compute if a.kind is K.FORWARD)
+        assert fwd == [(i, c) for i in range(m) for c in range(2)]
+        # each (micro-batch, chunk) one full backward B, or an input grad I and its weight grad W
+        full = {(a.microbatch, a.chunk) for a in compute if a.kind is K.BACKWARD}
+        inp = sorted((a.microbatch, a.chunk) for a in compute if a.kind is K.BACKWARD_INPUT)
+        wgt = sorted((a.microbatch, a.chunk) for a in compute if a.kind is K.BACKWARD_WEIGHT)
+        assert inp == wgt and not full & set(inp) and sorted(full | set(inp)) == fwd
+        assert inp, "the zero-bubble phases split some backwards"
+    res = simulate(per_rank, m, 2, placement="v")
+    assert max(res.peak_activations) <= 2 * p + 1
+    assert res.bubble_fraction < simulate(build_all("1f1b", p, m), m).bubble_fraction
+    simulate(per_rank, m, 2, costs=lambda r, a: 1.0 + 0.3 * r + (0.7 if a.kind is K.BACKWARD_WEIGHT else 0.0),
+             comm_cost=0.4, placement="v")
+
+
+def test_dualpipe_v_overlapped_pairs_are_adjacent_and_few_microbatches_are_refused():
+    # phase 4 of rank 0 at p 2, m 6: F0 B1 F1 B0 pairs (forward of one chunk, backward of the other)
+    order = [str(a) for a in compute_order("dualpipe-v", 0, 2, 6, 2)]
+    assert "F3 B1.1 F2.1 B0 F4 B2.1 F3.1 B1" in " ".join(order)
+    with pytest.raises(ConfigError, match="at least 2 x pipeline stages = 8 micro-batches"):
+        build_all("dualpipe-v", 4, 7, 2)
+
+
+def test_loss_stage_is_rank_0_in_v_placement():
+    assert [loss_stage(s, 4, v) for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2))] == [3, 3, 0]
