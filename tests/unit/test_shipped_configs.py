@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import scaled
 
 from engine.config import load_config
 
@@ -69,7 +70,7 @@ def test_single_gpu_and_multinode():
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "engine.config", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
 
 
 def test_cli(tmp_path, capsys):

@@ -13,6 +13,7 @@ import sysconfig
 import time
 
 import pytest
+from harness import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -177,7 +178,7 @@ def test_script_runs_from_the_repo_root_without_installing(tmp_path):
     for v in _LAUNCH_VARS:
         env.pop(v, None)
     proc = subprocess.run([sys.executable, "launch/train.py", "--config", str(tmp_path / "missing.json"),
-                           "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                           "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("config error:") and "Traceback" not in proc.stderr
 
