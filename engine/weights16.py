@@ -4,7 +4,7 @@ exclude_frozen_parameters=False)``: the model's ``state_dict`` in its training d
 
 Under ZeRO-3 the parameters are gathered over the data-parallel group first, and only when
 ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true (otherwise nothing
-is written and False is returned, as DeepSpeed). Every rank must call it. With pipeline or
+is written and False is returned, as DeepSpeed; rank 0 says so at WARNING). Every rank must call it. With pipeline or
 tensor parallelism the model is spread over ranks: use ``save_checkpoint`` and
 :func:`engine.compat.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict` instead.
 """
@@ -38,7 +38,10 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
     gather: Any = contextlib.nullcontext()
     if config.zero.stage == 3:
         if not config.zero.stage3_gather_16bit_weights_on_model_save:
-            logger.info("did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save is false", path)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                logger.warning("save_16bit_model wrote nothing to %s: at ZeRO-3 the weights are gathered only when "
+                               "zero_optimization.stage3_gather_16bit_weights_on_model_save is true (set it, or "
+                               "save_checkpoint and convert with engine.compat.zero_to_fp32)", path)
             return False
         gather = optimizer.gathered_params()  # collective over the DP group: every rank is here
     frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
