@@ -85,6 +85,13 @@ def test_shipped_configs_trigger_no_warning(name, world, caplog, recwarn):
     assert [str(w.message) for w in recwarn] == []
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "configs").glob("*.json")), ids=lambda p: p.name)
+def test_benchmark_configs_set_no_ignored_key(path):
+    raw = json.loads(path.read_text())
+    world = raw.get("pipeline", {}).get("stages", 1) * raw.get("tensor_parallel", {}).get("autotp_size", 1)
+    assert load_config(path, world_size=world).ignored_keys == ()
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "engine.config", *args], cwd=ROOT, env=env,
