@@ -135,6 +135,7 @@ def help_text(kind: str, name: str, sub: str = "") -> str:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
             try:
                 if kind == "module":
+                    sys.modules.pop(f"{name}.__main__", None)  # imported by another test: run it afresh
                     runpy.run_module(name, run_name="__main__", alter_sys=True)
                 else:
                     runpy.run_path(argv0, run_name="__main__")
