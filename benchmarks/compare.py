@@ -117,10 +117,23 @@ def _cases(args) -> list[tuple[str, str, object, tuple, int, ModelSpec]]:
 THEIRS = {"ds": "deepspeed", "pp": "torch", "fsdp": "fsdp2"}
 
 
+def _deepspeed_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is None
+
+
+DS_MISSING = "deepspeed not installed, skipping (pip install --no-build-isolation deepspeed)"
+
+
 def run_case(args, case) -> dict:
     suite, name, fn, fargs, tokens, spec = case
     theirs = THEIRS[suite]
     reps, note = [], None
+    if suite == "ds" and _deepspeed_missing():  # said once per row, before any rank starts
+        print(f"  {name}: {DS_MISSING}", file=sys.stderr, flush=True)
+        return {"suite": suite, "case": name, "theirs": theirs, "spec": spec.to_dict(), "tokens_per_step": tokens,
+                "repetitions": reps, "note": DS_MISSING}
     for r in range(args.repeats):
         per_rank = launch(fn, args.nproc, *fargs, threads=args.threads, timeout=args.timeout)
         err = per_rank[0].get("deepspeed_error") if suite == "ds" else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import sys
@@ -198,6 +199,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                 cfg = config(args, stage, dtype, ga)
                 row = {"stage": stage, "dtype": dtype, "ga": ga, "dp": args.dp, "activations": act[dtype]}
                 for system in args.systems:
+                    if system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+                        row[system] = {"error": "deepspeed not installed, skipping "
+                                                "(pip install --no-build-isolation deepspeed)"}
+                        print(f"  {dtype} ga{ga} Z{stage} {system}: {row[system]['error']}", file=sys.stderr,
+                              flush=True)
+                        continue
                     try:
                         ranks = run_ranks(_rank, args.dp, system, cfg, args.steps, timeout=args.timeout)
                         row[system] = {k: [r[k] for r in ranks] for k in

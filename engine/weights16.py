@@ -6,8 +6,9 @@ Under ZeRO-3 the parameters are gathered over the data-parallel group one bucket
 one unit) at a time, copied to host memory on rank 0 and released before the next, so no
 device ever holds more than its shards plus one unit; only when
 ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true (otherwise nothing
-is written and False is returned, as DeepSpeed). A weight shared by several modules is one
-tensor under each of its names (``torch.load`` gives it back tied). Every rank must call it. With pipeline or
+is written and False is returned, as DeepSpeed; rank 0 says so at WARNING). A weight shared
+by several modules is one tensor under each of its names (``torch.load`` gives it back tied).
+Every rank must call it. With pipeline or
 tensor parallelism the model is spread over ranks: use ``save_checkpoint`` and
 :func:`engine.compat.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict` instead.
 """
@@ -39,10 +40,13 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
                            "convert_zero_checkpoint_to_fp32_state_dict")
     path = os.path.join(save_dir, save_filename)
     stage3 = config.zero.stage == 3
-    if stage3 and not config.zero.stage3_gather_16bit_weights_on_model_save:
-        logger.info("did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save is false", path)
-        return False
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if stage3 and not config.zero.stage3_gather_16bit_weights_on_model_save:
+        if rank0:
+            logger.warning("save_16bit_model wrote nothing to %s: at ZeRO-3 the weights are gathered only when "
+                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is true (set it, or "
+                           "save_checkpoint and convert with engine.compat.zero_to_fp32)", path)
+        return False
     # a collective over the DP group at stage 3: every rank walks the same groups in order
     state = _host_state_dict(module, optimizer if stage3 else None, rank0, exclude_frozen_parameters)
     if rank0:

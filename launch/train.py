@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     speak = info.rank == 0
     args = parse_args(argv, speak)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level == "WARNING":  # the default: still say what the first run builds, and how long it took
+        logging.getLogger("engine.build").setLevel(logging.INFO)  # (tokenizer, token file, fused kernels)
     # 2. arguments, config, data: every rank checks, before any collective
     try:
         cfg, dataset, sampler = _check_inputs(args, info.world_size)
@@ -268,10 +270,13 @@ def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
 
 class _Progress:
     """Rank 0's progress: a tqdm bar on a terminal, else one line every ``every`` steps (and
-    at the last), so that logs hold no carriage-return lines."""
+    at the last), so that logs hold no carriage-return lines; the line's tokens/s and
+    loss, tokens/s and ms/step are means over the steps since the previous line (not the last
+    step's alone)."""
 
     def __init__(self, show: bool, start: int, total: int, every: int) -> None:
         self.show, self.step, self.total, self.every = show, start, total, max(1, every)
+        self.n, self.ms, self.tokens, self.loss = 0, 0.0, 0.0, 0.0  # since the last line
         self.bar = None
         if show and sys.stderr.isatty():
             from tqdm import tqdm
@@ -283,9 +288,15 @@ class _Progress:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
             self.bar.update(1)
-        elif self.show and (self.step % self.every == 0 or self.step >= self.total):
-            print(f"step {self.step}/{self.total}: loss {rec['loss']:.4f}, {rec['tokens_per_s']:.0f} tokens/s, "
-                  f"{rec['step_time_ms']:.0f} ms/step", file=sys.stderr, flush=True)
+            return
+        self.n, self.ms, self.loss = self.n + 1, self.ms + rec["step_time_ms"], self.loss + rec["loss"]
+        self.tokens += rec.get("tokens") or rec["tokens_per_s"] * rec["step_time_ms"] / 1e3
+        if self.show and (self.step % self.every == 0 or self.step >= self.total):
+            tok_s = self.tokens / (self.ms / 1e3) if self.ms > 0 else rec["tokens_per_s"]
+            print(f"step {self.step}/{self.total}: loss {self.loss / self.n:.4f}, {tok_s:.0f} tokens/s, "
+                  f"{self.ms / self.n:.0f} ms/step (means of {self.n} step{'s' if self.n > 1 else ''})",
+                  file=sys.stderr, flush=True)
+            self.n, self.ms, self.tokens, self.loss = 0, 0.0, 0.0, 0.0
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,4 +1,5 @@
-"""Shared pytest setup: makes tests/harness.py importable and marks GPU tests."""
+"""Shared pytest setup: makes tests/harness.py importable, marks GPU tests, and scales every
+wall-clock limit by ``ENGINE_TEST_TIME_SCALE`` (tests/harness.py: ``scaled``)."""
 
 import os
 import sys
@@ -11,10 +12,38 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # harness's spawned ranks and the subprocess runs of launch/train.py inherit it.
 os.environ.setdefault("ENGINE_STRICT_COMM", "1")
 
+from harness import scaled  # noqa: E402  (tests/ is on sys.path from here on)
+
+# The failure watch's and the failure guard's grace periods (default 5 s: how long a rank that
+# noticed a peer's failure waits for a blocked call to return, and for the other survivors to
+# check in, before it exits) are wall-clock margins too: scaled like every other limit, so a
+# loaded machine does not turn a clean stop into exit 75. ENGINE_FAILURE_GRACE_S is the
+# training entry point's (launch/train.py); ENGINE_FAILURE_WATCH_GRACE the watch's.
+for _name in ("ENGINE_FAILURE_WATCH_GRACE", "ENGINE_FAILURE_GRACE_S"):
+    os.environ.setdefault(_name, f"{scaled(5.0):g}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """pytest-timeout's per-test limit (pytest.ini: 600 s on a quiet machine) scaled too,
+    unless given on the command line."""
+    if getattr(config.option, "timeout", None) is None:
+        try:
+            ini = config.getini("timeout")
+        except ValueError:  # pytest-timeout not installed
+            return
+        if ini:
+            config.option.timeout = scaled(float(ini))
+
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:  # a test's own @pytest.mark.timeout(N) is a quiet-machine figure too
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and mark.args and isinstance(mark.args[0], (int, float)):
+            item.add_marker(pytest.mark.timeout(scaled(float(mark.args[0])), *mark.args[1:], **mark.kwargs),
+                            append=False)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")

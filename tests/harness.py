@@ -12,22 +12,69 @@ Strict NCCL-rules mode (``engine.distributed.strict``) is on in every rank when
 ``ENGINE_STRICT_COMM`` is set (tests/conftest.py sets it for the whole suite).
 
 ``fn`` must be importable by the child (module level in a test file).
+
+Time under load: every wall-clock limit a test sets goes through :func:`scaled`, which
+multiplies it by ``ENGINE_TEST_TIME_SCALE`` (default 1; CI or a busy machine sets e.g. 3).
+``run_ranks`` scales its ``timeout`` and ``collective_timeout`` itself; subprocess timeouts in
+the tests are written ``timeout=scaled(120)``. Waits poll for their condition
+(:func:`wait_for`) instead of sleeping a fixed time. tests/conftest.py scales pytest-timeout's
+per-test limit and the failure watch's grace periods the same way.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from typing import Any, Callable, Optional
 
 from engine.distributed.spawn import RankFailure, RankTimeout, spawn
 
-__all__ = ["run_ranks", "dense_adamw_run", "RankFailure", "RankTimeout"]
+__all__ = ["run_ranks", "dense_adamw_run", "RankFailure", "RankTimeout", "time_scale", "scaled", "wait_for",
+           "TIME_SCALE_ENV"]
+
+TIME_SCALE_ENV = "ENGINE_TEST_TIME_SCALE"
+
+
+def time_scale() -> float:
+    """The factor every test timeout is multiplied by: ``ENGINE_TEST_TIME_SCALE`` (default 1)."""
+    raw = os.environ.get(TIME_SCALE_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIME_SCALE_ENV}={raw!r}: give a positive number (1 = as written; 3 on a loaded machine)")
+    return value
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` times :func:`time_scale` (a wall-clock limit that a loaded machine may need more of)."""
+    return seconds * time_scale()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str = "the condition",
+             interval: float = 0.05) -> Any:
+    """Poll ``condition`` until it returns something truthy (returned) or ``scaled(timeout)``
+    seconds pass (AssertionError naming ``what``)."""
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        got = condition()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {scaled(timeout):g} s waiting for {what}")
+        time.sleep(interval)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               collective_timeout: Optional[float] = None, env: Optional[dict] = None,
               **kwargs: Any) -> list[Any]:
-    return spawn(fn, world_size, args, kwargs, rendezvous="gloo", timeout=timeout,
-                 collective_timeout=collective_timeout, env=env)
+    """``timeout`` and ``collective_timeout`` are as written for a quiet machine: both are scaled."""
+    return spawn(fn, world_size, args, kwargs, rendezvous="gloo", timeout=scaled(timeout),
+                 collective_timeout=None if collective_timeout is None else scaled(collective_timeout), env=env)
 
 
 def dense_adamw_run(model: Any, batches: Callable[[int], list], steps: int, lr: float = 1e-2

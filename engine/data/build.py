@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Sequence
+import time
+from typing import Callable, Optional, Sequence
 
 from engine.data.cache import cache_key, cached_build, default_cache_dir
 from engine.data.corpus import DEFAULT_EMBEDDED_MAX_BYTES, Corpus, FileCorpus, StdlibCorpus
@@ -29,6 +30,19 @@ from engine.validate import check_int
 __all__ = ["build_dataset", "build_tokenizer"]
 
 log = logging.getLogger(__name__)
+# One-time builds a user waits for (the launcher shows this logger at INFO by default).
+build_log = logging.getLogger("engine.build")
+
+
+def _timed(what: str, where: str, build: Callable[[str], object]) -> Callable[[str], object]:
+    """``build`` wrapped to say, before and after, what it builds and how long it took."""
+    def run(tmp: str) -> object:
+        build_log.info("building %s (once; cached in %s) ...", what, where)
+        t0 = time.perf_counter()
+        out = build(tmp)
+        build_log.info("built %s in %.1f s", what, time.perf_counter() - t0)
+        return out
+    return run
 
 _TOKENIZER_FILE = "tokenizer.model"
 _TOKENS_PREFIX = "tokens"
@@ -43,8 +57,9 @@ def build_tokenizer(corpus: Corpus, vocab_size: int, cache_dir: str, *,
                      "recipe": 1})
     entry, _ = cached_build(
         os.path.join(cache_dir, f"tokenizer-{key}"),
-        lambda tmp: train_tokenizer(corpus, vocab_size, os.path.join(tmp, _TOKENIZER_FILE),
-                                    max_bytes=max_bytes),
+        _timed(f"the tokenizer ({vocab_size} pieces)", cache_dir,
+               lambda tmp: train_tokenizer(corpus, vocab_size, os.path.join(tmp, _TOKENIZER_FILE),
+                                           max_bytes=max_bytes)),
         lock_timeout_s=lock_timeout_s)
     return Tokenizer(os.path.join(entry, _TOKENIZER_FILE), setting="cached tokenizer")
 
@@ -57,8 +72,9 @@ def _token_file(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str,
         os.path.join(cache_dir, f"tokens-{key}"),
         # Encoding is per-chunk and order-preserving, so threads do not change the result;
         # one process per machine builds, so it may use the cores.
-        lambda tmp: write_token_file(os.path.join(tmp, _TOKENS_PREFIX), corpus, tokenizer,
-                                     num_threads=min(16, os.cpu_count() or 1)),
+        _timed("the token file", cache_dir,
+               lambda tmp: write_token_file(os.path.join(tmp, _TOKENS_PREFIX), corpus, tokenizer,
+                                            num_threads=min(16, os.cpu_count() or 1))),
         lock_timeout_s=lock_timeout_s)
     tokens = TokenFile(os.path.join(entry, _TOKENS_PREFIX))
     tokens.check_tokenizer(tokenizer)

@@ -39,6 +39,9 @@ def report(load: bool = False) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        sys.stdout.write("usage: python -m engine.ops [--load]\n\n" + (__doc__ or "") + "\n")
+        return 0
     unknown = [a for a in argv if a != "--load"]
     if unknown:
         sys.stderr.write(f"unknown argument(s) {unknown}; usage: python -m engine.ops [--load]\n")

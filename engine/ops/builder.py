@@ -33,6 +33,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+build_log = logging.getLogger("engine.build")  # one-time builds: the launcher shows these at INFO
 
 CPU_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 CPU_LDFLAGS = ("-fopenmp",)
@@ -291,9 +293,11 @@ class OpBuilder:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             try:
                 if not lib.exists():
-                    logger.info("engine.ops: JIT-building %s into %s (once per source/flag change)",
-                                self.spec.name, build_dir)
+                    build_log.info("JIT-building the fused %s op (once per source/flag change; cached in %s) ...",
+                                   self.spec.name, build_dir)
+                    t0 = time.perf_counter()
                     self._compile_fn(self, build_dir)
+                    build_log.info("built the fused %s op in %.1f s", self.spec.name, time.perf_counter() - t0)
                 if not self.is_loaded():
                     torch.ops.load_library(str(lib))
             finally:

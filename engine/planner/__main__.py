@@ -4,10 +4,14 @@
     python -m engine.planner plan --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 4096 \\
         --gpus-per-node 8 --nodes 2 --gpu-memory-gib 80 --peak-tflops 989 --intra-bw-gbs 400 \\
         --inter-bw-gbs 45 --global-batch 1024
-    python -m engine.planner calibrate benchmarks/results/cpu_2rank_2026-11-21/*.json
+    python -m engine.planner plan --model llama3-8b --cluster h100 --nodes 1 --global-batch 64 \\
+        --write-config my-8b.json
+    python -m engine.planner calibrate benchmarks/results/data/2026-11-21_cpu-2core/throughput_*.json
 
 ``plan`` prints the ranked table (best first) and the first rejected layouts with their
-reasons; ``calibrate`` fits the compute efficiency on measured throughput records and
+reasons; with ``--write-config OUT.json`` it also writes the best layout (or the
+``--pick``-th) as a DeepSpeed-format config that ``launch/train.py`` runs
+(engine/planner/write.py); ``calibrate`` fits the compute efficiency on measured throughput records and
 prints predicted vs measured step time for each.
 """
 
@@ -25,6 +29,7 @@ from engine.pipeline.stages import reference_layer_params
 from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
 from engine.planner.cluster import CLUSTERS, MODELS, Cluster, GiB, cluster_preset, model_preset
 from engine.planner.search import DEFAULT_SCHEDULES, format_plans, plan
+from engine.planner.write import config_text, layout_config
 
 
 def _tokens(text: str) -> int:
@@ -106,6 +111,12 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--bytes", type=float, default=2.0, help="compute-dtype bytes (2 = bf16)")
     b.add_argument("--top", type=int, default=15)
     b.add_argument("--rejected", type=int, default=10)
+    o = p.add_argument_group("output")
+    o.add_argument("--write-config", metavar="OUT.json",
+                   help="write the best layout (or the --pick-th) as a DeepSpeed-format config for launch/train.py")
+    o.add_argument("--pick", type=int, default=1, metavar="N", help="with --write-config: the N-th ranked layout")
+    o.add_argument("--steps", type=int, default=10000, metavar="N",
+                   help="with --write-config: the LR schedule's length in optimizer steps (default 10000)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -132,7 +143,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not any(p.feasible for p in plans):
         print("\nno layout fits: more devices, recomputation, a smaller micro-batch or sequence")
         return 1
+    if args.write_config:
+        _write_config(args, model, cluster, [p for p in plans if p.feasible])
     return 0
+
+
+def _write_config(args: argparse.Namespace, model: ModelConfig, cluster: Cluster, feasible: list) -> None:
+    if not 1 <= args.pick <= len(feasible):
+        raise ConfigError(f"--pick {args.pick}: there are {len(feasible)} feasible layouts (1..{len(feasible)})")
+    chosen = feasible[args.pick - 1].layout
+    cfg = layout_config(model, chosen, param_bytes=args.bytes, total_steps=args.steps)
+    with open(args.write_config, "w", encoding="utf-8") as f:
+        f.write(config_text(cfg))
+    print(f"\nwrote {args.write_config}: #{args.pick} {chosen.describe()} for {cluster.world_size} devices "
+          f"({cluster.nodes} x {cluster.gpus_per_node}); check it with: python -m engine.config "
+          f"{args.write_config} --world-size {cluster.world_size}")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

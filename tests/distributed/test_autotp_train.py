@@ -143,6 +143,7 @@ def test_autotp_tp2_dp2_zero123():
     _check(results, bf16_cases=[cases[-1]])
 
 
+@pytest.mark.slow  # 8 ranks: ~56 CPU-seconds (~30 s on 2 cores)
 def test_autotp_tp4_dp2_zero12():
     # TP 4 with 2 KV heads: Llama's k/v projections are replicated (one KV head per rank)
     cases = [("llama", 4, 1, 2, "instance"), ("qwen2", 4, 2, 1, "config"), ("gpt2", 4, 2, 1, "config", True)]

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from harness import scaled
 
 from engine.distributed.env import LaunchError, init_distributed
 from engine.distributed.spawn import free_port
@@ -43,7 +44,7 @@ def _launch(scenario, world, timeout=60.0, kill_after=None, **extra):
             procs.append(subprocess.Popen([sys.executable, WORKER, scenario], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         results = [None] * world
         for r, p in enumerate(procs):
             if r == kill_after:
@@ -53,19 +54,19 @@ def _launch(scenario, world, timeout=60.0, kill_after=None, **extra):
             results[r] = (p.returncode, json.loads(line) if line else None, err)
         if kill_after is not None:
             procs[kill_after].kill()
-            out, err = procs[kill_after].communicate(timeout=30)
+            out, err = procs[kill_after].communicate(timeout=scaled(30))
             results[kill_after] = (procs[kill_after].returncode, None, err)
         return results
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait(timeout=30)
+                p.wait(timeout=scaled(30))
 
 
 def test_bringup_collectives_groups_and_clean_shutdown():
     world = 4
-    results = _launch("ok", world, TIMEOUT_S=30)
+    results = _launch("ok", world, TIMEOUT_S=scaled(30))
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank} exited with {rc}:\n{err[-3000:]}"
         assert "terminate called" not in err
@@ -81,7 +82,7 @@ def test_bringup_collectives_groups_and_clean_shutdown():
 
 
 def test_single_process_without_launcher():
-    ((rc, out, err),) = _launch("single", 1, TIMEOUT_S=30)
+    ((rc, out, err),) = _launch("single", 1, TIMEOUT_S=scaled(30))
     assert rc == 0, err[-3000:]
     assert (out["launcher"], out["world"], out["sum"], out["gloo_threads_after"]) == \
         ("single", 1, 0.0, 0)
@@ -90,7 +91,7 @@ def test_single_process_without_launcher():
 def test_shutdown_releases_a_default_group_pinned_by_torch():
     """torch.distributed.nn.functional binds group.WORLD as a default argument when first
     imported (by torch._dynamo, by the first optimizer); shutdown() must still free the group."""
-    results = _launch("user_init", 2, TIMEOUT_S=30)
+    results = _launch("user_init", 2, TIMEOUT_S=scaled(30))
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank} exited with {rc}:\n{err[-3000:]}"
         assert out == {"sum": 2.0, "gloo_threads_after": 0}, out
@@ -109,34 +110,34 @@ def _check_named(results, victim, what, max_elapsed):
 def test_dead_rank_is_named_quickly():
     # the victim's sockets close, so survivors fail fast (well before the 20 s timeout)
     # and each finds the victim's process gone on this host
-    results = _launch("die", 3, VICTIM=1, TIMEOUT_S=20, GRACE_S=5)
+    results = _launch("die", 3, VICTIM=1, TIMEOUT_S=scaled(20), GRACE_S=scaled(5))
     assert results[1][0] == 3
-    _check_named(results, 1, "rank 1 is no longer running (pid", max_elapsed=20 + 5)
+    _check_named(results, 1, "rank 1 is no longer running (pid", max_elapsed=scaled(20 + 5))
 
 
 def test_dead_store_host_is_named():
     # rank 0 hosts the rendezvous store (no torchrun agent here), so its death takes the
     # store with it; survivors say so instead of hanging on the store
-    results = _launch("die", 3, VICTIM=0, TIMEOUT_S=20, GRACE_S=5)
+    results = _launch("die", 3, VICTIM=0, TIMEOUT_S=scaled(20), GRACE_S=scaled(5))
     assert results[0][0] == 3
     _check_named(results, 0, "rendezvous store is unreachable: rank 0, which hosts it, is gone",
-                 max_elapsed=25)
+                 max_elapsed=scaled(25))
 
 
 def test_raising_rank_is_named_with_its_error():
-    results = _launch("raise", 3, VICTIM=2, TIMEOUT_S=20, GRACE_S=5)
+    results = _launch("raise", 3, VICTIM=2, TIMEOUT_S=scaled(20), GRACE_S=scaled(5))
     assert results[2][0] != 0 and "bad batch on the victim" in results[2][2]
     _check_named(results, 2, "rank 2 failed with ValueError: bad batch on the victim",
-                 max_elapsed=25)
+                 max_elapsed=scaled(25))
 
 
 def test_hung_rank_is_bounded_by_the_collective_timeout():
-    timeout_s, grace_s = 3.0, 1.0
+    timeout_s, grace_s = scaled(3.0), scaled(1.0)
     results = _launch("hang", 3, kill_after=0, VICTIM=0, TIMEOUT_S=timeout_s, GRACE_S=grace_s)
     # survivors give up after the collective timeout plus the grace period, not never;
     # rank 0 hosts the store and is alive (just hung), so it is named as still running
-    _check_named(results, 0, "rank 0 still running, not stopped within 1s",
-                 max_elapsed=timeout_s + grace_s + 15)
+    _check_named(results, 0, f"rank 0 still running, not stopped within {grace_s:g}s",
+                 max_elapsed=timeout_s + grace_s + scaled(15))
     for rank in (1, 2):
         assert "Timed out" in results[rank][1]["error"]
         assert results[rank][1]["elapsed"] >= timeout_s * 0.9

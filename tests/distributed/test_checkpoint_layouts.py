@@ -34,7 +34,7 @@ import sys
 import _ckpt_common as C
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RTOL = 2e-6
@@ -191,7 +191,7 @@ def test_consolidated_model_reproduces_the_logits(runs, tmp_path):
     out = tmp_path / "consolidated"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "engine.checkpoint.consolidate", src, str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
     cfg = ModelConfig.from_dict(read_metadata(os.path.join(src, f"global_step{BEFORE}"))["config"]["model"])
     ids = C.global_batch(100)[0]

@@ -24,6 +24,7 @@ import sysconfig
 import time
 
 import pytest
+from harness import scaled
 
 from engine.distributed.spawn import start_script
 
@@ -69,7 +70,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[i
     out = []
     for p in procs:
         try:
-            o, e = p.communicate(timeout=timeout)
+            o, e = p.communicate(timeout=scaled(timeout))
         finally:
             if p.poll() is None:
                 p.kill()
@@ -95,7 +96,7 @@ def test_sigterm_saves_exits_zero_and_the_resumed_run_matches(tmp_path, config_p
     victim = _launch(2, ["--config", config_path, "--steps", "100000", "--output", run, "--save", ckpt], cwd)
     reference = _launch(2, ["--config", config_path, "--steps", "8", "--output", ref], cwd)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + scaled(240)
         metrics = os.path.join(run, "metrics.jsonl")
         while not (os.path.exists(metrics) and open(metrics).read().count("\n") >= 2):
             assert all(p.poll() is None for p in victim), _finish(victim, 5)

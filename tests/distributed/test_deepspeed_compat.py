@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import scaled
 
 from engine.distributed.spawn import free_port
 
@@ -69,7 +70,7 @@ def _launch(launcher: str, script: Path, world: int, workdir: Path, engine: bool
     else:
         cmd = ["deepspeed", "--num_gpus", str(world), "--master_port", port]
     cmd += [str(script), "--deepspeed", "--zero_stages", STAGES, "--workdir", str(workdir), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=str(workdir), env=_env(engine), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=str(workdir), env=_env(engine), capture_output=True, text=True, timeout=scaled(timeout))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 

@@ -12,12 +12,13 @@ import subprocess
 import sys
 import time
 
+from harness import scaled
 from test_bringup import WORKER, _launch
 
 from engine.distributed.spawn import free_port
 from engine.distributed.watch import EXIT_PEER_FAILED
 
-FAST = dict(ENGINE_FAILURE_WATCH_INTERVAL=0.3, ENGINE_FAILURE_WATCH_GRACE=2)
+FAST = dict(ENGINE_FAILURE_WATCH_INTERVAL=0.3, ENGINE_FAILURE_WATCH_GRACE=scaled(2))
 
 
 def _start(world: int, **extra) -> list[subprocess.Popen]:
@@ -27,7 +28,7 @@ def _start(world: int, **extra) -> list[subprocess.Popen]:
                                                  LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
                                                  TORCHELASTIC_RUN_ID="test", MASTER_ADDR="127.0.0.1",
                                                  MASTER_PORT=str(port), OMP_NUM_THREADS="1", TIMEOUT_S="120",
-                                                 VICTIM="1", GRACE_S="2", **{k: str(v) for k, v in extra.items()}))
+                                                 VICTIM="1", GRACE_S=str(scaled(2)), **{k: str(v) for k, v in extra.items()}))
             for r in range(world)]
 
 
@@ -49,19 +50,19 @@ def _run_linger(watch_s: float, **extra) -> tuple[list, list[float], bool]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    outs = [(p.wait(30), p.communicate(timeout=30)[1]) for p in procs]
+    outs = [(p.wait(scaled(30)), p.communicate(timeout=scaled(30))[1]) for p in procs]
     took = [ended[r] - blocked[r] if r in ended else float("inf") for r in (0, 2)]
     return outs, took, victim_alive
 
 
 def test_survivors_of_a_failed_but_lingering_rank_stop_within_seconds():
-    outs, took, victim_alive = _run_linger(20, **FAST)
+    outs, took, victim_alive = _run_linger(scaled(20), **FAST)
     host = socket.gethostname()
     assert victim_alive, f"the failed rank's own watch stopped it:\n{outs[1][2][-2000:]}"
     for r, t in zip((0, 2), took):
         rc, err = outs[r]
         assert rc == EXIT_PEER_FAILED, f"rank {r} exited with {rc}:\n{err[-3000:]}"
-        assert t < 15, (r, t)
+        assert t < scaled(15), (r, t)
         assert f"rank {r}: gradient all-reduce stopped because a peer failed: rank 1 (pid " in err, err
         assert f" on {host}) failed with ValueError: bad batch on the victim" in err, err
         assert f"exiting with code {EXIT_PEER_FAILED}" in err and "Traceback" not in err, err
@@ -74,7 +75,7 @@ def test_without_the_watch_the_survivors_stay_blocked():
 
 
 def test_a_normal_run_with_a_fast_watch_ends_normally():
-    results = _launch("ok", 2, timeout=150, SLEEP_S=1, ENGINE_FAILURE_WATCH_INTERVAL=0.05, TIMEOUT_S=30)
+    results = _launch("ok", 2, timeout=150, SLEEP_S=1, ENGINE_FAILURE_WATCH_INTERVAL=0.05, TIMEOUT_S=scaled(30))
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0 and out is not None, f"rank {rank} exited with {rc}:\n{err[-3000:]}"
         assert "stopped because a peer failed" not in err and "terminate called" not in err, err

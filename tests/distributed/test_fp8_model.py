@@ -41,7 +41,7 @@ import sys
 import sysconfig
 
 import torch
-from harness import run_ranks
+from harness import run_ranks, scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TP_CFG = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "seq_len": 16}
@@ -216,7 +216,7 @@ def test_train_entry_with_fp8(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", str(path),
                            "--steps", "3", "--output", str(tmp_path / "run"), "--sample-tokens", "4"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=scaled(240))
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]

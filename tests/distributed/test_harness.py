@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import RankFailure, RankTimeout, run_ranks
+from harness import RankFailure, RankTimeout, run_ranks, scaled
 
 
 def _allreduce_rank(rank, world_size):
@@ -83,7 +83,7 @@ def _env_raise(_):
 def test_env_mode_ranks_rendezvous_on_the_parents_store():
     from engine.distributed.spawn import spawn
 
-    out = spawn(_env_rank, 2, (2.0,), rendezvous="env", timeout=120)
+    out = spawn(_env_rank, 2, (2.0,), rendezvous="env", timeout=scaled(120))
     assert out == [("torchrun", r, True, 2.0) for r in range(2)]
     with pytest.raises(RankFailure, match="rank 1 failed:(.|\n)*benchmark rank one broke"):
-        spawn(_env_raise, 2, (None,), rendezvous="env", timeout=60)
+        spawn(_env_raise, 2, (None,), rendezvous="env", timeout=scaled(60))

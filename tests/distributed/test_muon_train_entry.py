@@ -15,6 +15,7 @@ import sys
 import sysconfig
 
 import pytest
+from harness import scaled
 
 from engine.distributed.spawn import free_port
 
@@ -47,7 +48,7 @@ def _run(tmp, name: str, cfg: dict, nproc: int) -> list[float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
     proc = subprocess.run(launcher + [TRAIN, "--config", str(path), "--steps", str(STEPS), "--output", str(out),
                                       "--sample-tokens", "4"],
-                          cwd=str(tmp), env=env, capture_output=True, text=True, timeout=300)
+                          cwd=str(tmp), env=env, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "metrics.jsonl") as f:
         return [json.loads(line)["loss"] for line in f]

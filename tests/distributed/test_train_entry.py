@@ -33,7 +33,7 @@ import sysconfig
 import time
 
 import pytest
-from harness import run_ranks
+from harness import run_ranks, scaled
 
 from engine.distributed.spawn import free_port, start_script
 
@@ -162,7 +162,7 @@ def torchrun_run(tmp_path_factory, cache_dir):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(free_port()), TRAIN, "--config", cfg, "--steps", str(LAUNCH_STEPS),
                            "--output", str(tmp / "out"), "--sample-tokens", "8"],
-                          cwd=str(tmp), env=_env(), capture_output=True, text=True, timeout=240)
+                          cwd=str(tmp), env=_env(), capture_output=True, text=True, timeout=scaled(240))
     return cfg, tmp / "out", proc
 
 
@@ -198,7 +198,7 @@ def test_deepspeed_launcher_gives_the_same_losses_as_torchrun(torchrun_run, tmp_
     ds = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
                          "--deepspeed", "--deepspeed_config", cfg, "--steps", str(LAUNCH_STEPS), "--output", str(tmp_path / "ds"),
                          "--sample-tokens", "8"],
-                        cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=240)
+                        cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=scaled(240))
     assert ds.returncode == 0, ds.stdout[-3000:] + ds.stderr[-3000:]
     a, b = _losses(str(tmp_path / "ds")), _losses(str(tr_out))
     assert len(a) == LAUNCH_STEPS and a == b  # same layout, same machine: bit-identical
@@ -216,7 +216,7 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, cache_dir, who):
     procs = start_script([sys.executable, TRAIN, "--config", cfg, "--steps", "100000", "--output", str(out),
                           "--sample-tokens", "0"], 2, env=_env(), cwd=str(tmp_path))
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         metrics = out / "metrics.jsonl"
         while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
@@ -225,7 +225,7 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, cache_dir, who):
         t0 = time.monotonic()
         for p in procs if who == "all" else procs[:1]:
             p.send_signal(signal.SIGINT)
-        codes = [p.wait(timeout=30) for p in procs]
+        codes = [p.wait(timeout=scaled(30)) for p in procs]
         elapsed = time.monotonic() - t0
     finally:
         for p in procs:
@@ -233,4 +233,4 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, cache_dir, who):
                 p.kill()
     expected = [130, 130] if who == "all" else [130, 1]
     assert codes == expected, [p.stderr.read()[-2000:] for p in procs]
-    assert elapsed < 15, f"ranks took {elapsed:.1f}s to stop"
+    assert elapsed < scaled(15), f"ranks took {elapsed:.1f}s to stop"

@@ -29,6 +29,7 @@ import sys
 import time
 
 import pytest
+from harness import scaled
 from test_train_entry import TRAIN, _env, tiny_config
 
 from engine.distributed.spawn import free_port, start_script
@@ -59,7 +60,7 @@ def _cfg(tmp_path, cache_dir, name="cfg.json", **kw) -> str:
 
 def _train(tmp_path, *argv, timeout=180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, TRAIN, "--sample-tokens", "0", *argv], cwd=str(tmp_path), env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def _records(out) -> list[dict]:
@@ -83,7 +84,7 @@ def _slurm(tmp_path, n: int, argv: list[str], prefix: list[str] | None = None) -
 
 def _finish(procs, timeout=120) -> list[tuple[int, str]]:
     try:
-        return [(p.wait(timeout=timeout), p.communicate()[1]) for p in procs]
+        return [(p.wait(timeout=scaled(timeout)), p.communicate()[1]) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -91,7 +92,7 @@ def _finish(procs, timeout=120) -> list[tuple[int, str]]:
 
 
 def _wait_for_steps(procs, out, steps: int, timeout=120) -> None:
-    deadline, metrics = time.monotonic() + timeout, os.path.join(str(out), "metrics.jsonl")
+    deadline, metrics = time.monotonic() + scaled(timeout), os.path.join(str(out), "metrics.jsonl")
     while not (os.path.exists(metrics) and open(metrics).read().count("\n") >= steps):
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
         assert time.monotonic() < deadline, "training did not start"
@@ -163,7 +164,7 @@ def test_a_second_job_on_the_same_folders_is_refused_and_the_first_finishes(tmp_
         same_save = _train(tmp_path, "--config", cfg, "--steps", "4", "--output", str(tmp_path / "o2"),
                            "--save", str(ck), "--load", str(ck))
         first.send_signal(signal.SIGTERM)  # preemption: saves, exits 0
-        code, (stdout, err) = first.wait(timeout=60), first.communicate()
+        code, (stdout, err) = first.wait(timeout=scaled(60)), first.communicate()
     finally:
         if first.poll() is None:
             first.kill()
@@ -265,7 +266,7 @@ def test_torchrun_bad_input_and_preemption(tmp_path, cache_dir):
     cfg = _cfg(tmp_path, cache_dir, dp=2, zero=1)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     bad = subprocess.run([*torchrun, "--master_port", str(free_port()), TRAIN, "--config", cfg, "--steps", "1",
-                          "--timeout", "0"], cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+                          "--timeout", "0"], cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=scaled(120))
     assert bad.stderr.count("argument error: --timeout") == 1, bad.stderr  # rank 0 only
     # SIGTERM to the launcher's process group (`kill -- -PGID`; torchrun's ranks have their own
     # sessions): the wrapper forwards it, the ranks save and exit 0, and so does the launcher
@@ -278,7 +279,7 @@ def test_torchrun_bad_input_and_preemption(tmp_path, cache_dir):
     try:
         _wait_for_steps([job], out, 11)
         os.killpg(job.pid, signal.SIGTERM)
-        code, (stdout, stderr) = job.wait(timeout=90), job.communicate()
+        code, (stdout, stderr) = job.wait(timeout=scaled(90)), job.communicate()
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

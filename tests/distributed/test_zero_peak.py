@@ -254,6 +254,10 @@ def _all_rank(rank, world):
     return peaks, _init_case(rank, world), _tied_case(rank, world)
 
 
+# one 4-rank run of every case, shared by the tests below: ~75 CPU-seconds (~40 s on 2 cores)
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(_all_rank, 4, timeout=600)

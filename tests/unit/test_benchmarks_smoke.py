@@ -71,6 +71,17 @@ def _fake_rank(times_a, times_b, loss_a, loss_b):
     return {"ours": rec(times_a, loss_a), "theirs": rec(times_b, loss_b)}
 
 
+def test_compare_says_deepspeed_is_missing_instead_of_failing(monkeypatch, capsys):
+    """Without deepspeed the DeepSpeed rows are skipped with one line each (no rank starts)."""
+    monkeypatch.setattr(compare, "_deepspeed_missing", lambda: True)
+    monkeypatch.setattr(compare, "launch", lambda *a, **k: pytest.fail("no rank may start"))
+    args = compare.parse_args(["--suite", "ds", "--stages", "1", "--steps", "1", "--repeats", "1"])
+    res = compare.run_case(args, compare._cases(args)[0])
+    assert res["repetitions"] == [] and res["note"] == compare.DS_MISSING
+    assert "deepspeed not installed, skipping" in capsys.readouterr().err
+    assert compare.summary_row(res)["note"].startswith("deepspeed not installed, skipping")
+
+
 def test_summarize_pair_ratio_and_loss_difference():
     per_rank = [_fake_rank([1.0, 1.0, 1.2], [2.0, 2.2, 2.0], [3.0, 2.0, 1.0], [3.0, 2.5, 1.0]),
                 _fake_rank([1.0, 1.0, 1.2], [2.0, 2.2, 2.0], [3.0, 2.0, 1.0], [3.0, 1.5, 1.0])]

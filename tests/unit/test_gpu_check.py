@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECK = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
@@ -20,7 +21,7 @@ SMOKE = os.path.join(ROOT, "benchmarks", "gpu_smoke.py")
 def test_dry_run_lists_steps_time_boxes_and_three_files(tmp_path):
     out = tmp_path / "out"
     before = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-    r = subprocess.run(["bash", CHECK, str(out), "--dry-run"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["bash", CHECK, str(out), "--dry-run"], capture_output=True, text=True, timeout=scaled(60))
     assert r.returncode == 0, r.stderr
     steps = re.findall(r"^(\w+) \(time box (\d+)s", r.stdout, flags=re.M)
     names = [n for n, _ in steps]
@@ -35,7 +36,7 @@ def test_dry_run_lists_steps_time_boxes_and_three_files(tmp_path):
 
 
 def test_check_requires_an_output_directory():
-    r = subprocess.run(["bash", CHECK], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(["bash", CHECK], capture_output=True, text=True, timeout=scaled(30))
     assert r.returncode != 0 and "usage: bash benchmarks/gpu_check.sh OUT" in r.stderr
 
 
@@ -44,7 +45,7 @@ def test_smoke_driver_runs_its_cases_on_cpu(tmp_path):
     out = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, SMOKE, "smoke", "--device", "cpu", "--steps", "2", "--cases",
-                        "zero3,ckpt_docmask,muon", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                        "zero3,ckpt_docmask,muon", "--out", str(out)], capture_output=True, text=True, timeout=scaled(600),
                        env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -52,5 +53,5 @@ def test_smoke_driver_runs_its_cases_on_cpu(tmp_path):
     for case in res["cases"].values():
         assert case["ok"] and len(case["losses"]) == 2 and case["host_syncs_per_step"] is None
     bad = subprocess.run([sys.executable, SMOKE, "smoke", "--cases", "nope", "--out", str(out)],
-                         capture_output=True, text=True, timeout=120, env=env)
+                         capture_output=True, text=True, timeout=scaled(120), env=env)
     assert bad.returncode != 0 and "unknown case(s) ['nope']" in bad.stderr

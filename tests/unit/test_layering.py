@@ -45,7 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("engine.checkpoint", "engine.weights16")),
     ("engine", ("engine.engine", "engine.pipe")),
     # assembly, the training loop, entry points and adapters on top
-    ("entry", ("engine.assembly", "engine.training", "engine.generate", "engine.compat", "engine.planner", "engine")),
+    ("entry", ("engine.assembly", "engine.training", "engine.generate", "engine.compat", "engine.planner", "engine.plot",
+               "engine")),
 ]
 
 # Rule (c) does not apply here: engine.compat mirrors deepspeed.comm / torch.distributed,

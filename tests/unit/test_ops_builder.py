@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import scaled
 
 from engine.distributed.env import OpBuildSettings
 from engine.ops import builder as builder_mod
@@ -170,7 +171,7 @@ FusedAdamW([p]).step(); FusedAdamW([p]).step()
 print("OK")
 """
     env = dict(os.environ, CXX="/nonexistent/c++", ENGINE_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("OK")
     assert "adam   unavailable" in proc.stdout and "fp8    unavailable" in proc.stdout

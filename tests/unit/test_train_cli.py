@@ -13,6 +13,7 @@ import sysconfig
 import time
 
 import pytest
+from harness import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -177,7 +178,7 @@ def test_script_runs_from_the_repo_root_without_installing(tmp_path):
     for v in _LAUNCH_VARS:
         env.pop(v, None)
     proc = subprocess.run([sys.executable, "launch/train.py", "--config", str(tmp_path / "missing.json"),
-                           "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                           "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("config error:") and "Traceback" not in proc.stderr
 
@@ -196,3 +197,44 @@ def test_default_timeout_is_30_minutes(train_mod):
     ours = train_mod.parse_args(["--config", "c.json", "--steps", "1"], speak=False).timeout
     assert ours == inspect.signature(init_distributed).parameters["timeout_s"].default == 1800.0
     assert datetime.timedelta(seconds=ours) == default_pg_timeout
+
+
+def test_progress_line_reports_means_over_its_interval(train_mod, capsys):
+    """Without a terminal: one line every `every` steps, its loss, tokens/s and ms/step the
+    means of the steps since the previous line (not the last step's alone)."""
+    prog = train_mod._Progress(True, 0, 4, 2)
+    for step, (loss, ms) in enumerate([(8.0, 100.0), (6.0, 300.0), (5.0, 200.0), (4.0, 200.0)], 1):
+        prog.update({"step": step, "loss": loss, "step_time_ms": ms, "tokens": 1000,
+                     "tokens_per_s": 1000 / (ms / 1e3)})
+    prog.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["step 2/4: loss 7.0000, 5000 tokens/s, 200 ms/step (means of 2 steps)",
+                     "step 4/4: loss 4.5000, 5000 tokens/s, 200 ms/step (means of 2 steps)"]
+
+
+def test_first_run_builds_are_announced_with_their_time(tmp_path, caplog):
+    """The tokenizer and token file a first run builds are named, with how long they took, on
+    the 'engine.build' logger that launch/train.py shows by default."""
+    import logging
+
+    from engine.data import build_dataset
+
+    kw = dict(train_files=[os.path.join(STD, "textwrap.py")], tokenizer_model=None, cache_dir=str(tmp_path),
+              document_masking=False, vocab_size=256, seq_len=16)
+    with caplog.at_level(logging.INFO, logger="engine.build"):
+        build_dataset(**kw)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "engine.build"]
+    assert msgs[0].startswith("building the tokenizer (256 pieces) (once; cached in ")
+    assert any(m.startswith("built the tokenizer (256 pieces) in ") and m.endswith(" s") for m in msgs), msgs
+    assert any(m.startswith("built the token file in ") for m in msgs), msgs
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.build"):
+        build_dataset(**kw)  # cached: nothing to say
+    assert [r for r in caplog.records if r.name == "engine.build"] == []
+
+
+def test_the_launcher_shows_build_messages_by_default(train_mod, capsys, tmp_path):
+    import logging
+
+    code, _, _ = _main(train_mod, capsys, "--config", str(tmp_path / "nope.json"), "--steps", "1")
+    assert code == 2 and logging.getLogger("engine.build").level == logging.INFO
