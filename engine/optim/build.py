@@ -32,7 +32,7 @@ from engine.optim.muon import Muon
 from engine.optim.muon_assign import split_muon_groups
 from engine.precision.loss_scaler import build_loss_scaler
 from engine.precision.mixed import PrecisionPolicy
-from engine.zero import ZeroOptimizer, build_zero_optimizer
+from engine.zero import OffloadOptions, ZeroOptimizer, build_zero_optimizer
 from engine.zero.base import OptimizerFactory
 
 __all__ = ["OptimizerInputs", "optimizer_factory", "optimizer_inputs", "build_engine_optimizer",
@@ -165,13 +165,15 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
                                hysteresis=f.hysteresis, consecutive_hysteresis=f.consecutive_hysteresis,
                                min_loss_scale=f.min_loss_scale)
     z = cfg.zero
+    offload = OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
+                             pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory)
     return build_zero_optimizer(
         z.stage, params, factory, groups, module=module, tied_params=tied_params, precision=policy, loss_scaler=scaler,
         reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm, clip_grad=cfg.gradient_clipping,
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=z.stage3_max_live_parameters,
         stage3_max_reuse_distance=z.stage3_max_reuse_distance,
-        stage3_param_persistence_threshold=z.stage3_param_persistence_threshold)
+        stage3_param_persistence_threshold=z.stage3_param_persistence_threshold, offload=offload)
 
 
 def _muon_groups_everywhere(p: MuonParams, params: Any, module: Optional[torch.nn.Module]) -> list[dict[str, Any]]:
