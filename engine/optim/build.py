@@ -24,6 +24,7 @@ from engine.config import AdamParams, Config, LionParams, MuonParams, OptimizerC
 from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
+from engine.optim.ds_adam import check_offload_client
 from engine.optim.client import ClientLRScheduler, param_groups_from_client, resolve_client_optimizer
 from engine.optim.fused_adamw import FusedAdamW
 from engine.optim.lion import Lion
@@ -117,6 +118,8 @@ def _clone_factory(client: torch.optim.Optimizer) -> OptimizerFactory:
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         opt = copy.copy(client)
+        if isinstance(opt, FusedAdamW):
+            opt.clear_param_copies()  # its own, not the client's (ZeRO-Offload attaches host copies)
         opt.state = defaultdict(dict)
         opt.param_groups = []
         for g in groups:
@@ -138,6 +141,7 @@ def optimizer_inputs(cfg: Config, params: Any, client: Any = None,
         return OptimizerInputs(params, optimizer_factory(cfg.optimizer))
     given = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
     resolved = resolve_client_optimizer(client, given)
+    check_offload_client(resolved, cfg.zero.offload_optimizer.enabled, cfg.zero_force_ds_cpu_optimizer)
     if check is not None:
         check(resolved)
     flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
