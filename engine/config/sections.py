@@ -183,19 +183,22 @@ def _parse_offload(s: Section, stage: int) -> tuple[OffloadConfig, OffloadConfig
     par = _offload_section(s, "offload_param", _OFFLOAD_PARAM_KEYS)
     legacy = {k: s.bool(k, False) for k in _LEGACY_OFFLOAD}
     pin = legacy["cpu_offload_use_pin_memory"]
+    names = {"offload_optimizer": s.full("offload_optimizer") + ".device",
+             "offload_param": s.full("offload_param") + ".device"}
     for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if legacy[old]:
+            names[new] = f"{s.full(old)} = true (DeepSpeed's older spelling of {new}.device \"cpu\"), i.e. {names[new]}"
             if s.has(new) and s.raw(new) is not None:
                 raise ConfigError(f"{s.full(old)} and {s.full(new)} both configure {new}: keep only {s.full(new)} "
                                   f"(DeepSpeed's newer spelling)")
             cfg = OffloadConfig(device="cpu", pin_memory=pin)
             opt, par = (cfg, par) if new == "offload_optimizer" else (opt, cfg)
     if opt.enabled and stage == 0:
-        raise ConfigError(f"{s.full('offload_optimizer')}.device = \"{opt.device}\" needs ZeRO stage 1, 2 or 3 "
+        raise ConfigError(f"{names['offload_optimizer']} = \"{opt.device}\" needs ZeRO stage 1, 2 or 3 "
                           f"(the offloaded state is the rank's optimizer shard): set zero_optimization.stage, or "
                           f"set the device to \"none\"")
     if par.enabled and stage != 3:
-        raise ConfigError(f"{s.full('offload_param')}.device = \"{par.device}\" needs ZeRO stage 3 (only stage 3 "
+        raise ConfigError(f"{names['offload_param']} = \"{par.device}\" needs ZeRO stage 3 (only stage 3 "
                           f"partitions the parameters; DeepSpeed's rule too): set zero_optimization.stage to 3, or "
                           f"set the device to \"none\"")
     return opt, par
