@@ -80,12 +80,12 @@ def validate(ds: Optional[type]) -> str:
         for o in opts.values():
             o.param_groups[0]["params"][0].grad.copy_(g)
             o.step()
-    ours = opts["ours (engine FusedAdamW)"].param_groups[0]["params"][0]
-    ref = opts["torch AdamW (foreach)"].param_groups[0]["params"][0]
+    ours = opts["ours (engine FusedAdamW)"].param_groups[0]["params"][0].detach()
+    ref = opts["torch AdamW (foreach)"].param_groups[0]["params"][0].detach()
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
     msg = "validated: ours == torch.optim.AdamW over 10 steps (rtol=atol=1e-6)"
     if ds is not None:
-        theirs = opts["DeepSpeedCPUAdam"].param_groups[0]["params"][0]
+        theirs = opts["DeepSpeedCPUAdam"].param_groups[0]["params"][0].detach()
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         msg += f"; == DeepSpeedCPUAdam (rtol=atol=1e-5, max |diff| {float((ours - theirs).abs().max()):.2e})"
     return msg

@@ -215,3 +215,51 @@ def test_launch_train_with_offload_under_torchrun(cache_dir, tmp_path):
     assert all({"offload_copy_out", "offload_cpu_step", "offload_copy_back"} <= set(r["phase_ms"]) for r in recs)
     resolved = json.load(open(tmp_path / "out" / "config.json"))
     assert resolved["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+# ------------------------------------------------------------------ DeepSpeed's optimizer names
+def _client_run(rank, world, which, offload, force):
+    import torch
+
+    import engine.compat.deepspeed as deepspeed
+    from engine.errors import ConfigError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    adam = deepspeed.ops.adam
+    make = {"cpu_adam": lambda ps: adam.DeepSpeedCPUAdam(ps, lr=1e-2, weight_decay=0.1),
+            "fused_adam": lambda ps: adam.FusedAdam(ps, lr=1e-2, weight_decay=0.1),
+            "torch": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)}[which]
+    z: dict = {"stage": 2}
+    if offload:
+        z["offload_optimizer"] = {"device": "cpu"}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": z,
+           "zero_force_ds_cpu_optimizer": force}
+    try:
+        eng, *_ = deepspeed.initialize(model=model, optimizer=make(list(model.parameters())), config=cfg)
+    except ConfigError as exc:
+        return str(exc)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)  # one process, torch's AdamW
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+        eng.step()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.timeout(200)
+def test_deepspeed_adam_names_as_client_optimizers_and_zero_force_ds_cpu_optimizer():
+    cases = [("cpu_adam", True, True), ("fused_adam", False, True), ("torch", True, True), ("torch", True, False)]
+    got = [run_ranks(_client_run, 1, *c, timeout=120)[0] for c in cases]
+    cpu_adam, fused, refused, allowed = got
+    assert isinstance(cpu_adam, float) and cpu_adam < 1e-6, cpu_adam  # one process, torch AdamW: fp32 ulps
+    assert isinstance(fused, float) and fused < 1e-6, fused
+    # DeepSpeed's rule: with offload, a client optimizer must be DeepSpeedCPUAdam unless the switch is off
+    assert isinstance(refused, str) and "zero_force_ds_cpu_optimizer" in refused and "DeepSpeedCPUAdam" in refused
+    assert isinstance(allowed, float) and allowed < 1e-6, allowed
