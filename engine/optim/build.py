@@ -24,8 +24,8 @@ from engine.config import AdamParams, Config, LionParams, MuonParams, OptimizerC
 from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
-from engine.optim.ds_adam import check_offload_client
 from engine.optim.client import ClientLRScheduler, param_groups_from_client, resolve_client_optimizer
+from engine.optim.ds_adam import check_offload_client
 from engine.optim.fused_adamw import FusedAdamW
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler

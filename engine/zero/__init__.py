@@ -25,7 +25,7 @@ from engine.precision.mixed import PrecisionPolicy
 from engine.topology import Role
 from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
 from engine.zero.init import GatheredParameters, Init
-from engine.zero.offload import OffloadOptions
+from engine.zero.offload import NO_OFFLOAD, OffloadOptions
 from engine.zero.stage0 import DataParallelOptimizer
 from engine.zero.stage1 import Zero1Optimizer
 from engine.zero.stage2 import Zero2Optimizer
@@ -50,7 +50,7 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
                          stage3_max_reuse_distance: int = 0,
                          stage3_param_persistence_threshold: int = 100_000,
                          role_groups: Mapping[Role, AxisGroup] = MappingProxyType({}),
-                         offload: OffloadOptions = OffloadOptions()) -> ZeroOptimizer:
+                         offload: OffloadOptions = NO_OFFLOAD) -> ZeroOptimizer:
     """The ZeRO optimizer for ``stage`` (0-3) over the run's ``groups`` (its DP group; or the
     DP :class:`~engine.distributed.groups.AxisGroup` alone for data parallelism without TP/PP).
 

@@ -65,7 +65,7 @@ from engine.timers import PhaseTimers
 from engine.topology import Role
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
 from engine.zero.init import is_partitioned, param_numel
-from engine.zero.offload import HostStep, OffloadOptions, host_zeros
+from engine.zero.offload import NO_OFFLOAD, HostStep, OffloadOptions, host_zeros
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
 from engine.zero.shard_view import ShardView, build_shard_view
 from engine.zero.step import scale_loss, step_factors, sum_tied_grads
@@ -149,7 +149,7 @@ class ZeroOptimizer:
                  loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
                  reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True, alignment: int = 8,
                  clip_grad: float = 0.0, role_groups: Mapping[Role, AxisGroup] = MappingProxyType({}),
-                 offload: OffloadOptions = OffloadOptions()):
+                 offload: OffloadOptions = NO_OFFLOAD):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
                                "engine.distributed.env.init_distributed(), or gloo with world_size=1)")

@@ -40,7 +40,7 @@ import torch
 
 from engine.timers import PhaseTimers
 
-__all__ = ["OffloadOptions", "HostStep", "host_zeros", "pinned"]
+__all__ = ["OffloadOptions", "NO_OFFLOAD", "HostStep", "host_zeros", "pinned"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class OffloadOptions:
     @property
     def enabled(self) -> bool:
         return self.optimizer or self.param
+
+
+NO_OFFLOAD = OffloadOptions()  # everything on the device
 
 
 def pinned(pin_memory: bool) -> bool:
