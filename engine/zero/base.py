@@ -683,7 +683,10 @@ class ZeroOptimizer:
         ``params`` (compute-dtype parameter storage), ``grads`` (gradient buffers, fp32
         accumulators of stages 0/1 and master gradients included), ``optimizer_state`` (fp32
         master shards and the inner optimizer's state), ``buckets`` (stages 2/3: the
-        reusable reduction buffers: at most three buckets and two receive shards)."""
+        reusable reduction buffers: at most three buckets and two receive shards);
+        ``offloaded``: what ZeRO-Offload keeps in host memory (fp32 master shards, their
+        gradient copies, the optimizer state, the low-precision update copies and, with
+        offload_param, the stage-3 parameter shards), counted there and not in the others."""
         seen: set[int] = set()
 
         def size(ts: Iterable[Optional[torch.Tensor]]) -> int:
@@ -698,13 +701,23 @@ class ZeroOptimizer:
                 total += st.nbytes()
             return total
 
+        offloaded = size(self._offloaded_tensors())  # first: the keys below count the rest
         grads = size([g.master.grad for g in self.groups] + [g.grad for g in self.groups] + [p.grad for b in self.buckets for p in b.params]
                      + [b.grad_acc for b in self.buckets if not b.pooled])
         buckets = size(self._pool.buffers() + self._recv_pool.buffers())
         opt_state = size([g.master for g in self.groups]
                          + [v for st in self.optimizer.state.values() for v in st.values()])
         return {"params": size(self._param_tensors()), "grads": grads, "optimizer_state": opt_state,
-                "buckets": buckets}
+                "buckets": buckets, "offloaded": offloaded}
+
+    def _offloaded_tensors(self) -> list[Optional[torch.Tensor]]:
+        out: list[Optional[torch.Tensor]] = []
+        if self.offload.optimizer:
+            out += [t for g in self.groups for t in (g.master, g.master.grad, g.low)]
+            out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        if self.offload.param:
+            out += [b.compute_shard for b in self.buckets if not b.persistent]
+        return out
 
     def _param_tensors(self) -> list[Optional[torch.Tensor]]:
         return [b.full for b in self.buckets]

@@ -91,7 +91,9 @@ def _offload_state(eng) -> dict:
             "state_on_cpu": all(v.device.type == "cpu" for st in opt.optimizer.state.values()
                                 for v in st.values() if hasattr(v, "device")),
             "param_on_host": all(b.compute_shard is None or b.compute_shard.device.type == "cpu"
-                                 for b in opt.buckets)}
+                                 for b in opt.buckets),
+            # memory_bytes counts the host state under "offloaded", not as device optimizer state
+            "memory": {k: v for k, v in opt.memory_bytes().items() if k in ("offloaded", "optimizer_state")}}
 
 
 def _run(rank, world, configs, steps=STEPS):
@@ -130,6 +132,7 @@ def test_offload_equals_no_offload_and_one_process(cache_dir, one_process):
         assert losses == pytest.approx(one_process, rel=ONE_PROCESS_RTOL), f"{k} vs one process"
         assert where is not None and where["separate_grad"] and where["master_on_cpu"] and where["state_on_cpu"], k
         assert where["param_on_host"] or not k.get("param"), k
+        assert where["memory"]["offloaded"] > 0 and where["memory"]["optimizer_state"] == 0, where["memory"]
         assert {"offload_copy_out", "offload_cpu_step", "offload_copy_back"} <= set(phases), phases
     for r in per_rank[1:]:  # every rank reports the same (global-batch) loss
         assert [x[0] for x in r] == [x[0] for x in per_rank[0]]
@@ -213,6 +216,7 @@ def test_launch_train_with_offload_under_torchrun(cache_dir, tmp_path):
     plain = run_ranks(_run, 2, [config(cache_dir, zero=2, steps=steps)], steps=steps, timeout=200)[0][0][0]
     assert [r["loss"] for r in recs] == pytest.approx(plain, rel=SAME_LAYOUT_RTOL)
     assert all({"offload_copy_out", "offload_cpu_step", "offload_copy_back"} <= set(r["phase_ms"]) for r in recs)
+    assert all(r["offloaded_bytes"] > 0 for r in json.load(open(tmp_path / "out" / "memory.json"))["ranks"])
     resolved = json.load(open(tmp_path / "out" / "config.json"))
     assert resolved["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
 
