@@ -145,6 +145,7 @@ class Engine(nn.Module):
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
         # steps_per_print steps
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
+        optimizer.use_timers(self.timers)  # ZeRO-Offload's phases: offload_copy_out / _cpu_step / _copy_back
         # FP8 layers: amaxes MAX-reduced over each axis of the amax role in turn (TP, then DP:
         # = over TP x DP, so scales are the same on every rank and replica and do not depend on
         # the layout), once per step.

@@ -12,6 +12,9 @@ Phases (milliseconds per optimizer step, summed over its micro-batches):
   reduce-scatter, tied-weight sums), and unscaling;
 - ``step``: global norm, clipping, the optimizer update and publishing the new parameters
   (the ZeRO-1/2/3 all-gather), the LR schedule;
+- ``offload_copy_out`` / ``offload_cpu_step`` / ``offload_copy_back`` (inside ``step``, with
+  ``zero_optimization.offload_optimizer``): the reduced gradient shards copied to the host,
+  the optimizer step on the CPU, the updated shards copied back to the device and published;
 - ``pipeline``: with pipeline parallelism, the whole schedule (forward, backward and the
   point-to-point transfers interleave, so they are not separable here; the executor's
   ``record`` gives per-action times).

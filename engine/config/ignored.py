@@ -21,13 +21,12 @@ from typing import Any, Mapping
 __all__ = ["IGNORED_KEYS", "ignored_keys_in", "log_ignored_keys"]
 
 _Z = "zero_optimization."
-_OFFLOAD = "an offload (CPU/NVMe) detail; offload is not implemented"
+_OFFLOAD = "a DeepSpeed offload scheduling detail; offload_optimizer copies each group's gradient shard at once"
 _DS_HOOKS = "a DeepSpeed ZeRO-3 hook/tracing internal; this engine gathers parameters per stage module"
 
 IGNORED_KEYS: Mapping[str, str] = {
     # top level: switches of DeepSpeed's client / CPU optimizers
     "zero_allow_untested_optimizer": "DeepSpeed's guard for client optimizers under ZeRO; any torch optimizer works here",
-    "zero_force_ds_cpu_optimizer": "selects DeepSpeed's CPU Adam for offload; offload is not implemented",
     # fp16
     "fp16.auto_cast": "DeepSpeed casts floating-point inputs to fp16; our inputs are integer token ids",
     # zero_optimization
@@ -55,7 +54,7 @@ IGNORED_KEYS: Mapping[str, str] = {
     _Z + "pipeline_loading_checkpoint": _DS_HOOKS,
     _Z + "log_trace_cache_warnings": _DS_HOOKS,
     _Z + "enable_sanity_checks": _DS_HOOKS,
-    _Z + "save_muon_momentum_buffer_in_memory": "an NVMe-offload detail; " + _OFFLOAD,
+    _Z + "save_muon_momentum_buffer_in_memory": "an NVMe-offload detail; NVMe offload is not implemented",
     _Z + "leaf_module": "marks Hugging Face modules as ZeRO-3 leaves for DeepSpeed's hooks; we gather per block",
     # activation_checkpointing
     "activation_checkpointing.contiguous_memory_optimization": ("DeepSpeed's pre-allocated checkpoint buffer; "

@@ -41,6 +41,7 @@ _TOP_LEVEL = (
     "optimizer", "scheduler", "fp16", "bf16", "fp8", "data_types", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "communication_data_type",
+    "zero_force_ds_cpu_optimizer",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
@@ -126,6 +127,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
                                      auto_hint=" (the Hugging Face Trainer fills it from max_grad_norm)"),
         steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
+        zero_force_ds_cpu_optimizer=top.bool("zero_force_ds_cpu_optimizer", True),
         seed=top.int("seed", 1234, min=0, max=2**63 - 1),
         communication_data_type=_communication_data_type(top),
         ignored_keys=ignored_keys_in(raw),
@@ -214,6 +216,10 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.fp8.enabled and not cfg.bf16.enabled:
         raise ConfigError("fp8.enabled needs bf16.enabled true: the FP8 GEMMs take bf16 inputs and every "
                           "other op runs in bf16 (fp16 loss scaling is not combined with FP8 scaling)")
+    if cfg.zero.offload_optimizer.enabled and cfg.optimizer is not None and cfg.optimizer.type == "Muon":
+        raise ConfigError("zero_optimization.offload_optimizer with optimizer.type \"Muon\" is not implemented: Muon's "
+                          "Newton-Schulz iterations run on whole matrices gathered across the DP shards on the "
+                          "accelerator, not on the host; use AdamW or Lion with offload, or set the device to \"none\"")
     accum = cfg.data_types.grad_accum_dtype
     if accum not in (None, "fp32", cfg.precision):
         allowed = "\"fp32\"" + ("" if cfg.precision == "fp32" else f" or \"{cfg.precision}\"")

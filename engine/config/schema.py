@@ -18,7 +18,7 @@ __all__ = [
     "AdamParams", "LionParams", "MuonParams", "OptimizerConfig",
     "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "CosineParams", "WSDParams",
     "SchedulerParams", "SchedulerConfig",
-    "FP16Config", "BF16Config", "FP8Config", "DataTypesConfig", "ZeroConfig", "ActivationCheckpointingConfig",
+    "FP16Config", "BF16Config", "FP8Config", "DataTypesConfig", "OffloadConfig", "ZeroConfig", "ActivationCheckpointingConfig",
     "PipelineConfig", "AutoTPLayerSpecConfig", "AutoTPPartitionConfig",
     "TensorParallelConfig", "CheckpointConfig", "DataConfig", "Config",
 ]
@@ -201,6 +201,21 @@ class DataTypesConfig(_Section):
 
 # --------------------------------------------------------------------- ZeRO
 @dataclass(frozen=True)
+class OffloadConfig(_Section):
+    """``zero_optimization.offload_optimizer`` / ``offload_param`` (DeepSpeed's names and
+    defaults). ``device``: "none" (off) or "cpu"; ``pin_memory``: page-locked host buffers
+    (when CUDA is present; a no-op on a CPU-only run). DeepSpeed's NVMe-only keys are
+    validated by the loader and not stored (docs/config.md)."""
+
+    device: str = "none"  # "none" | "cpu"
+    pin_memory: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
 class ZeroConfig(_Section):
     """``zero_optimization``. Sizes are element counts, as in DeepSpeed. docs/config.md says
     which keys change behaviour here and which are accepted no-ops."""
@@ -237,6 +252,8 @@ class ZeroConfig(_Section):
     log_trace_cache_warnings: bool = False
     enable_sanity_checks: bool = False
     save_muon_momentum_buffer_in_memory: bool = False
+    offload_optimizer: OffloadConfig = OffloadConfig()  # stages 1-3: master shard and moments on the host
+    offload_param: OffloadConfig = OffloadConfig()  # stage 3: parameter shards on the host
 
 
 # ------------------------------------------------------------ parallelism
@@ -381,6 +398,9 @@ class Config:
     gradient_clipping: float = 1.0  # max global grad norm; 0 = no clipping
     steps_per_print: Optional[int] = 10  # None: never
     wall_clock_breakdown: bool = False
+    # DeepSpeed's meaning: with offload_optimizer, a client optimizer must be its CPU Adam
+    # (engine.compat.deepspeed.ops.adam.DeepSpeedCPUAdam); false lets any optimizer step on the host
+    zero_force_ds_cpu_optimizer: bool = True
     seed: int = 1234
     # DeepSpeed's communication_data_type: the dtype of the ZeRO gradient reductions (0-3).
     # "fp32" (default here; DeepSpeed's default is the compute dtype), "bf16" or "fp16"
@@ -418,6 +438,7 @@ class Config:
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "steps_per_print": self.steps_per_print,
             "wall_clock_breakdown": self.wall_clock_breakdown,
+            "zero_force_ds_cpu_optimizer": self.zero_force_ds_cpu_optimizer,
             "seed": self.seed,
             "gradient_clipping": self.gradient_clipping,
             "communication_data_type": self.communication_data_type,

@@ -21,6 +21,7 @@ from engine.config.schema import (
     DataTypesConfig,
     FP8Config,
     FP16Config,
+    OffloadConfig,
     PipelineConfig,
     TensorParallelConfig,
     ZeroConfig,
@@ -35,7 +36,8 @@ __all__ = [
     "PARTITION_METHODS",
 ]
 
-_NO_OFFLOAD = "this engine keeps parameters and optimizer state on the accelerator; CPU/NVMe offload is not implemented"
+_NO_NVME = ("NVMe offload (DeepSpeed's ZeRO-Infinity, through its async-I/O op) is not implemented; "
+            "offload to \"cpu\" instead")
 
 
 def _names(cls: type) -> tuple[str, ...]:
@@ -123,28 +125,27 @@ _ZERO_FIXED = {
     "zero_quantized_weights": (False, "ZeRO++ quantized weight communication is not implemented"),
     "zero_quantized_nontrainable_weights": (False, "ZeRO++ weight quantization is not implemented"),
     "zero_quantized_gradients": (False, "ZeRO++ quantized gradient communication is not implemented"),
-    "cpu_offload": (False, _NO_OFFLOAD),
-    "cpu_offload_param": (False, _NO_OFFLOAD),
-    "cpu_offload_use_pin_memory": (False, _NO_OFFLOAD),
-    "zenflow": (None, "ZenFlow is an offloading optimizer; " + _NO_OFFLOAD),
+    "zenflow": (None, "ZenFlow (stale-gradient offloaded updates) is not implemented; use offload_optimizer"),
 }
 _ZERO_REJECTED = {
     "mics_shard_size": "MiCS sharding is not implemented (DeepSpeed removed it as well): use stage 3",
     "mics_hierarchical_params_gather": "MiCS sharding is not implemented: use stage 3",
 }
-_OFFLOAD_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
-                 "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")
+# DeepSpeed's offload sections: DeepSpeedZeroOffloadOptimizerConfig / DeepSpeedZeroOffloadParamConfig
+_OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                           "fast_init", "ratio", "super_offload", "cpuadam_cores_perc")
+_OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
+_LEGACY_OFFLOAD = ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
 _LEAF_MODULE_KEYS = ("classes", "names", "name_suffixes")
 
 
 def parse_zero(top: Section, hidden_size: Optional[int]) -> ZeroConfig:
-    accepted = _names(ZeroConfig) + ("offload_param", "offload_optimizer", "leaf_module")
+    accepted = _names(ZeroConfig) + ("leaf_module",) + _LEGACY_OFFLOAD
     s = top.sub("zero_optimization", accepted, aliases=_ZERO_ALIASES, fixed=_ZERO_FIXED, rejected=_ZERO_REJECTED)
-    for key in ("offload_param", "offload_optimizer"):
-        _check_no_offload(s, key)
     _check_leaf_module(s)
     d = ZeroConfig()
     stage = s.int("stage", d.stage, min=0, max=3)
+    offload_optimizer, offload_param = _parse_offload(s, stage)
     # "auto" bucket sizes are resolved from the model width, as the Hugging Face integration does.
     h = hidden_size or 0
     auto_sizes = {
@@ -152,10 +153,10 @@ def parse_zero(top: Section, hidden_size: Optional[int]) -> ZeroConfig:
         "stage3_prefetch_bucket_size": int(0.9 * h * h),
         "stage3_param_persistence_threshold": 10 * h,
     }
-    values: dict[str, Any] = {"stage": stage}
+    values: dict[str, Any] = {"stage": stage, "offload_optimizer": offload_optimizer, "offload_param": offload_param}
     for f in fields(ZeroConfig):
         name = f.name
-        if name == "stage":
+        if name in values:
             continue
         if name == "overlap_comm":
             values[name] = s.bool(name, stage == 3)  # DeepSpeed: on by default for stage 3 only
@@ -173,14 +174,61 @@ def parse_zero(top: Section, hidden_size: Optional[int]) -> ZeroConfig:
     return ZeroConfig(**values)
 
 
-def _check_no_offload(s: Section, key: str) -> None:
+def _parse_offload(s: Section, stage: int) -> tuple[OffloadConfig, OffloadConfig]:
+    """``offload_optimizer`` (stages 1-3) and ``offload_param`` (stage 3), DeepSpeed's
+    semantics: device "none" (the default) is off; DeepSpeed's deprecated ``cpu_offload`` /
+    ``cpu_offload_param`` / ``cpu_offload_use_pin_memory`` switches mean device "cpu" (and
+    ``pin_memory``) as they do there."""
+    opt = _offload_section(s, "offload_optimizer", _OFFLOAD_OPTIMIZER_KEYS)
+    par = _offload_section(s, "offload_param", _OFFLOAD_PARAM_KEYS)
+    legacy = {k: s.bool(k, False) for k in _LEGACY_OFFLOAD}
+    pin = legacy["cpu_offload_use_pin_memory"]
+    names = {"offload_optimizer": s.full("offload_optimizer") + ".device",
+             "offload_param": s.full("offload_param") + ".device"}
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if legacy[old]:
+            names[new] = f"{s.full(old)} = true (DeepSpeed's older spelling of {new}.device \"cpu\"), i.e. {names[new]}"
+            if s.has(new) and s.raw(new) is not None:
+                raise ConfigError(f"{s.full(old)} and {s.full(new)} both configure {new}: keep only {s.full(new)} "
+                                  f"(DeepSpeed's newer spelling)")
+            cfg = OffloadConfig(device="cpu", pin_memory=pin)
+            opt, par = (cfg, par) if new == "offload_optimizer" else (opt, cfg)
+    if opt.enabled and stage == 0:
+        raise ConfigError(f"{names['offload_optimizer']} = \"{opt.device}\" needs ZeRO stage 1, 2 or 3 "
+                          f"(the offloaded state is the rank's optimizer shard): set zero_optimization.stage, or "
+                          f"set the device to \"none\"")
+    if par.enabled and stage != 3:
+        raise ConfigError(f"{names['offload_param']} = \"{par.device}\" needs ZeRO stage 3 (only stage 3 "
+                          f"partitions the parameters; DeepSpeed's rule too): set zero_optimization.stage to 3, or "
+                          f"set the device to \"none\"")
+    return opt, par
+
+
+def _offload_section(s: Section, key: str, accepted: tuple[str, ...]) -> OffloadConfig:
+    """One offload section; the NVMe-only keys are type-checked and have no effect with "cpu"."""
     if not s.has(key) or s.raw(key) is None:
-        return
-    o = s.sub(key, _OFFLOAD_KEYS)
-    device = o.choice("device", ("none", "cpu", "nvme"), "none")
-    if device != "none":
-        raise ConfigError(f"{s.full(key)}.device = \"{device}\": {_NO_OFFLOAD}; remove {s.full(key)} "
-                          f"or set its device to \"none\"")
+        return OffloadConfig()
+    o = s.sub(key, accepted)
+    device = o.choice("device", ("none", "cpu", "nvme"), "none", case_insensitive=True)
+    if device == "nvme":
+        raise ConfigError(f"{o.full('device')} = \"nvme\": {_NO_NVME}, or set it to \"none\"")
+    pin = o.bool("pin_memory", False)
+    o.optional_str("nvme_path")
+    for k in ("buffer_count", "buffer_size", "max_in_cpu"):
+        if o.has(k):
+            o.int(k, 0, min=0)
+    for k in ("pipeline_read", "pipeline_write", "fast_init"):
+        if o.has(k):
+            o.bool(k, False)
+    if o.has("ratio") and o.number("ratio", 1.0, min=0.0, max=1.0) != 1.0:
+        raise ConfigError(f"{o.full('ratio')} = {o.raw('ratio')}: offloading part of the optimizer state (DeepSpeed's "
+                          f"ZeRO-3 twin-flow) is not implemented; remove the key or set it to 1.0 (all of it)")
+    if o.has("super_offload") and o.bool("super_offload", False):
+        raise ConfigError(f"{o.full('super_offload')} = true: DeepSpeed's SuperOffload (Grace-Hopper superchips) is "
+                          f"not implemented; remove the key or set it to false")
+    if o.has("cpuadam_cores_perc"):
+        o.number("cpuadam_cores_perc", 0.8, min=0.0, max=1.0, min_exclusive=True)
+    return OffloadConfig(device=device, pin_memory=pin)
 
 
 def _check_leaf_module(s: Section) -> None:

@@ -25,6 +25,7 @@ from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
 from engine.optim.client import ClientLRScheduler, param_groups_from_client, resolve_client_optimizer
+from engine.optim.ds_adam import check_offload_client
 from engine.optim.fused_adamw import FusedAdamW
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler
@@ -32,7 +33,7 @@ from engine.optim.muon import Muon
 from engine.optim.muon_assign import split_muon_groups
 from engine.precision.loss_scaler import build_loss_scaler
 from engine.precision.mixed import PrecisionPolicy
-from engine.zero import ZeroOptimizer, build_zero_optimizer
+from engine.zero import OffloadOptions, ZeroOptimizer, build_zero_optimizer
 from engine.zero.base import OptimizerFactory
 
 __all__ = ["OptimizerInputs", "optimizer_factory", "optimizer_inputs", "build_engine_optimizer",
@@ -117,6 +118,8 @@ def _clone_factory(client: torch.optim.Optimizer) -> OptimizerFactory:
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         opt = copy.copy(client)
+        if isinstance(opt, FusedAdamW):
+            opt.clear_param_copies()  # its own, not the client's (ZeRO-Offload attaches host copies)
         opt.state = defaultdict(dict)
         opt.param_groups = []
         for g in groups:
@@ -138,6 +141,7 @@ def optimizer_inputs(cfg: Config, params: Any, client: Any = None,
         return OptimizerInputs(params, optimizer_factory(cfg.optimizer))
     given = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
     resolved = resolve_client_optimizer(client, given)
+    check_offload_client(resolved, cfg.zero.offload_optimizer.enabled, cfg.zero_force_ds_cpu_optimizer)
     if check is not None:
         check(resolved)
     flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
@@ -166,13 +170,15 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
                                hysteresis=f.hysteresis, consecutive_hysteresis=f.consecutive_hysteresis,
                                min_loss_scale=f.min_loss_scale)
     z = cfg.zero
+    offload = OffloadOptions(optimizer=z.offload_optimizer.enabled, param=z.offload_param.enabled,
+                             pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory)
     return build_zero_optimizer(
         z.stage, params, factory, groups, module=module, tied_params=tied_params, precision=policy, loss_scaler=scaler,
         reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm, clip_grad=cfg.gradient_clipping,
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=z.stage3_max_live_parameters,
         stage3_max_reuse_distance=z.stage3_max_reuse_distance,
-        stage3_param_persistence_threshold=z.stage3_param_persistence_threshold)
+        stage3_param_persistence_threshold=z.stage3_param_persistence_threshold, offload=offload)
 
 
 def _muon_groups_everywhere(p: MuonParams, params: Any, module: Optional[torch.nn.Module]) -> list[dict[str, Any]]:

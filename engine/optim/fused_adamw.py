@@ -55,7 +55,8 @@ class FusedAdamW(torch.optim.Optimizer):
     Arguments are torch.optim.AdamW's. Not supported (ValueError): ``amsgrad=True``,
     ``capturable=True``, ``differentiable=True``, ``fused=False``; ``foreach`` is accepted and
     ignored (the kernel already handles lists). ``maximize=True`` is supported. Extra:
-    ``bias_correction`` (default True, as in torch) turns Adam's bias correction off.
+    ``bias_correction`` (default True, as in torch) turns Adam's bias correction off;
+    ``adam_w_mode=False`` gives Adam with L2 weight decay (torch.optim.Adam's update).
     Parameters must be float32 (master weights); gradients may be fp32, bf16 or fp16.
     """
 
@@ -64,7 +65,7 @@ class FusedAdamW(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, bias_correction: bool = True) -> None:
+                 fused: Optional[bool] = None, bias_correction: bool = True, adam_w_mode: bool = True) -> None:
         if not 0.0 <= float(lr):
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
         if not 0.0 <= eps:
@@ -77,11 +78,13 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError("FusedAdamW does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)")
         if capturable or differentiable:
             raise ValueError("FusedAdamW does not support capturable/differentiable; use torch.optim.AdamW")
+        if maximize and not adam_w_mode:
+            raise ValueError("FusedAdamW: maximize=True with adam_w_mode=False (L2) is not implemented; use torch.optim.Adam")
         if fused is False:
             raise ValueError("FusedAdamW is always fused; pass fused=None (or use torch.optim.AdamW)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
-                        fused=fused, bias_correction=bias_correction)
+                        fused=fused, bias_correction=bias_correction, adam_w_mode=adam_w_mode)
         super().__init__(params, defaults)
         # Build/load the kernel now, at construction: a JIT build inside the first step would
         # hold every other rank in a collective for minutes (NCCL timeout on a cold cache).
@@ -97,6 +100,7 @@ class FusedAdamW(torch.optim.Optimizer):
             group.setdefault("bias_correction", True)
             group.setdefault("maximize", False)
             group.setdefault("amsgrad", False)
+            group.setdefault("adam_w_mode", True)
             if group["amsgrad"]:
                 raise ValueError("the loaded state has amsgrad=True, which FusedAdamW does not implement")
 
@@ -110,6 +114,10 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"attach_param_copy: copy must be contiguous with {param.numel()} elements on "
                              f"{param.device}, got {tuple(copy.shape)} on {copy.device}")
         self._param_copies[param] = copy
+
+    def clear_param_copies(self) -> None:
+        """Forget every attached copy (a clone of this optimizer over other parameters)."""
+        self._param_copies = {}
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -159,9 +167,15 @@ class FusedAdamW(torch.optim.Optimizer):
                 if copy is not None:
                     b[4].append(copy)
             beta1, beta2 = group["betas"]
+            # adam_w_mode False (DeepSpeed's Adam mode, torch.optim.Adam): L2, g + wd * p, then
+            # Adam's update with no decoupled decay (the kernel's decay factor is then exactly 1)
+            l2 = 0.0 if group.get("adam_w_mode", True) else float(group["weight_decay"])
             for (device, _, copy_dtype, step, contiguous), (ps, gs, ms, vs, cs) in buckets.items():
+                if l2:
+                    gs = [g.add(p, alpha=l2) if g.dtype == p.dtype else g.float().add_(p, alpha=l2)
+                          for g, p in zip(gs, ps)]
                 hp = AdamWHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                                weight_decay=group["weight_decay"], step=step,
+                                weight_decay=0.0 if l2 else group["weight_decay"], step=step,
                                 bias_correction=group["bias_correction"], maximize=group["maximize"])
                 adamw_step(ps, gs, ms, vs, hp, param_copies=cs if copy_dtype is not None else None,
                            use_kernel=contiguous and fused_adamw_available(device))

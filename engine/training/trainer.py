@@ -163,6 +163,7 @@ def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, A
             "params_bytes": int(mem["params"]), "grads_bytes": int(mem["grads"]),
             "optimizer_state_bytes": int(mem["optimizer_state"]),
             "bucket_buffers_bytes": int(mem.get("buckets", 0)),  # ZeRO-2/3 pooled reduction buffers
+            "offloaded_bytes": int(mem.get("offloaded", 0)),  # ZeRO-Offload: host memory
             "peak_bytes": peak_memory_bytes(engine.device),
             "peak_kind": "max allocated (CUDA)" if engine.device.type == "cuda" else
             "resident set high-water mark since start (CPU, VmHWM; exact for tensors with MALLOC_MMAP_THRESHOLD_ fixed)"}

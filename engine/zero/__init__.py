@@ -7,6 +7,7 @@
 - :mod:`engine.zero.init`: :class:`Init` (build a model already partitioned) and
   :class:`GatheredParameters` (gather for reading or modification), DeepSpeed's names.
 - :mod:`engine.zero.memory` / :mod:`engine.zero.peak`: the formulas and the measured peak.
+- :mod:`engine.zero.offload`: ZeRO-Offload (master shards and optimizer state on the host).
 
 :func:`build_zero_optimizer` picks the stage.
 """
@@ -24,13 +25,14 @@ from engine.precision.mixed import PrecisionPolicy
 from engine.topology import Role
 from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
 from engine.zero.init import GatheredParameters, Init
+from engine.zero.offload import NO_OFFLOAD, OffloadOptions
 from engine.zero.stage0 import DataParallelOptimizer
 from engine.zero.stage1 import Zero1Optimizer
 from engine.zero.stage2 import Zero2Optimizer
 from engine.zero.stage3 import Zero3Optimizer
 
 __all__ = ["build_zero_optimizer", "ZeroOptimizer", "DataParallelOptimizer", "Zero1Optimizer",
-           "Zero2Optimizer", "Zero3Optimizer", "STAGES", "Init", "GatheredParameters"]
+           "Zero2Optimizer", "Zero3Optimizer", "STAGES", "Init", "GatheredParameters", "OffloadOptions"]
 
 STAGES = {0: DataParallelOptimizer, 1: Zero1Optimizer, 2: Zero2Optimizer, 3: Zero3Optimizer}
 
@@ -47,7 +49,8 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
                          stage3_max_live_parameters: int = 1_000_000_000,
                          stage3_max_reuse_distance: int = 0,
                          stage3_param_persistence_threshold: int = 100_000,
-                         role_groups: Mapping[Role, AxisGroup] = MappingProxyType({})) -> ZeroOptimizer:
+                         role_groups: Mapping[Role, AxisGroup] = MappingProxyType({}),
+                         offload: OffloadOptions = NO_OFFLOAD) -> ZeroOptimizer:
     """The ZeRO optimizer for ``stage`` (0-3) over the run's ``groups`` (its DP group; or the
     DP :class:`~engine.distributed.groups.AxisGroup` alone for data parallelism without TP/PP).
 
@@ -60,14 +63,16 @@ def build_zero_optimizer(stage: int, params_or_module: ParamsArg, optimizer_fact
     the embedding group sums ``tied_params``' gradients across stages. ``role_groups``:
     groups of roles the ``groups`` do not build, e.g. ``{Role.EXPERT_GRAD: group}`` for the
     flat groups of expert-sharded parameters (``Placement.expert``), which are reduced and
-    partitioned over it instead of the grad role's group.
+    partitioned over it instead of the grad role's group. ``offload``: ZeRO-Offload
+    (:mod:`engine.zero.offload`; DeepSpeed's ``offload_optimizer`` / ``offload_param``).
     """
     if stage not in STAGES:
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     common: dict[str, Any] = dict(
         tied_params=tied_params,
         precision=precision, loss_scaler=loss_scaler, reduce_bucket_size=reduce_bucket_size,
-        overlap_comm=overlap_comm, alignment=alignment, clip_grad=clip_grad, role_groups=role_groups)
+        overlap_comm=overlap_comm, alignment=alignment, clip_grad=clip_grad, role_groups=role_groups,
+        offload=offload)
     if stage == 3:
         mod = module if module is not None else params_or_module
         if not isinstance(mod, torch.nn.Module):

@@ -61,9 +61,11 @@ from engine.distributed import comm, strict
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
+from engine.timers import PhaseTimers
 from engine.topology import Role
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
 from engine.zero.init import is_partitioned, param_numel
+from engine.zero.offload import NO_OFFLOAD, HostStep, OffloadOptions, host_zeros
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
 from engine.zero.shard_view import ShardView, build_shard_view
 from engine.zero.step import scale_loss, step_factors, sum_tied_grads
@@ -146,7 +148,8 @@ class ZeroOptimizer:
                  precision: Optional[PrecisionPolicy] = None,
                  loss_scaler: Union[StaticLossScaler, DynamicLossScaler, None] = None,
                  reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True, alignment: int = 8,
-                 clip_grad: float = 0.0, role_groups: Mapping[Role, AxisGroup] = MappingProxyType({})):
+                 clip_grad: float = 0.0, role_groups: Mapping[Role, AxisGroup] = MappingProxyType({}),
+                 offload: OffloadOptions = NO_OFFLOAD):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
                                "engine.distributed.env.init_distributed(), or gloo with world_size=1)")
@@ -170,6 +173,12 @@ class ZeroOptimizer:
         self._pool = BufferPool(torch.device("cpu"))  # stages 2/3 accumulators; device set below
         self._recv_pool = BufferPool(torch.device("cpu"))
         self._inflight: list[FlatBucket] = []  # pooled buckets whose reduce-scatter is in flight
+        if offload.optimizer and not self.shards_optimizer_state:
+            raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3 (the offloaded state is the rank's shard)")
+        if offload.param and self.stage != 3:
+            raise ValueError("offload_param needs ZeRO stage 3 (only stage 3 partitions the parameters)")
+        self.offload = offload
+        self._low_fresh = False  # the host low-precision copies hold the last step's update
 
         user_groups = normalize_param_groups(params)
         self._check_params([p for g in user_groups for p in g["params"]])
@@ -186,7 +195,8 @@ class ZeroOptimizer:
                 layout = build_layout([param_numel(p) for p in chunk], num_shards, self.alignment)
                 buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
             options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
-            group = FlatGroup(key, buckets, options, self._device, reduce_group)
+            group = FlatGroup(key, buckets, options, self._device, reduce_group, offload=offload.optimizer,
+                              pin_memory=offload.pin_memory)
             self.groups.append(group)
             self.buckets.extend(buckets)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -198,13 +208,35 @@ class ZeroOptimizer:
             b.pooled = not self.keeps_full_grads
             b.comm_dtype = self.precision.comm_dtype  # communication_data_type
             self._init_bucket(b)
+        self._host = HostStep(self._device, offload)
         self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
         attach = getattr(self.optimizer, "attach_shard_view", None)
         if callable(attach):  # an inner optimizer that works on whole matrices (Muon) asks for the layout
+            if offload.optimizer:
+                raise ValueError("offload_optimizer with Muon is not implemented: its Newton-Schulz iterations "
+                                 "run on whole matrices gathered on the accelerator; use AdamW or Lion")
             attach(self.shard_view())
+        if offload.optimizer:
+            self._attach_low_copies()
         self._register_grad_hooks()
 
     # ------------------------------------------------------------------ construction
+    def _attach_low_copies(self) -> None:
+        """Offload with a bf16/fp16 model and an inner optimizer that can write the
+        low-precision copy of its update in the same pass (FusedAdamW: the fused CPU kernel):
+        a host ``(shard,)`` buffer per group for it, what is copied back to the device."""
+        attach = getattr(self.optimizer, "attach_param_copy", None)
+        for g in self.groups:
+            dtype = g.buckets[0].dtype
+            if callable(attach) and dtype in (torch.bfloat16, torch.float16) and g.master.numel():
+                g.low = host_zeros(g.master.numel(), dtype, self.offload.pin_memory)
+                attach(g.master, g.low)
+
+    def use_timers(self, timers: PhaseTimers) -> None:
+        """Record the offloaded step's phases (copy out, CPU step, copy back) in ``timers``
+        (the engine's ``wall_clock_breakdown``)."""
+        self._host.timers = timers
+
     def _check_params(self, params: list[torch.nn.Parameter]) -> None:
         devices = {p.device for p in params}
         if len(devices) != 1:
@@ -454,7 +486,7 @@ class ZeroOptimizer:
         """Sum tied-weight gradients between the pipeline stages that hold a copy (same DP
         shard on each: a tied weight's bucket has the same layout everywhere)."""
         tied = sorted((g for g in self.groups if g.key.tied_index >= 0), key=lambda g: g.key.tied_index)
-        sum_tied_grads([_master_grad(g.master) for g in tied], self.embedding_group)
+        sum_tied_grads([g.grad for g in tied], self.embedding_group)
 
     # ------------------------------------------------------------------ norm and step
     def _mesh_groups(self) -> list[AxisGroup]:
@@ -485,7 +517,7 @@ class ZeroOptimizer:
             # squares overflows fp32, a norm > 1e19, which is an overflow to skip as well).
             # A float64 copy plus a separate isfinite pass cost ~140x this on CPU.
             # No host sync here: a non-finite norm lands in both stats (the count decides).
-            norm = torch.linalg.vector_norm(g.master.grad)
+            norm = torch.linalg.vector_norm(g.grad)
             stats[1] += (~torch.isfinite(norm)).to(stats.dtype)
             if not self._counts_in_norm(g, tp_rank, several):
                 continue
@@ -520,7 +552,12 @@ class ZeroOptimizer:
         with comm.no_host_sync("the ZeRO optimizer step (reduction, norm, clipping)"):
             if not self._prepare_step():
                 return False
-        self.optimizer.step()
+        if self.offload.optimizer:  # engine.zero.offload: reduced (and clipped) shards to the host, step there
+            self._host.copy_out([(_master_grad(g.master), g.grad) for g in self.groups])
+            self._host.cpu_step(self.optimizer.step)
+            self._low_fresh = True
+        else:
+            self.optimizer.step()
         self.loss_scaler.update(False)
         self._publish()
         self.zero_grad()
@@ -551,11 +588,21 @@ class ZeroOptimizer:
             # leaves the gradients unchanged (DeepSpeed clips when norm + 1e-6 > clip, as here)
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
             for g in self.groups:
-                _master_grad(g.master).mul_(coef)
+                g.grad.mul_(coef)
         return True
 
     def _publish(self) -> None:
-        """Updated master shards -> parameters: all-gather over DP (stage 0 overrides)."""
+        """Updated master shards -> parameters (with offload: the copy back to the device, a
+        ``wall_clock_breakdown`` phase of its own)."""
+        if self.offload.optimizer:
+            with self._host.copy_back_phase():
+                self._publish_shards()
+        else:
+            self._publish_shards()
+        self._low_fresh = False
+
+    def _publish_shards(self) -> None:
+        """All-gather each bucket's updated shard over DP (stages 0 and 3 override)."""
         works = []
         for b in self.buckets:
             works.append(self._gather_bucket(b))
@@ -563,9 +610,21 @@ class ZeroOptimizer:
             if w is not None:
                 w.wait()
 
+    def _updated_shard(self, b: FlatBucket) -> torch.Tensor:
+        """Where ``b``'s updated shard is read from: the fp32 master, or (offload, right after
+        a step) the host low-precision copy the CPU kernel wrote in the same pass."""
+        g = b.group
+        assert g is not None  # bound by FlatGroup
+        if self._low_fresh and g.low is not None:
+            return g.low[b.master_offset:b.master_offset + b.layout.shard_numel]
+        return b.shard_master
+
     def _gather_bucket(self, b: FlatBucket) -> Any:
         # a separate send buffer: the shard's slot in ``full`` is also written by the gather
-        send = b.shard_master.to(b.dtype, copy=True)
+        if self.offload.optimizer:
+            send = self._host.to_device(self._updated_shard(b), b.dtype)
+        else:
+            send = b.shard_master.to(b.dtype, copy=True)
         assert b.full is not None  # stages 0-2 keep every bucket bound
         return comm.all_gather(b.full, send, b.reduce_group, async_op=True)
 
@@ -590,7 +649,7 @@ class ZeroOptimizer:
             for p in b.params:
                 p.grad = None
         for g in self.groups:
-            _master_grad(g.master).zero_()
+            g.grad.zero_()
         self._reduced = False
         self._norm_cache = None
 
@@ -629,7 +688,10 @@ class ZeroOptimizer:
         ``params`` (compute-dtype parameter storage), ``grads`` (gradient buffers, fp32
         accumulators of stages 0/1 and master gradients included), ``optimizer_state`` (fp32
         master shards and the inner optimizer's state), ``buckets`` (stages 2/3: the
-        reusable reduction buffers: at most three buckets and two receive shards)."""
+        reusable reduction buffers: at most three buckets and two receive shards);
+        ``offloaded``: what ZeRO-Offload keeps in host memory (fp32 master shards, their
+        gradient copies, the optimizer state, the low-precision update copies and, with
+        offload_param, the stage-3 parameter shards), counted there and not in the others."""
         seen: set[int] = set()
 
         def size(ts: Iterable[Optional[torch.Tensor]]) -> int:
@@ -644,13 +706,23 @@ class ZeroOptimizer:
                 total += st.nbytes()
             return total
 
-        grads = size([g.master.grad for g in self.groups] + [p.grad for b in self.buckets for p in b.params]
+        offloaded = size(self._offloaded_tensors())  # first: the keys below count the rest
+        grads = size([g.master.grad for g in self.groups] + [g.grad for g in self.groups] + [p.grad for b in self.buckets for p in b.params]
                      + [b.grad_acc for b in self.buckets if not b.pooled])
         buckets = size(self._pool.buffers() + self._recv_pool.buffers())
         opt_state = size([g.master for g in self.groups]
                          + [v for st in self.optimizer.state.values() for v in st.values()])
         return {"params": size(self._param_tensors()), "grads": grads, "optimizer_state": opt_state,
-                "buckets": buckets}
+                "buckets": buckets, "offloaded": offloaded}
+
+    def _offloaded_tensors(self) -> list[Optional[torch.Tensor]]:
+        out: list[Optional[torch.Tensor]] = []
+        if self.offload.optimizer:
+            out += [t for g in self.groups for t in (g.master, g.master.grad, g.low)]
+            out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        if self.offload.param:
+            out += [b.compute_shard for b in self.buckets if not b.persistent]
+        return out
 
     def _param_tensors(self) -> list[Optional[torch.Tensor]]:
         return [b.full for b in self.buckets]

@@ -25,6 +25,7 @@ import torch
 from engine.distributed import comm
 from engine.distributed.groups import AxisGroup
 from engine.zero.init import param_shape
+from engine.zero.offload import host_zeros
 from engine.zero.partition import FlatLayout, GroupKey
 
 __all__ = ["FlatBucket", "FlatGroup", "BufferPool"]
@@ -54,7 +55,8 @@ class FlatBucket:
         self._upcast: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (fp32 target, low result)
         # set by the group (FlatGroup) right after the buckets are built:
         self.shard_master: torch.Tensor  # (shard,) fp32 view into the group master
-        self.shard_grad: torch.Tensor  # (shard,) fp32 view into the group master grad
+        self.shard_grad: torch.Tensor  # (shard,) fp32 view into the group's (device) master gradient
+        self.master_offset = 0  # where shard_master starts in the group's master
         self.group: Optional["FlatGroup"] = None
         # ZeRO-3 only: this rank's chunk in the compute dtype (what the all-gather sends),
         # an in-flight prefetch (full buffer, work), and whether the bucket stays whole.
@@ -248,23 +250,39 @@ class BufferPool:
 
 class FlatGroup:
     """The buckets of one group key and their concatenated fp32 master shard, reduced and
-    partitioned over ``reduce_group``."""
+    partitioned over ``reduce_group``.
 
-    def __init__(self, key: GroupKey, buckets: Sequence[FlatBucket], options: dict[str, Any],
-                 device: torch.device, reduce_group: AxisGroup):
+    ``offload`` (ZeRO-Offload, engine.zero.offload): the master and its ``.grad`` live in
+    host memory (page-locked with ``pin_memory`` where CUDA is), and the reduce-scatters
+    land in :attr:`grad`, a separate ``(shard,)`` fp32 buffer on the device, copied to
+    ``master.grad`` before the host step. Without offload :attr:`grad` IS ``master.grad``."""
+
+    def __init__(self, key: GroupKey, buckets: Sequence[FlatBucket], options: dict[str, Any],  # noqa: PLR0913
+                 device: torch.device, reduce_group: AxisGroup, *, offload: bool = False, pin_memory: bool = False):
         self.key = key
         self.reduce_group = reduce_group
         self.buckets = list(buckets)
         self.options = dict(options)
+        self.offload = bool(offload)
         total = sum(b.layout.shard_numel for b in self.buckets)
         # (sum of bucket shard sizes,) fp32: what the inner optimizer steps on
-        self.master = torch.nn.Parameter(torch.zeros(total, dtype=torch.float32, device=device))
-        self.master.grad = torch.zeros_like(self.master)
+        if self.offload:
+            self.master = torch.nn.Parameter(host_zeros(total, torch.float32, pin_memory))
+            self.master.grad = host_zeros(total, torch.float32, pin_memory)
+            self.grad = torch.zeros(total, dtype=torch.float32, device=device)
+        else:
+            self.master = torch.nn.Parameter(torch.zeros(total, dtype=torch.float32, device=device))
+            self.master.grad = torch.zeros_like(self.master)
+            self.grad = self.master.grad
+        # offload with a bf16/fp16 model: the host (shard,) low-precision copy the fused CPU
+        # kernel writes in the same pass as the update (engine.zero.base attaches it)
+        self.low: Optional[torch.Tensor] = None
         off = 0
         for b in self.buckets:
             n = b.layout.shard_numel
             b.shard_master = self.master.data[off:off + n]
-            b.shard_grad = self.master.grad[off:off + n]
+            b.shard_grad = self.grad[off:off + n]
+            b.master_offset = off
             b.group = self
             off += n
 

@@ -35,7 +35,7 @@ class DataParallelOptimizer(ZeroOptimizer):
         b.bind(b.shard_master)
         self._init_grad_storage(b)
 
-    def _publish(self) -> None:
+    def _publish_shards(self) -> None:
         for b in self.buckets:
             assert b.full is not None  # stage 0 keeps every bucket bound
             if b.full.data_ptr() != b.shard_master.data_ptr():
@@ -51,8 +51,7 @@ class DataParallelOptimizer(ZeroOptimizer):
             super()._launch_remaining()
             return
         for g in self.groups:
-            assert g.master.grad is not None  # the group's master gradient storage (_init_grad_storage)
-            work = comm.all_reduce(g.master.grad, g.reduce_group, async_op=True)
+            work = comm.all_reduce(g.grad, g.reduce_group, async_op=True)
             for b in g.buckets:
                 b.launched = True
             g.buckets[-1].work = work  # waited with the group's last bucket

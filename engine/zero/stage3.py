@@ -56,6 +56,7 @@ from engine.distributed import comm
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.zero.buckets import FlatBucket
 from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
+from engine.zero.offload import host_zeros
 from engine.zero.partition import GroupKey, bucketize
 from engine.zero.stage2 import Zero2Optimizer
 
@@ -213,9 +214,10 @@ class Zero3Optimizer(Zero2Optimizer):
             return
         b.compute_shard = self._compute_shard(b)
         b.shard_master.copy_(b.compute_shard)
-        if b.dtype == torch.float32:
+        if b.dtype == torch.float32 and self.offload.optimizer == self.offload.param:
             # fp32 training: the compute shard IS the master shard (same values after every
             # step), as fp32 parameters are the master weights at stage 0; 4 Psi / N bytes saved
+            # (both on the device, or both on the host with offload_optimizer + offload_param)
             b.compute_shard = b.shard_master
         b.unbind()
         b.gather_buf = _empty_storage_buffer(b)
@@ -225,7 +227,9 @@ class Zero3Optimizer(Zero2Optimizer):
         :class:`engine.zero.Init` are gathered one at a time (every rank, same order: a
         collective per parameter), so no rank ever holds more than one whole parameter."""
         lo, hi = b.layout.shard_range(b.shard_index)
-        shard = torch.zeros(hi - lo, dtype=b.dtype, device=b.device)
+        # offload_param: the shard lives on the host (engine.zero.offload), copied to the device per gather
+        shard = (host_zeros(hi - lo, b.dtype, self.offload.pin_memory) if self.offload.param
+                 else torch.zeros(hi - lo, dtype=b.dtype, device=b.device))
         for i, p in enumerate(b.params):
             full = gather_partitioned(p) if is_partitioned(p) else p.detach()
             flat = full.reshape(-1)
@@ -241,7 +245,8 @@ class Zero3Optimizer(Zero2Optimizer):
         full = b.gather_buf
         assert full is not None and b.compute_shard is not None  # set for every ZeRO-3 bucket (_init_bucket)
         _resize_storage(full, b.layout.padded_numel * full.element_size())
-        work = comm.all_gather(full, b.compute_shard, b.reduce_group, async_op=True)
+        send = self._host.to_device(b.compute_shard, b.dtype) if self.offload.param else b.compute_shard
+        work = comm.all_gather(full, send, b.reduce_group, async_op=True)
         b.pending = (full, work)
         self._live_numel += b.layout.padded_numel
         self.gather_count += 1
@@ -487,7 +492,7 @@ class Zero3Optimizer(Zero2Optimizer):
             self._release_all()  # backward is over; units left gathered had unused parameters
         super().reduce_gradients()
 
-    def _publish(self) -> None:
+    def _publish_shards(self) -> None:
         self._release_all()
         works = []
         for b in self.buckets:
@@ -495,7 +500,9 @@ class Zero3Optimizer(Zero2Optimizer):
                 works.append(self._gather_bucket(b))
             elif b.compute_shard is not b.shard_master:
                 assert b.compute_shard is not None  # set for every ZeRO-3 bucket (_init_bucket)
-                b.compute_shard.copy_(b.shard_master)  # gathered again on the next use
+                # gathered again on the next use; offload: the host update (or its low-precision
+                # copy) crosses to the device here, or stays on the host with offload_param
+                b.compute_shard.copy_(self._updated_shard(b), non_blocking=b.compute_shard.is_cuda)
         for w in works:
             if w is not None:
                 w.wait()
