@@ -382,6 +382,9 @@ class Config:
     steps_per_print: Optional[int] = 10  # None: never
     wall_clock_breakdown: bool = False
     seed: int = 1234
+    # launch/train.py stops (exit 1) after this many optimizer steps in a row whose loss or global
+    # gradient norm is non-finite (each one skipped); 0: never stop (docs/config.md)
+    max_consecutive_nonfinite_steps: int = 20
     # keys of engine.config.ignored.IGNORED_KEYS this config set: accepted, no effect; not
     # part of the config's value (not compared, not written by to_dict)
     ignored_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -417,6 +420,7 @@ class Config:
             "wall_clock_breakdown": self.wall_clock_breakdown,
             "seed": self.seed,
             "gradient_clipping": self.gradient_clipping,
+            "max_consecutive_nonfinite_steps": self.max_consecutive_nonfinite_steps,
         }
         if self.optimizer is not None:
             d["optimizer"] = self.optimizer.to_dict()

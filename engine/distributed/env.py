@@ -35,7 +35,7 @@ __all__ = [
     "DistEnv", "init_distributed", "launched_by_torch_style_launcher", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
-    "strict_comm_from_env", "failure_watch_from_env", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
+    "strict_comm_from_env", "failure_watch_from_env", "free_bytes_override", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -479,6 +479,17 @@ def _positive_seconds(environ: Mapping[str, str], name: str) -> Optional[float]:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"{name}={raw!r} is not a positive number of seconds")
     return value
+
+
+def free_bytes_override(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """``ENGINE_TEST_FREE_BYTES``: a test hook (docs/training.md) that makes the trainer's
+    low-disk-space check see this many free bytes instead of measuring; None when unset."""
+    raw = (os.environ if environ is None else environ).get("ENGINE_TEST_FREE_BYTES", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"ENGINE_TEST_FREE_BYTES={raw!r} is not a number of bytes")
+    return int(raw)
 
 
 def failure_watch_from_env(environ: Optional[Mapping[str, str]] = None) -> WatchSettings:
