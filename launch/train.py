@@ -182,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         if speak:
             print(f"{exc.kind} error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    return _run(args, cfg, dataset, sampler, preempt)
+    code = _run(args, cfg, dataset, sampler, preempt)
+    if preempt is not None:  # the job is done: a late signal must not kill it during interpreter exit
+        preempt.ignore_until_exit()
+    return code
 
 
 def _preemption_handler():

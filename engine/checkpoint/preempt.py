@@ -76,6 +76,12 @@ class PreemptionHandler:
             signal.signal(s, h)
         self._previous.clear()
 
+    def ignore_until_exit(self) -> None:
+        """For the process's last moments: SIG_IGN, which interpreter finalisation keeps (it
+        resets a Python handler to the default action, which would kill the process)."""
+        for s in self.signals:
+            signal.signal(s, signal.SIG_IGN)
+
     def __enter__(self) -> "PreemptionHandler":
         return self.install()
 

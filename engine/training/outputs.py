@@ -176,7 +176,7 @@ def warn_if_low_space(paths: list[tuple[str, str]], need_bytes: int, when: str =
             continue
         if free < need_bytes:
             low = True
-            logger.warning("%s%s %s: %.1f MiB free, less than one checkpoint (%.1f MiB): the save will fail for lack "
-                           "of space; free some or point --save elsewhere", f"{when}: " if when else "", what, path,
-                           free / 2**20, need_bytes / 2**20)
+            logger.warning("%s%s %s: %.1f MiB free, less than one checkpoint (%.1f MiB, %d bytes): the save will "
+                           "fail for lack of space; free some or point --save elsewhere", f"{when}: " if when else "",
+                           what, path, free / 2**20, need_bytes / 2**20, need_bytes)
     return low
