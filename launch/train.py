@@ -38,6 +38,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "engine")):  # run from a checkout without installing
     sys.path.insert(0, _ROOT)
 
+# torch's C++ warnings are noise here: when a peer dies, the failure watch's next store call
+# logs a 20-frame TCPStore stack before raising the error we report in one line
+# (docs/launching.md); read once, when torch loads: set before any engine import
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
