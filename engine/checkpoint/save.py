@@ -47,6 +47,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.finite import check_finite_state
 from engine.checkpoint.format import (
     CLIENT_STATE_FILE,
     FORMAT,
@@ -71,7 +72,6 @@ from engine.checkpoint.format import (
     write_latest,
     write_metadata,
 )
-from engine.checkpoint.finite import check_finite_state
 from engine.checkpoint.layout import local_pieces, parameter_names, stage_chunks, tied_names
 from engine.checkpoint.target import Checkpointable
 from engine.config import Config

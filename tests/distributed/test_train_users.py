@@ -20,13 +20,12 @@ Waits poll for conditions with generous deadlines (a loaded 2-core machine).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 
 import pytest
-from test_train_failures import NOISE, _finish, _lines, _records, _slurm, _wait_for_steps
 from test_train_entry import tiny_config
+from test_train_failures import NOISE, _finish, _lines, _records, _slurm, _wait_for_steps
 
 TIMEOUT = 300  # per run: generous for a loaded machine; a healthy run takes seconds
 
@@ -66,8 +65,8 @@ def _slurm_env(tmp_path, argv, extra):
 
 
 def _finite_checkpoint(tag_dir) -> bool:
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     files = list(tag_dir.glob("*.safetensors"))
     assert files, f"no shard in {tag_dir}"
