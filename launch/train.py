@@ -120,7 +120,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
     """Flag values that are wrong on their own (no filesystem, no config)."""
     bad = lambda msg: _BadInput("argument", msg)
     if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
-        raise bad(f"--timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}] (7 days), got {args.timeout!r}")
+        raise bad(f"--timeout must be a positive, finite number of seconds, at most {MAX_TIMEOUT_S:.0f} (7 days), "
+                  f"got {args.timeout!r}")
     if args.steps < 1:
         raise bad(f"--steps must be at least 1, got {args.steps}")
     if args.save_interval is not None and args.save_interval < 0:
