@@ -38,9 +38,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "engine")):  # run from a checkout without installing
     sys.path.insert(0, _ROOT)
 
+# torch's C++ warnings are noise here: when a peer dies, the failure watch's next store call
+# logs a 20-frame TCPStore stack before raising the error we report in one line
+# (docs/launching.md); read once, when torch loads: set before any engine import
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective timeout beyond a week is a typo (torch's C++ timer overflows on 1e10)
 
 
 class _RankParser(argparse.ArgumentParser):
@@ -113,8 +119,9 @@ class _BadInput(Exception):
 def _check_arguments(args: argparse.Namespace) -> None:
     """Flag values that are wrong on their own (no filesystem, no config)."""
     bad = lambda msg: _BadInput("argument", msg)
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise bad(f"--timeout must be a positive, finite number of seconds, got {args.timeout!r}")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise bad(f"--timeout must be a positive, finite number of seconds, at most {MAX_TIMEOUT_S:.0f} (7 days), "
+                  f"got {args.timeout!r}")
     if args.steps < 1:
         raise bad(f"--steps must be at least 1, got {args.steps}")
     if args.save_interval is not None and args.save_interval < 0:
@@ -170,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     speak = info.rank == 0
     args = parse_args(argv, speak)
+    # SIGTERM/SIGUSR1 are recorded from here to the process's exit (engine.checkpoint.preempt):
+    # one during start-up work saves at the first step, one after the final save is ignored
+    preempt = _preemption_handler() if args.save is not None else None
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     if args.log_level == "WARNING":  # the default: still say what the first run builds, and how long it took
         logging.getLogger("engine.build").setLevel(logging.INFO)  # (tokenizer, token file, fused kernels)
@@ -180,10 +190,19 @@ def main(argv: list[str] | None = None) -> int:
         if speak:
             print(f"{exc.kind} error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    return _run(args, cfg, dataset, sampler)
+    code = _run(args, cfg, dataset, sampler, preempt)
+    if preempt is not None:  # the job is done: a late signal must not kill it during interpreter exit
+        preempt.ignore_until_exit()
+    return code
 
 
-def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
+def _preemption_handler():
+    from engine.checkpoint.preempt import PreemptionHandler
+
+    return PreemptionHandler().install()
+
+
+def _run(args: argparse.Namespace, cfg, dataset, sampler, preempt=None) -> int:
     from engine.distributed.env import PeerFailureError, failure_guard, init_distributed
     from engine.training.lifecycle import logs_dir
 
@@ -191,7 +210,7 @@ def _run(args: argparse.Namespace, cfg, dataset, sampler) -> int:
     try:
         env = init_distributed(timeout_s=args.timeout)
         with failure_guard(env, "training", record_dir=logs_dir(args.output)):
-            code = _job(args, cfg, dataset, sampler, env)
+            code = _job(args, cfg, dataset, sampler, env, preempt)
     except KeyboardInterrupt:
         if env is None or env.rank == 0:
             print("\ninterrupted: stopping all ranks", file=sys.stderr, flush=True)
@@ -237,13 +256,13 @@ def _options(args: argparse.Namespace):
                         peak_tflops=args.peak_tflops)
 
 
-def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
+def _job(args: argparse.Namespace, cfg, dataset, sampler, env, preempt=None) -> int:
     """Claim and check the output locations (exit 2 on a problem anywhere), then train."""
     from engine.training.trainer import Trainer
 
     rank0 = env.rank == 0
     trainer = Trainer(cfg, dataset, sampler, env, _options(args),
-                      notify=lambda line: print(line, file=sys.stderr, flush=True))
+                      notify=lambda line: print(line, file=sys.stderr, flush=True), preempt=preempt)
     with contextlib.ExitStack() as held:  # rank 0's directory locks, released at the end
         problem = trainer.claim_outputs(held)
         if problem is not None:
@@ -253,6 +272,10 @@ def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
         eng = trainer.start()
         progress = _Progress(rank0, eng.global_steps, args.steps, cfg.steps_per_print or 10)
         result = trainer.run(on_step=progress.update, on_loop_end=progress.close)
+    if result.diverged is not None:  # every rank agrees (engine.training.divergence)
+        if rank0:
+            print(f"error: {result.diverged}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     if not rank0:
         return 0
     if result.preempted:
@@ -260,8 +283,10 @@ def _job(args: argparse.Namespace, cfg, dataset, sampler, env) -> int:
         return 0
     recs = result.records
     losses = f"loss {recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f}" if recs else "nothing to train"
+    counts = (f"; {recs[-1]['applied_steps']} steps applied, {recs[-1]['skipped_steps']} skipped (non-finite)"
+              if recs else "")
     print(f"trained {len(recs)} steps to step {result.final_step} ({cfg.topology}, ZeRO-{cfg.zero.stage}, "
-          f"{cfg.precision}): {losses}; metrics in {os.path.join(args.output, 'metrics.jsonl')}"
+          f"{cfg.precision}): {losses}{counts}; metrics in {os.path.join(args.output, 'metrics.jsonl')}"
           + (f"; checkpoint {result.saved}" if result.saved else ""), flush=True)
     if result.sample is not None:
         print("sample (greedy):\n" + result.sample, flush=True)

@@ -2,7 +2,8 @@
 
 Protocol (collective over the default group; every rank calls it):
 
-1. The ranks agree on the tag (a tag that differs across ranks is reported per
+1. Every rank checks its master weights and optimizer state are finite (else nothing is
+   written, on every rank: :mod:`engine.checkpoint.finite`); the ranks agree on the tag (a tag that differs across ranks is reported per
    ``checkpoint.tag_validation``: Fail raises, Warn logs; rank 0's tag is used) and on a
    nonce; rank 0 creates ``<save_dir>/.tmp-<tag>-<nonce>/`` with an ``.owner`` line (host,
    pid), removing leftovers of crashed saves: its own, those whose writer no longer runs,
@@ -46,6 +47,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.finite import check_finite_state
 from engine.checkpoint.format import (
     CLIENT_STATE_FILE,
     FORMAT,
@@ -429,11 +431,13 @@ class SavePlan:
 
 def begin_save(engine: Checkpointable, save_dir: str, tag: Optional[str], client_state: Optional[dict[str, Any]],
                keep_last: Optional[int], save_latest: bool) -> SavePlan:
-    """Steps 1 of the protocol (collective): agree on the tag and a nonce, make the
-    temporary directory."""
+    """Steps 1 of the protocol (collective): refuse a non-finite state
+    (:func:`~engine.checkpoint.finite.check_finite_state`), agree on the tag and a nonce,
+    make the temporary directory."""
     rank, _ = _world()
     if stage_chunks(engine.module) is None and engine.config.pp > 1:
         raise CheckpointError("pipeline engines must hold StageChunks to be checkpointed")
+    check_finite_state(engine)  # nothing is written for a diverged state: 'latest' keeps the last good one
     tag = check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     if client_state is not None and not isinstance(client_state, dict):
         raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")

@@ -12,6 +12,7 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 from engine.config.ignored import IGNORED_KEYS, ignored_keys_in
+from engine.config.limits import check_batch_limits
 from engine.config.monitor import parse_monitor
 from engine.config.optim import parse_optimizer, parse_scheduler
 from engine.config.reader import Section, read_json_file
@@ -41,7 +42,7 @@ _TOP_LEVEL = (
     "optimizer", "scheduler", "fp16", "bf16", "fp8", "data_types", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "communication_data_type",
-    "zero_force_ds_cpu_optimizer",
+    "zero_force_ds_cpu_optimizer", "max_consecutive_nonfinite_steps",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
@@ -95,6 +96,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     top = Section(raw, "", _TOP_LEVEL, rejected=_TOP_LEVEL_REJECTED, fixed=_TOP_LEVEL_FIXED,
                   ignored_bools=_TOP_LEVEL_IGNORED)
 
+    check_batch_limits({k: top.raw(k) for k in _BATCH_KEYS})
     model = parse_model(top)
     tensor_parallel = parse_tensor_parallel(top)
     pipeline = parse_pipeline(top)
@@ -130,6 +132,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         zero_force_ds_cpu_optimizer=top.bool("zero_force_ds_cpu_optimizer", True),
         seed=top.int("seed", 1234, min=0, max=2**63 - 1),
         communication_data_type=_communication_data_type(top),
+        max_consecutive_nonfinite_steps=top.int("max_consecutive_nonfinite_steps", 20, min=0, max=2**31 - 1),
         ignored_keys=ignored_keys_in(raw),
     )
     _check_cross_section(cfg)

@@ -313,18 +313,61 @@ def _reject_constant(name: str) -> Any:
     raise ConfigError(f"{name} is not valid JSON: write a finite number")
 
 
+MAX_INT_DIGITS = 30  # no config value needs more (2**64 has 20 digits)
+MAX_DEPTH = 64  # DeepSpeed configs nest 4 deep; a deeper file is not a config
+
+
+def _parse_int(text: str) -> int:
+    """JSON integers, refusing ones no config value needs before Python's int-str limit
+    (4300 digits) raises a bare ValueError."""
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ConfigError(f"an integer of {digits} digits ({text[:12]}...): no config value has more than "
+                          f"{MAX_INT_DIGITS}")
+    return int(text)
+
+
+def _check_depth(text: str, path: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH before the parser recurses into it (a 200,000-deep
+    array exhausts the recursion limit). Brackets inside strings are skipped."""
+    depth, in_str, escaped = 0, False, False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{path}: nested more than {MAX_DEPTH} levels deep: not a config (DeepSpeed's "
+                                  "nest 4 levels)")
+        elif ch in "]}":
+            depth -= 1
+
+
 def read_json_file(path: Union[str, "os.PathLike[str]"]) -> Any:
-    """Parse a JSON file, rejecting duplicate keys and NaN/Infinity."""
+    """Parse a JSON file, rejecting duplicate keys, NaN/Infinity, integers of more than
+    :data:`MAX_INT_DIGITS` digits and nesting deeper than :data:`MAX_DEPTH`."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {e.strerror or e}") from None
+    _check_depth(text, os.fspath(path))
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+        return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant,
+                          parse_int=_parse_int)
     except ConfigError as e:
         raise ConfigError(f"{os.fspath(path)}: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{os.fspath(path)} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
                           "(JSON allows no comments and no trailing commas)") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # any other failure of the parser: still one line
+        raise ConfigError(f"{os.fspath(path)} cannot be read as JSON: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
 

@@ -405,6 +405,9 @@ class Config:
     # DeepSpeed's communication_data_type: the dtype of the ZeRO gradient reductions (0-3).
     # "fp32" (default here; DeepSpeed's default is the compute dtype), "bf16" or "fp16"
     communication_data_type: str = "fp32"
+    # launch/train.py stops (exit 1) after this many optimizer steps in a row whose loss or global
+    # gradient norm is non-finite (each one skipped); 0: never stop (docs/config.md)
+    max_consecutive_nonfinite_steps: int = 20
     # keys of engine.config.ignored.IGNORED_KEYS this config set: accepted, no effect; not
     # part of the config's value (not compared, not written by to_dict)
     ignored_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -442,6 +445,7 @@ class Config:
             "seed": self.seed,
             "gradient_clipping": self.gradient_clipping,
             "communication_data_type": self.communication_data_type,
+            "max_consecutive_nonfinite_steps": self.max_consecutive_nonfinite_steps,
         }
         if self.optimizer is not None:
             d["optimizer"] = self.optimizer.to_dict()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 from typing import Any, Optional
 
+from engine.config.limits import check_model_limits, check_parameter_count
 from engine.config.reader import Section
 from engine.config.schema import (
     ActivationCheckpointingConfig,
@@ -387,6 +388,8 @@ def parse_model(top: Section) -> Optional[ModelConfig]:
     if not top.has("model") or top.raw("model") is None:
         return None
     raw = top.raw("model")
+    if isinstance(raw, dict):
+        check_model_limits(raw)
     known = [f.name for f in fields(ModelConfig)]
     # Section checks unknown keys with a suggestion (ModelConfig.from_dict lists them without one).
     s = Section(raw, "model", known)
@@ -397,4 +400,15 @@ def parse_model(top: Section) -> Optional[ModelConfig]:
     for name in known:
         if s.is_auto(name):
             raise ConfigError(f"model.{name} = \"auto\" cannot be resolved: set an explicit value")
-    return ModelConfig.from_dict(dict(raw))
+    model = ModelConfig.from_dict(dict(raw))
+    check_parameter_count(_parameters(model))
+    return model
+
+
+def _parameters(m: ModelConfig) -> int:
+    """About the reference GPT's parameter count: embeddings, attention (q, k, v, o), MLP."""
+    head = m.hidden_size // m.num_heads
+    kv = (m.num_kv_heads or m.num_heads) * head
+    attn = m.hidden_size * (2 * m.hidden_size + 2 * kv)
+    mlp = 3 * m.hidden_size * (m.ffn_hidden_size or 4 * m.hidden_size)
+    return m.num_layers * (attn + mlp) + m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)

@@ -35,7 +35,7 @@ __all__ = [
     "DistEnv", "init_distributed", "launched_by_torch_style_launcher", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
-    "strict_comm_from_env", "failure_watch_from_env", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
+    "strict_comm_from_env", "failure_watch_from_env", "free_bytes_override", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -342,6 +342,7 @@ class DistEnv:
     timeout_s: float
     store: RendezvousStore  # the c10d Store the default group rendezvoused through
     watch: Optional[FailureWatch] = None  # polls the store for a peer's failure (engine.distributed.watch)
+    failure_grace_s: float = WatchSettings.grace_s  # ENGINE_FAILURE_GRACE_S: failure_guard's and the watch's grace
 
     @property
     def rank(self) -> int:
@@ -481,14 +482,29 @@ def _positive_seconds(environ: Mapping[str, str], name: str) -> Optional[float]:
     return value
 
 
+def free_bytes_override(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """``ENGINE_TEST_FREE_BYTES``: a test hook (docs/training.md) that makes the trainer's
+    low-disk-space check see this many free bytes instead of measuring; None when unset."""
+    raw = (os.environ if environ is None else environ).get("ENGINE_TEST_FREE_BYTES", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"ENGINE_TEST_FREE_BYTES={raw!r} is not a number of bytes")
+    return int(raw)
+
+
 def failure_watch_from_env(environ: Optional[Mapping[str, str]] = None) -> WatchSettings:
     """``ENGINE_FAILURE_WATCH`` (boolean, default on): watch the store for a peer's failure
     and stop within seconds whatever the backend (engine.distributed.watch);
     ``ENGINE_FAILURE_WATCH_INTERVAL`` seconds between polls (default max(1, world/1000));
-    ``ENGINE_FAILURE_WATCH_GRACE`` seconds for the blocked call to return after the abort
-    before the process exits (default 5)."""
+    ``ENGINE_FAILURE_GRACE_S`` (older name ``ENGINE_FAILURE_WATCH_GRACE``) seconds for the
+    blocked call to return after the abort before the process exits, and for
+    ``failure_guard`` to hear from the other survivors (default 5; a loaded machine's
+    tests raise it)."""
     environ = os.environ if environ is None else environ
-    grace = _positive_seconds(environ, "ENGINE_FAILURE_WATCH_GRACE")
+    grace = _positive_seconds(environ, "ENGINE_FAILURE_GRACE_S")
+    if grace is None:
+        grace = _positive_seconds(environ, "ENGINE_FAILURE_WATCH_GRACE")
     return WatchSettings(enabled=env_flag("ENGINE_FAILURE_WATCH", True, environ),
                          interval_s=_positive_seconds(environ, "ENGINE_FAILURE_WATCH_INTERVAL"),
                          grace_s=WatchSettings.grace_s if grace is None else grace)
@@ -545,7 +561,7 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
     logger.info("rank %d/%d (%s, local rank %d) on %s with %s, collective timeout %.0fs",
                 info.rank, info.world_size, info.launcher, info.local_rank, dev, be, timeout_s)
     return DistEnv(launch=info, device=dev, backend=be, timeout_s=timeout_s, store=store,
-                   watch=_start_watch(watch_settings, store, info, be))
+                   watch=_start_watch(watch_settings, store, info, be), failure_grace_s=watch_settings.grace_s)
 
 
 # ------------------------------------------------------------------ failure reporting

@@ -101,8 +101,11 @@ def _ranks(rs: list[int]) -> str:
 
 
 def _describe(env: DistEnv, failed: dict[int, str], killed: dict[int, str], stopped: list[int],
-              running: list[int], silent: list[int], grace_s: float) -> str:
-    """Causes first (ranks that raised, ranks that died), then the ranks that only stopped."""
+              running: list[int], silent: list[int], grace_s: float, waited_s: float) -> str:
+    """Causes first (ranks that raised, ranks that died), then the ranks that only stopped.
+    The times are the real ones: 'within' the grace period when it was waited in full,
+    'after' the time waited when the wait ended sooner (a count that was complete early)."""
+    span = f"within {grace_s:g}s" if waited_s >= grace_s else f"after {waited_s:.1f}s"
     parts = [f"rank {r} failed with {msg}" for r, msg in sorted(failed.items())]
     parts += [f"rank {r} is no longer running ({why}) and reported nothing: killed or crashed"
               for r, why in sorted(killed.items())]
@@ -112,10 +115,10 @@ def _describe(env: DistEnv, failed: dict[int, str], killed: dict[int, str], stop
     if others:
         parts.append(f"{_ranks(others)} stopped because of it")
     if running:
-        parts.append(f"{_ranks(running)} still running, not stopped within {grace_s:g}s (waiting in a collective "
+        parts.append(f"{_ranks(running)} still running, not stopped {span} (waiting in a collective "
                      "with a rank that stopped, or hung)")
     if silent:
-        parts.append(f"{_ranks(silent)} not heard from within {grace_s:g}s (on another host: still waiting in a "
+        parts.append(f"{_ranks(silent)} not heard from {span} (on another host: still waiting in a "
                      "collective, hung, or dead)")
     return "; ".join(parts)
 
@@ -128,10 +131,12 @@ def _diagnose(env: DistEnv, grace_s: float) -> str:
     count = lambda kind, inc=0: store.add(_KEY.format("count", kind), inc)  # noqa: E731
     try:
         gone = _gone_on_this_host(store, world)
-        deadline = time.monotonic() + grace_s
+        started = time.monotonic()
+        deadline = started + grace_s
         while (count("checkin") + count("failed") + len(gone) < world
                and time.monotonic() < deadline):
             time.sleep(0.05)
+        waited = time.monotonic() - started  # the message says how long it really waited
         failed = {r: store.get(_KEY.format("failed", r)).decode(errors="replace")
                   for r in range(world) if store.check([_KEY.format("failed", r)])}
         stopped = [r for r in range(world) if r not in failed and store.check([_KEY.format("checkin", r)])]
@@ -145,7 +150,7 @@ def _diagnose(env: DistEnv, grace_s: float) -> str:
             _wait_for_readers(env, grace_s)
     except Exception as exc:  # noqa: BLE001
         return f"the rendezvous store became unreachable: {_first_line(exc)}"
-    return _describe(env, failed, killed, stopped, running, silent, grace_s)
+    return _describe(env, failed, killed, stopped, running, silent, grace_s, waited)
 
 
 def _hosts_store(env: DistEnv) -> bool:
@@ -258,7 +263,7 @@ def _store_gone(env: DistEnv, record_dir: Optional[str], grace_s: float) -> str:
 
 
 @contextlib.contextmanager
-def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float = 5.0,
+def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: Optional[float] = None,
                   record_dir: Optional[str] = None) -> Iterator[None]:
     """Attribute a failure inside the block to the right rank.
 
@@ -266,7 +271,7 @@ def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float =
     collective timeout) becomes :class:`PeerFailureError` saying that this rank stopped
     because of a peer and naming the ranks that recorded a failure, whose process is
     gone (the only ones called killed), that stopped for the same reason, or that were
-    not heard from within ``grace_s``; it is fatal: the groups are torn down without
+    not heard from within ``grace_s`` (default: ``ENGINE_FAILURE_GRACE_S``, 5 s); it is fatal: the groups are torn down without
     draining (they are broken, and a live broken group aborts the process at exit).
     Any other exception is recorded for the peers and re-raised unchanged: in the store,
     and in ``record_dir`` (a directory every rank can read, e.g. the run's output) as
@@ -275,6 +280,8 @@ def failure_guard(env: DistEnv, what: str = "distributed work", grace_s: float =
     (``rank<R>.stopped``) for peers that notice only after the store has gone. Wrap whole fatal regions (the training loop).
     """
     watch = env.watch
+    if grace_s is None:  # ENGINE_FAILURE_GRACE_S (engine.distributed.env), default 5 s
+        grace_s = env.failure_grace_s
     if watch is not None:
         watch.enter_guard(what)
     try:

@@ -62,7 +62,7 @@ class WatchSettings:
     """``enabled``: run the watch (``ENGINE_FAILURE_WATCH``, default on); ``interval_s``:
     seconds between polls (``ENGINE_FAILURE_WATCH_INTERVAL``; None = :func:`poll_interval`);
     ``grace_s``: how long a guard may take to take over before the process exits
-    (``ENGINE_FAILURE_WATCH_GRACE``)."""
+    (``ENGINE_FAILURE_GRACE_S``; older name ``ENGINE_FAILURE_WATCH_GRACE``)."""
 
     enabled: bool = True
     interval_s: Optional[float] = None

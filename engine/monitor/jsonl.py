@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import IO, Any, Mapping, Optional, Sequence
+from typing import IO, Any, Callable, Mapping, Optional, Sequence
 
-__all__ = ["JsonlMonitor", "keep_metrics_up_to"]
+__all__ = ["JsonlMonitor", "keep_metrics_up_to", "read_metrics", "MetricsFileError", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -38,13 +38,49 @@ class JsonlMonitor:
             self._file = None
 
 
-def keep_metrics_up_to(output_dir: str, step: int) -> None:
-    """A fresh run starts a new metrics file; a resumed one keeps the records up to its step
-    (a crashed run may have logged steps after its last checkpoint)."""
+class MetricsFileError(ValueError):
+    """A line of ``metrics.jsonl`` other than a torn last one does not parse (names file and line)."""
+
+
+def read_metrics(path: str) -> tuple[list[tuple[dict[str, Any], str]], Optional[int]]:
+    """``([(row, line)], torn)``: the parsed rows of ``path`` with their text, and the line
+    number of a torn last line (not ending in a newline and not JSON: a kill or a full disk
+    during its write), which is left out; None when there is none. Any other line that is
+    not a JSON object raises :class:`MetricsFileError` naming the file and the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    rows: list[tuple[dict[str, Any], str]] = []
+    torn = None
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            if i == len(lines) and not line.endswith("\n"):
+                torn = i
+                continue
+            raise MetricsFileError(f"{path} line {i} is not JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+            raise MetricsFileError(f"{path} line {i} is not a metrics record (a JSON object with an integer step)")
+        rows.append((row, line))
+    return rows, torn
+
+
+def keep_metrics_up_to(output_dir: str, step: int, warn: Optional[Callable[..., None]] = None) -> None:
+    """A fresh run (``step`` 0) starts a new metrics file; a resumed one keeps the records up
+    to its step (a crashed run may have logged steps after its last checkpoint). A torn last
+    line is dropped (``warn`` says so); any other unparsable line raises
+    :class:`MetricsFileError`."""
     path = os.path.join(output_dir, METRICS_FILE)
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    keep: list[str] = []
+    if step > 0:
+        rows, torn = read_metrics(path)
+        if torn is not None and warn is not None:
+            warn("%s: line %d was cut off while being written (the previous run was killed or the disk was "
+                 "full): dropped", path, torn)
+        keep = [line for row, line in rows if row.get("step", 0) <= step]
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(keep)

@@ -14,7 +14,8 @@
   problem unless ``load_if_exists``;
 - a save directory that already holds checkpoints is refused unless the run resumes from
   that directory (a fresh or fine-tuning run would overwrite and prune its tags);
-- :func:`warn_if_low_space` warns where the free space is below one checkpoint.
+- :func:`warn_if_low_space` warns where the free space is below one checkpoint (the trainer
+  calls it at start-up and again before every save).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.checkpoint.format import (
     read_latest,
 )
 from engine.checkpoint.load import checkpoint_location
+from engine.distributed.env import free_bytes_override
 from engine.distributed.lock import DirLock, DirLockError
 
 __all__ = [
@@ -156,13 +158,25 @@ def agree_on_problems(problem: str | None) -> str | None:
     return next((p for p in everyone if p is not None), None)
 
 
-def warn_if_low_space(paths: list[tuple[str, str]], need_bytes: int) -> None:
-    """Warn for each directory whose filesystem has less free space than ``need_bytes``."""
+def free_bytes(path: str) -> int:
+    """Free space of ``path``'s filesystem; ``ENGINE_TEST_FREE_BYTES`` (a test hook,
+    docs/training.md) replaces the measurement."""
+    fake = free_bytes_override()
+    return fake if fake is not None else shutil.disk_usage(path).free
+
+
+def warn_if_low_space(paths: list[tuple[str, str]], need_bytes: int, when: str = "") -> bool:
+    """Warn for each directory whose filesystem has less free space than ``need_bytes``
+    (one whole checkpoint: master weights and optimizer moments); True when one did."""
+    low = False
     for path, what in paths:
         try:
-            free = shutil.disk_usage(path).free
+            free = free_bytes(path)
         except OSError:
             continue
         if free < need_bytes:
-            logger.warning("%s %s: %.1f MiB free, less than one checkpoint (about %.1f MiB): saves may fail",
-                           what, path, free / 2**20, need_bytes / 2**20)
+            low = True
+            logger.warning("%s%s %s: %.1f MiB free, less than one checkpoint (%.1f MiB, %d bytes): the save will "
+                           "fail for lack of space; free some or point --save elsewhere", f"{when}: " if when else "",
+                           what, path, free / 2**20, need_bytes / 2**20, need_bytes)
+    return low

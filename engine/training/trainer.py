@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from engine.assembly.initialize import initialize
 from engine.checkpoint import load_checkpoint, read_metadata
-from engine.checkpoint.preempt import Checkpointer
+from engine.checkpoint.format import CheckpointError, read_latest
+from engine.checkpoint.preempt import Checkpointer, PreemptionHandler
 from engine.config import Config
 from engine.data import GlobalBatchSampler, PackedDataset, build_dataset
 from engine.distributed.env import DistEnv
@@ -47,8 +48,10 @@ from engine.models import flops_per_token
 from engine.monitor import Monitor
 from engine.monitor.jsonl import JsonlMonitor, keep_metrics_up_to
 from engine.topology import Role
+from engine.training.divergence import DivergenceGuard
 from engine.training.lifecycle import clear_failure_records, logs_dir, require_model
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
+from engine.training.resume import metrics_problem, model_differences
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "write_memory_report",
            "write_resolved_config", "step_record"]
@@ -93,6 +96,8 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
         "grad_norm": None if norm is None else float(norm),
         "loss_scale": loss_scale,
         "skipped": engine.was_step_skipped(),
+        "applied_steps": engine.global_steps - engine.skipped_steps,  # cumulative (over resumes too)
+        "skipped_steps": engine.skipped_steps,
         "tokens": tokens,
         "tokens_per_s": tps,
         "step_time_ms": seconds * 1e3,
@@ -211,18 +216,24 @@ class TrainResult:
     saved: Optional[str] = None
     preempted: bool = False
     sample: Optional[str] = None
+    diverged: Optional[str] = None  # the line to print when the run stopped on non-finite steps
 
 
 class Trainer:
     """The reference GPT of ``cfg`` trained on ``dataset`` / ``sampler`` (:func:`build_data`)
     as ``options`` say. Collective: every rank makes one and calls the same methods in order
     (:meth:`claim_outputs`, :meth:`start`, :meth:`run`). ``notify``: rank 0's notices
-    (resuming, nothing to resume), one line each."""
+    (resuming, nothing to resume), one line each. ``preempt``: the SIGTERM/SIGUSR1 handler
+    the entry point installed at start-up and keeps until the process exits (None: the
+    checkpointer installs one around the loop)."""
 
     def __init__(self, cfg: Config, dataset: PackedDataset, sampler: GlobalBatchSampler, env: DistEnv,
-                 options: TrainOptions, *, notify: Callable[[str], None] = lambda line: None) -> None:
+                 options: TrainOptions, *, notify: Callable[[str], None] = lambda line: None,
+                 preempt: Optional[PreemptionHandler] = None) -> None:
         self.cfg, self.dataset, self.sampler, self.env, self.options = cfg, dataset, sampler, env, options
-        self.notify = notify
+        self.notify, self.preempt = notify, preempt
+        self.loaded: Optional[str] = None  # the checkpoint this run started from
+        self._need = 0  # bytes of one checkpoint (start() counts them)
         self.rank0 = env.rank == 0
         self.run_id = ""
         self.location: Optional[Location] = None
@@ -245,9 +256,33 @@ class Trainer:
         problem, self.location = prepare_locations(output=o.output, save=o.save, load=o.load,
                                                    load_if_exists=o.load_if_exists, finetune=o.finetune,
                                                    rank=self.env.rank, run_id=self.run_id, stack=held)
+        if problem is None and self.location is not None:
+            problem = self._resume_problem(self.location)
         if problem is None and self.rank0:  # the folder is ours now: a previous run's records go
             clear_failure_records(o.output)
         return agree_on_problems(problem)  # (collective: after it, every record is this run's)
+
+    def _resume_problem(self, location: Location) -> Optional[str]:
+        """What this run cannot honour in the checkpoint it resumes: another model (unless
+        ``--finetune``), or a metrics file of the output it cannot continue (rank 0)."""
+        o = self.options
+        load_dir, tag = location
+        try:
+            tag = tag if tag is not None else read_latest(load_dir)
+            saved = read_metadata(os.path.join(load_dir, tag))["config"].get("model") if tag else None
+        except (CheckpointError, OSError, KeyError, TypeError):
+            saved = None  # unreadable metadata is the load's to report, with its own message
+        model = require_model(self.cfg)
+        if saved is not None and not o.finetune:
+            diffs = model_differences(saved, model.to_dict())
+            if diffs:
+                key, was, now = diffs[0]
+                more = f" (and {', '.join('model.' + d[0] for d in diffs[1:])})" if len(diffs) > 1 else ""
+                return (f"the checkpoint {os.path.join(load_dir, str(tag))} was trained with model.{key} = {was}, "
+                        f"the config {'has' if now is not None else 'leaves it unset:'} {now}{more}: a resumed run "
+                        "trains the same model; use the checkpoint's value, or --finetune to load its weights into "
+                        "the changed model (step, optimizer and schedule start fresh)")
+        return metrics_problem(o.output) if self.rank0 and not o.finetune else None
 
     def start(self) -> Engine:
         """Build the engine, load the checkpoint, write ``config.json`` (collective)."""
@@ -258,13 +293,19 @@ class Trainer:
             self._load(self.location)
         elif o.load is not None and self.rank0:
             self.notify(f"nothing to resume in {o.load} (--load-if-exists): starting at step 0")
-        need = self._checkpoint_bytes() if o.save is not None else 0
+        self._need = self._checkpoint_bytes() if o.save is not None else 0
         if self.rank0:
             write_resolved_config(self.cfg, o.output)
-            keep_metrics_up_to(o.output, eng.global_steps)  # under the lock
-            if o.save is not None:
-                warn_if_low_space([(o.save, "--save")], need)
+            keep_metrics_up_to(o.output, eng.global_steps, warn=logger.warning)  # under the lock
+            if o.save is not None:  # at start-up: a run whose only save is at the end hears it now
+                warn_if_low_space([(o.save, "--save")], self._need, when="at start-up")
         return eng
+
+    def _before_save(self) -> None:
+        """Rank 0, before every save: the disk is tested again against a whole checkpoint."""
+        if self.rank0 and self.options.save is not None:
+            warn_if_low_space([(self.options.save, "--save")], self._need,
+                              when=f"before the save at step {self.engine.global_steps}")
 
     def _load(self, location: Location) -> None:
         """Load the checkpoint at ``location`` as the finetune / load_* options say."""
@@ -284,16 +325,27 @@ class Trainer:
                     eng.global_steps)
             what = "weights only (--finetune)" if o.finetune else "resuming"
             self.notify(f"loaded {path}: {what} at step {eng.global_steps}")
+        self.loaded = path
 
     def _checkpoint_bytes(self) -> int:
-        """About one checkpoint: the optimizer state (fp32 masters and moments) of every rank,
-        counted once per replica of the grad role under ZeRO-0 (one replica writes it). Collective."""
+        """One checkpoint's size: each owned master shard and its element-wise optimizer state,
+        summed over the ranks. Before the first step the moments do not exist yet: they are
+        counted from the optimizer's kind (Adam/AdamW/Muon two per element, Lion one), so
+        the estimate is the real size from the start. Collective."""
         eng = self.engine
-        # on the engine's device: NCCL takes no CPU tensors
-        mine = torch.tensor([float(eng.memory_breakdown()["optimizer_state"])], dtype=torch.float64,
-                            device=eng.device)
-        dist.all_reduce(mine)
-        return int(mine.item() / (eng.config.topology.role_size(Role.GRAD) if eng.config.zero.stage == 0 else 1))
+        view = eng.optimizer.shard_view()
+        per_elem = 1 if "lion" in view.optimizer_class.lower() else 2
+        mine = 0
+        for gi, g in enumerate(view.groups):
+            if not g.owner:
+                continue
+            st = view.group_state(gi)
+            master = st.master.numel() * st.master.element_size()
+            state = sum(v.numel() * v.element_size() for v in st.elementwise.values())
+            mine += master + (state if state else per_elem * st.master.numel() * 4)
+        total = torch.tensor([float(mine)], dtype=torch.float64, device=eng.device)  # NCCL takes no CPU tensors
+        dist.all_reduce(total)
+        return int(total.item())
 
     def run(self, on_step: Optional[Callable[[dict[str, Any]], None]] = None,
             on_loop_end: Optional[Callable[[], None]] = None) -> TrainResult:
@@ -305,24 +357,32 @@ class Trainer:
         result = TrainResult()
         interval = self.cfg.checkpoint.save_interval if o.save_interval is None else o.save_interval
         saver = eng.checkpoint_saver() if self.cfg.checkpoint.async_save and o.save is not None else None
-        with Checkpointer(eng, o.save, interval, saver=saver) as ckpt:
+        guard = DivergenceGuard(self.cfg.max_consecutive_nonfinite_steps)
+        with Checkpointer(eng, o.save, interval, saver=saver, preempt=self.preempt,
+                          before_save=self._before_save) as ckpt:
             def step_done(rec: dict[str, Any]) -> None:
                 result.records.append(rec)
                 if on_step is not None:
                     on_step(rec)
 
             def checkpoint(rec: dict[str, Any]) -> bool:
-                stop = ckpt.after_step()
+                guard.observe(rec)
+                stop = ckpt.after_step(hold=guard.in_streak)  # no periodic save of a skipped step's state
                 rec.update(ckpt.step_metrics)  # save_blocked_s / save_write_s on the steps that saved
-                return stop
+                return stop or guard.tripped
 
             train(eng, self.sampler, max(0, o.steps - eng.global_steps), output_dir=o.output,
                   peak_tflops=o.peak_tflops, on_step=step_done, run_id=self.run_id, after_step=checkpoint)
             if on_loop_end is not None:
                 on_loop_end()
-            result.saved = ckpt.finish()
+            diverged = guard.tripped and not ckpt.preempted
+            result.saved = ckpt.finish(final_save=not diverged)
         result.final_step, result.preempted = eng.global_steps, ckpt.preempted
-        if not ckpt.preempted:
+        if self.preempt is not None and self.preempt.repeats and self.rank0:
+            logger.warning("%d more SIGTERM/SIGUSR1 received after the first: ignored", self.preempt.repeats)
+        if diverged:
+            result.diverged = guard.message(result.saved or self.loaded)
+        elif not ckpt.preempted:
             write_memory_report(eng, o.output)
             tok = self.dataset.tokenizer
             if o.sample_tokens > 0 and generates_sharded(eng):  # ZeRO-3: never a whole copy, every rank

@@ -572,8 +572,8 @@ class ZeroOptimizer:
         self.last_grad_norm = norm
         if self.precision.checks_nonfinite:
             assert overflow is not None
-            # fp16: the ONE host read of the step (whether any rank overflowed decides the skip
-            # and the loss scaler's update, both host logic). bf16 / fp32 read nothing here.
+            # the ONE host read of the step (whether any rank overflowed decides the skip and
+            # the fp16 loss scaler's update, both host logic); every precision checks by default
             with strict.host_sync_allowed():
                 skip = bool(overflow)
             if skip:

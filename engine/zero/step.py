@@ -48,8 +48,9 @@ losses (a module that returns its own loss, a ``loss_fn``, the DeepSpeed loop's
 
 Unscaling, the non-finite check (fp16) and clipping belong to the optimizer's ``step``;
 the global norm is computed on the device and read on the host only by a caller that asks
-for it. With fp16 the skip decision needs one host read per step (whether any rank
-overflowed: the loss scaler's update is host logic); bf16 and fp32 need none.
+for it. The skip decision needs one host read per step (whether any rank's gradients are
+non-finite: the skip and the fp16 loss scaler's update are host logic); every precision
+checks unless ``bf16.check_grad_overflow`` is false.
 
 Two implementations of :class:`GradientStep`: :class:`engine.zero.base.ZeroOptimizer`
 (every ZeRO stage) and :class:`LocalGradients` (the pipeline executor driving a plain

@@ -95,9 +95,9 @@ def test_output_that_is_a_file(train_mod, capsys, tmp_path):
     assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
 def test_invalid_timeout(train_mod, capsys, tmp_path, value):
-    """Was: exit 1 with a traceback from init_distributed."""
+    """Was: exit 1 with a traceback from init_distributed (1e10: a C++ stack)."""
     code, err, _ = _main(train_mod, capsys, "--config", _cfg(tmp_path), "--steps", "1", "--timeout", value)
     assert code == 2 and err.startswith("argument error: --timeout must be a positive, finite number")
     assert err.count("\n") == 1
