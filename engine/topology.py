@@ -52,6 +52,7 @@ class Axis(str, enum.Enum):
     DP = "dp"
     TP = "tp"
     PP = "pp"
+    CP = "cp"
 
     @classmethod
     def parse(cls, axis: Union["Axis", str]) -> "Axis":
@@ -65,7 +66,7 @@ class Axis(str, enum.Enum):
 
 
 # The mesh's axes, innermost first (see the module docstring). TP first and PP last.
-MESH_AXES: tuple[Axis, ...] = (Axis.TP, Axis.DP, Axis.PP)
+MESH_AXES: tuple[Axis, ...] = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)
 
 
 class Role(str, enum.Enum):
@@ -84,9 +85,9 @@ class Role(str, enum.Enum):
 # The role table: the axes each role spans (in MESH_AXES order).
 ROLE_AXES: dict[Role, tuple[Axis, ...]] = {
     Role.BATCH: (Axis.DP,),
-    Role.GRAD: (Axis.DP,),
-    Role.LOSS: (Axis.DP,),
-    Role.AMAX: (Axis.TP, Axis.DP),
+    Role.GRAD: (Axis.CP, Axis.DP),
+    Role.LOSS: (Axis.CP, Axis.DP),
+    Role.AMAX: (Axis.TP, Axis.CP, Axis.DP),
     Role.TP: (Axis.TP,),
     Role.PP: (Axis.PP,),
 }
@@ -116,6 +117,7 @@ class Coord(NamedTuple):
     dp: int
     tp: int
     pp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,7 @@ class Topology:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     world_size: Optional[int] = None
 
     def __post_init__(self) -> None:

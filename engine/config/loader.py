@@ -40,7 +40,7 @@ _TOP_LEVEL = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "fp16", "bf16", "fp8", "data_types", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
-    "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb",
+    "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "context_parallel",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
@@ -98,7 +98,8 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     model = parse_model(top)
     tensor_parallel = parse_tensor_parallel(top)
     pipeline = parse_pipeline(top)
-    topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages)
+    cp = top.sub("context_parallel", ("size",)).int("size", 1, min=1, max=1)  # 1 until attention is split
+    topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages, cp)
     if model is not None:
         model.check_parallel(topology.tp, topology.pp)
     micro, gas, total = resolve_batch_sizes(top.raw("train_batch_size"), top.raw("train_micro_batch_size_per_gpu"),
@@ -134,12 +135,13 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     return cfg
 
 
-def _topology(world_size: int, tp: int, pp: int) -> Topology:
-    if world_size % (tp * pp):
+def _topology(world_size: int, tp: int, pp: int, cp: int) -> Topology:
+    if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_parallel.autotp_size ({tp}) * pipeline.stages "
-            f"({pp}) = {tp * pp}: launch a multiple of {tp * pp} ranks, or change the TP/PP degrees")
-    return Topology(dp=world_size // (tp * pp), tp=tp, pp=pp, world_size=world_size)
+            f"({pp}) * context_parallel.size ({cp}) = {tp * pp * cp}: launch a multiple of {tp * pp * cp} ranks, "
+            "or change the degrees")
+    return Topology(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp, world_size=world_size)
 
 
 def _batch_value(name: str, v: Any) -> Optional[int]:
