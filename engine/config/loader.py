@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Union
 
+from engine.config.context_parallel import check_context_parallel, parse_context_parallel
 from engine.config.ignored import IGNORED_KEYS, ignored_keys_in
 from engine.config.monitor import parse_monitor
 from engine.config.optim import parse_optimizer, parse_scheduler
@@ -41,6 +42,7 @@ _TOP_LEVEL = (
     "optimizer", "scheduler", "fp16", "bf16", "fp8", "data_types", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "context_parallel",
+    "sequence_parallel_size",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
@@ -48,8 +50,6 @@ _TOP_LEVEL_REJECTED = {
     "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
     "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
     "communication_data_type": "gradients are reduced in fp32; remove the key",
-    "sequence_parallel_size": ("DeepSpeed-Ulysses sequence parallelism is not implemented; use "
-                               "tensor_parallel.sequence_parallel (Megatron-style) instead"),
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
     "autotuning": "the autotuner is " + _NOT_IMPLEMENTED,
     "flops_profiler": "the flops profiler is " + _NOT_IMPLEMENTED + " (the engine logs tokens/s and MFU)",
@@ -98,10 +98,11 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     model = parse_model(top)
     tensor_parallel = parse_tensor_parallel(top)
     pipeline = parse_pipeline(top)
-    cp = top.sub("context_parallel", ("size",)).int("size", 1, min=1, max=1)  # 1 until attention is split
-    topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages, cp)
+    context_parallel = parse_context_parallel(top)
+    topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages, context_parallel.size)
     if model is not None:
         model.check_parallel(topology.tp, topology.pp)
+    check_context_parallel(context_parallel, model, topology.tp, tensor_parallel.sequence_parallel)
     micro, gas, total = resolve_batch_sizes(top.raw("train_batch_size"), top.raw("train_micro_batch_size_per_gpu"),
                                             top.raw("gradient_accumulation_steps"), topology)
     optimizer = parse_optimizer(top)
@@ -122,6 +123,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         activation_checkpointing=parse_activation_checkpointing(top),
         pipeline=pipeline,
         tensor_parallel=tensor_parallel,
+        context_parallel=context_parallel,
         checkpoint=parse_checkpoint(top),
         monitor=parse_monitor(top),
         gradient_clipping=top.number("gradient_clipping", 1.0, min=0.0,
@@ -139,8 +141,8 @@ def _topology(world_size: int, tp: int, pp: int, cp: int) -> Topology:
     if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_parallel.autotp_size ({tp}) * pipeline.stages "
-            f"({pp}) * context_parallel.size ({cp}) = {tp * pp * cp}: launch a multiple of {tp * pp * cp} ranks, "
-            "or change the degrees")
+            f"({pp}) * context_parallel.size (or sequence_parallel_size) ({cp}) = {tp * pp * cp}: launch a "
+            f"multiple of {tp * pp * cp} ranks, or change the degrees")
     return Topology(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp, world_size=world_size)
 
 
@@ -161,8 +163,9 @@ def resolve_batch_sizes(train_batch: Any, micro: Any, gas: Any, topology: Topolo
     """
     tb, mb, ga = (_batch_value(k, v) for k, v in zip(_BATCH_KEYS, (train_batch, micro, gas)))
     dp = topology.dp
+    cp = f" * context_parallel.size {topology.cp}" if topology.cp > 1 else ""
     mesh = (f"data-parallel size {dp} = world size {topology.world_size} / (tensor_parallel.autotp_size "
-            f"{topology.tp} * pipeline.stages {topology.pp})")
+            f"{topology.tp} * pipeline.stages {topology.pp}{cp})")
 
     def mismatch(what: str) -> ConfigError:
         return ConfigError(
