@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from engine.checkpoint.layout import module_names
 from engine.config import Config
+from engine.context_parallel.data import SEQUENCE_KWARGS, shard_microbatch
 from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
 from engine.distributed import comm
 from engine.distributed.env import DistEnv
@@ -312,7 +313,9 @@ class Engine(nn.Module):
         out = []
         for _ in range(n):
             try:
-                out.append(to_microbatch(next(data_iter)))  # the data boundary: one type from here on
+                mb = to_microbatch(next(data_iter))  # the data boundary: one type from here on
+                # context parallelism: this rank's head-tail shard of the sequence, from here on
+                out.append(mb if self.parts.cp is None else shard_microbatch(mb, self.parts.cp))
             except StopIteration:
                 raise ValueError(f"the data iterator ran out after {len(out)} of the {n} micro-batches "
                                  "this step needs (gradient_accumulation_steps)") from None
@@ -343,7 +346,7 @@ class Engine(nn.Module):
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is not None:
             inputs, targets = mb.split()
-            extra = {} if mb.doc_ids is None else {"doc_ids": mb.doc_ids}
+            extra = {k: mb.kwargs[k] for k in SEQUENCE_KWARGS if k in mb.kwargs}  # doc_ids; CP's positions
             return loss_fn(self.module(inputs, **extra), targets)
         return self.module(*mb.args, **mb.kwargs)
 

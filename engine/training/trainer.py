@@ -97,6 +97,7 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
         "tokens_per_s": tps,
         "step_time_ms": seconds * 1e3,
         "mfu": mfu(flops_per_token(model), tps, peak_flops_total),
+        "context_parallel": cfg.cp,  # each rank held seq_len / context_parallel tokens of a sequence
         **({"phase_ms": dict(engine.timers.last)} if cfg.wall_clock_breakdown else {}),
     }
 

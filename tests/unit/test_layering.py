@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("engine.config", "engine.models.config", "engine.tensor_parallel.auto_rules", "engine.data",
                 "engine.monitor", "engine.ops")),
     # layers: precision (FP8, loss scaling, the split-backward phase flag), TP, models
-    ("layers", ("engine.precision", "engine.tensor_parallel", "engine.models")),
+    # (context parallelism: the attention the models call, its sharding and groups)
+    ("layers", ("engine.precision", "engine.tensor_parallel", "engine.models", "engine.context_parallel")),
     # ZeRO (step arithmetic included) and the pipeline (stage chunks, runner, parameter
     # names); the optimizers (Muon reads ZeRO's shard view); the values the engine is
     # assembled from and exports

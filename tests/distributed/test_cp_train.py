@@ -1,0 +1,145 @@
+"""Context parallelism through the training loop launch/train.py runs (engine.initialize +
+engine.training.trainer.train), against one process.
+
+20 fp32 AdamW steps of a tiny GPT (2 layers, hidden 32, 4 heads, seq 64) on the same global
+batches: the per-step losses, the gradient norms (before clipping) and a final eval loss of
+every layout equal the one-process run's within 1e-5 relative. Layouts: ring and Ulysses at
+CP 2 and 4, alone and with DP (ZeRO 0-3), TP (with sequence parallelism) and PP (1F1B),
+with and without document masking (packed documents of random lengths, many crossing the
+shard boundaries), with 4 KV heads and with one; hybrid at CP 4 (U 2).
+
+Why 1e-5: CP changes only the order of floating-point sums (attention's softmax over K/V
+blocks or gathered keys, the gradient reduction over cp x dp, the token-count reduction);
+the layouts of test_train_entry.py differ by ~1e-7 over 8 steps, and 20 Adam steps amplify
+such noise by 1-2 orders of magnitude. Any real error moves the loss by far more: a shard
+attending only to itself, rotary at local instead of global positions, per-document
+positions restarted at the shard boundary, a loss normalised per shard, or a gradient not
+averaged over CP all change the first or second step's loss by > 1e-3.
+
+CP cannot be silently off: every rank records the sequence length its stage chunks see
+(S / C, or S / (C tp) with sequence parallelism) and the trainer's records carry
+``context_parallel``; the hooked check fails on a whole-sequence forward.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sysconfig
+
+import pytest
+from harness import run_ranks
+
+STEPS = 20
+RTOL = 1e-5
+SEQ = 64
+STD = sysconfig.get_paths()["stdlib"]
+
+
+def tiny_config(cache_dir: str, files: list, *, cp: int = 1, mode: str = "ring", u: int = 0, dp: int = 1,
+                tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False, kv: int = 4, doc: bool = False,
+                ckpt: int = 0, schedule: str = "1f1b") -> dict:
+    cp_section = {"size": cp, "mode": mode} if cp > 1 else {"size": 1}
+    if u:
+        cp_section["ulysses_size"] = u
+    return {
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2 if dp == 1 else 1, "seed": 11,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": zero, "reduce_bucket_size": 5000},
+        "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp},
+        "pipeline": {"stages": pp, "partition": "uniform", "schedule": schedule,
+                     "activation_checkpoint_interval": ckpt},
+        "context_parallel": cp_section,
+        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": kv,
+                  "seq_len": SEQ},
+        "data": {"train_files": files, "cache_dir": cache_dir, "document_masking": doc},
+    }
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Many short documents (20..400 characters of Python source), so packed rows of 64 tokens
+    hold several and documents cross the head-tail shard boundaries; the cache built once here."""
+    from engine.config import load_config
+    from engine.training.trainer import build_data
+
+    d = tmp_path_factory.mktemp("cp_corpus")
+    text = open(os.path.join(STD, "textwrap.py"), encoding="utf-8").read()
+    rng = random.Random(5)
+    files, i = [], 0
+    while i < len(text):
+        n = rng.randint(20, 400)
+        path = d / f"doc{len(files):04d}.txt"
+        path.write_text(text[i:i + n])
+        files.append(str(path))
+        i += n
+    cache = str(d / "cache")
+    for doc in (False, True):
+        build_data(load_config(tiny_config(cache, files, doc=doc), world_size=1))
+    return cache, files
+
+
+def _train(rank, world, configs):
+    import engine
+    from engine.config import load_config
+    from engine.topology import Role
+    from engine.training.trainer import build_data, train
+
+    out = []
+    for c in configs:
+        cfg = load_config(c, world_size=world)
+        _, sampler = build_data(cfg)
+        eng, *_ = engine.initialize(config=cfg)
+        seen = set()
+        for ch in eng.parts.chunks:  # the sequence length every stage chunk is run with
+            ch.register_forward_pre_hook(lambda m, args: seen.add(args[0].shape[1]))
+        recs = train(eng, sampler, STEPS, output_dir=None)
+        rows = eng.groups.role(Role.BATCH)
+        mbs = sampler.local_microbatches(100, rows.rank, rows.size, cfg.train_micro_batch_size_per_gpu)
+        ev = eng.eval_batch(iter(mbs)).item()
+        out.append({"loss": [r["loss"] for r in recs], "norm": [r["grad_norm"] for r in recs], "eval": ev,
+                    "seen": sorted(seen), "cp_field": {r["context_parallel"] for r in recs}})
+        eng.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    """One process: kv heads 4 and 1, with and without document masking."""
+    cache, files = corpus
+    keys = [(4, False), (4, True), (1, False), (1, True)]
+    res = run_ranks(_train, 1, [tiny_config(cache, files, kv=kv, doc=doc) for kv, doc in keys], timeout=300)[0]
+    return dict(zip(keys, res))
+
+
+def _check(reference, layouts, results):
+    assert reference[(4, False)]["loss"][-1] < reference[(4, False)]["loss"][0] - 0.3  # it learns
+    for k, r0 in zip(layouts, results[0]):
+        ref = reference[(k.get("kv", 4), k.get("doc", False))]
+        assert r0["loss"] == pytest.approx(ref["loss"], rel=RTOL), k
+        assert r0["norm"] == pytest.approx(ref["norm"], rel=RTOL), k
+        assert r0["eval"] == pytest.approx(ref["eval"], rel=RTOL), k
+        assert r0["cp_field"] == {k["cp"]}, k
+        worst = max(abs(a / b - 1) for a, b in zip(r0["loss"] + r0["norm"], ref["loss"] + ref["norm"]))
+        print(f"{k}: max relative difference of losses and norms {worst:.1e}")
+    for per_rank in results:
+        for k, r in zip(layouts, per_rank):
+            # token ids (B, S/C) on the first stage; hidden states (B, S/(C tp), H) after it with SP
+            allowed = {SEQ // k["cp"]} | ({SEQ // k["cp"] // k.get("tp", 1)} if k.get("sp") else set())
+            assert r["seen"] and set(r["seen"]) <= allowed, (k, r["seen"])
+            assert r["loss"] == results[0][layouts.index(k)]["loss"]  # every rank reports the step loss
+
+
+def _run(corpus, reference, world, layouts, timeout=600):
+    cache, files = corpus
+    results = run_ranks(_train, world, [tiny_config(cache, files, **k) for k in layouts], timeout=timeout)
+    _check(reference, layouts, results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp2_ring_and_ulysses(corpus, reference):
+    _run(corpus, reference, 2, [
+        dict(cp=2, mode="ring"), dict(cp=2, mode="ulysses", doc=True),
+        dict(cp=2, mode="ring", kv=1, doc=True), dict(cp=2, mode="ulysses", kv=1)])
