@@ -143,3 +143,22 @@ def test_cp2_ring_and_ulysses(corpus, reference):
     _run(corpus, reference, 2, [
         dict(cp=2, mode="ring"), dict(cp=2, mode="ulysses", doc=True),
         dict(cp=2, mode="ring", kv=1, doc=True), dict(cp=2, mode="ulysses", kv=1)])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cp4_and_cp2_composed_with_dp_zero_tp_pp(corpus, reference):
+    _run(corpus, reference, 4, [
+        dict(cp=4, mode="ring", doc=True), dict(cp=4, mode="ulysses", kv=1),
+        dict(cp=2, dp=2, mode="ring", zero=1, doc=True), dict(cp=2, dp=2, mode="ulysses", zero=2),
+        dict(cp=2, dp=2, mode="ring", zero=3, kv=1),
+        dict(cp=2, tp=2, mode="ring", sp=True, doc=True), dict(cp=2, tp=2, mode="ulysses", zero=1),
+        dict(cp=2, pp=2, mode="ulysses", doc=True), dict(cp=2, pp=2, mode="ring", schedule="gpipe", ckpt=1, zero=1),
+    ], timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason="hybrid attention lands with cp-attn")
+def test_cp4_hybrid(corpus, reference):
+    _run(corpus, reference, 4, [dict(cp=4, mode="hybrid", u=2, doc=True), dict(cp=4, mode="hybrid", u=2, kv=1)])
