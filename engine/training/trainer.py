@@ -49,6 +49,7 @@ from engine.monitor.jsonl import JsonlMonitor, keep_metrics_up_to
 from engine.topology import Role
 from engine.training.lifecycle import clear_failure_records, logs_dir, require_model
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
+from engine.zero.peak import LiveMemoryTracker
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "write_memory_report",
            "write_resolved_config", "step_record"]
@@ -127,13 +128,14 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     micro = cfg.train_micro_batch_size_per_gpu
     records = []
     try:
-        for _ in range(steps):
+        for i in range(steps):
             step = engine.global_steps  # the data of step s depends only on s: resumable, layout-free
             mbs = sampler.local_microbatches(step, batch_role.rank, batch_role.size, micro)
             data = iter([mb.to(engine.device) for mb in mbs])
             scale = engine.get_loss_scale()
             timer.start()
-            loss = engine.train_batch(data)
+            with _memory_probe(engine, i == min(1, steps - 1)):
+                loss = engine.train_batch(data)
             loss_value = float(loss.item())  # the step's one host read of the loss
             rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
             if run_id is not None:
@@ -156,6 +158,24 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     return records
 
 
+@contextlib.contextmanager
+def _memory_probe(engine: Engine, on: bool) -> Any:
+    """The second step of a run (the first if it has one) runs under an exact live-tensor
+    tracker (engine.zero.peak.LiveMemoryTracker), which gives memory.json its
+    ``activation_peak_bytes``; the second, so that state made lazily in the first step
+    (gradient accumulators, buffers) counts as what the rank held before. The tracker
+    costs a Python call per operator, so that one step's tokens/s is lower."""
+    if not on:
+        yield
+        return
+    with LiveMemoryTracker() as probe:
+        engine.memory_probe = probe
+        try:
+            yield
+        finally:
+            engine.memory_probe = None
+
+
 def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, Any]]:
     """Gather each rank's bytes to rank 0 and write ``memory.json`` there (collective)."""
     mem = engine.memory_breakdown()
@@ -164,6 +184,8 @@ def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, A
             "params_bytes": int(mem["params"]), "grads_bytes": int(mem["grads"]),
             "optimizer_state_bytes": int(mem["optimizer_state"]),
             "bucket_buffers_bytes": int(mem.get("buckets", 0)),  # ZeRO-2/3 pooled reduction buffers
+            # forward + backward of one step, over what the rank held before it (exact, measured)
+            "activation_peak_bytes": engine.activation_peak_bytes,
             "peak_bytes": peak_memory_bytes(engine.device),
             "peak_kind": "max allocated (CUDA)" if engine.device.type == "cuda" else
             "resident set high-water mark since start (CPU, VmHWM; exact for tensors with MALLOC_MMAP_THRESHOLD_ fixed)"}

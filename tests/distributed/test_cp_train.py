@@ -207,3 +207,47 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(corpus, tmp_path):
     assert step1 == step4 == BEFORE + AFTER
     assert one == pytest.approx(full[BEFORE:], rel=RTOL)
     assert four == pytest.approx(full[BEFORE:], rel=RTOL)
+
+
+# ------------------------------------------------------------------ activation memory
+LONG = 1024
+
+
+def _memory(rank, world, config, out_dir):
+    import engine
+    from engine.config import load_config
+    from engine.training.trainer import build_data, train, write_memory_report
+
+    cfg = load_config(config, world_size=world)
+    _, sampler = build_data(cfg)
+    eng, *_ = engine.initialize(config=cfg)
+    train(eng, sampler, 2, output_dir=None)
+    report = write_memory_report(eng, out_dir)
+    eng.destroy()
+    return report
+
+
+def _long_config(cache, files, cp):
+    c = tiny_config(cache, files, cp=cp)
+    c.update(train_batch_size=1, train_micro_batch_size_per_gpu=1)
+    c["model"] = dict(c["model"], seq_len=LONG, hidden_size=64)
+    return c
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason="the placeholder attention gathers K/V and materialises the (S/C x S) scores "
+                                       "(measured 0.463 of CP 1); the ring of cp-attn keeps S/C-sized blocks")
+def test_activation_peak_at_cp4_is_under_030_of_cp1(corpus, tmp_path):
+    """memory.json's activation_peak_bytes (exact live-tensor high-water mark of one step's
+    forward + backward over the state held before it) on a 1,024-token sequence: every rank
+    at CP 4 (ring) holds at most 0.30 of CP 1's activations. The floor is the one-process
+    model on 256 tokens: 0.279 of its 1,024-token peak (4.51 / 16.18 MB, the rest is
+    state-sized gradient temporaries); the ring adds its K/V blocks in flight."""
+    cache, files = corpus
+    one = run_ranks(_memory, 1, _long_config(cache, files, 1), str(tmp_path), timeout=300)[0]
+    four = run_ranks(_memory, 4, _long_config(cache, files, 4), str(tmp_path), timeout=300)[0]
+    base = one["ranks"][0]["activation_peak_bytes"]
+    peaks = [r["activation_peak_bytes"] for r in four["ranks"]]
+    print(f"activation peak: CP 1 {base} bytes; CP 4 per rank {peaks} = {[round(p / base, 3) for p in peaks]} of CP 1")
+    assert base > 0 and all(0 < p <= 0.30 * base for p in peaks), (base, peaks)
