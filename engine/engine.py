@@ -47,15 +47,24 @@ from engine.topology import Role
 from engine.training_state import TrainingState
 from engine.weights16 import save_16bit_model
 from engine.zero import ZeroOptimizer
-from engine.zero.peak import LiveMemoryTracker
 from engine.zero.step import token_mean
 
 _FORWARD_BACKWARD = "forward_backward"  # the memory probe's phase (activation_peak_bytes)
 
+
+class MemoryProbe(Protocol):
+    """Measures tensor bytes allocated inside ``with probe.phase(name):`` over those alive at
+    its entry, high-water mark in ``probe.phases[name]``
+    (engine.zero.peak.LiveMemoryTracker; engine.training.memory_probe.CudaPeakProbe)."""
+
+    phases: dict[str, int]
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
+
 if TYPE_CHECKING:  # imported where used: the checkpoint package imports the engine's modules
     from engine.checkpoint.async_save import AsyncSaver
 
-__all__ = ["Engine", "LRScheduler", "LossFn", "Pipeline", "split_microbatch"]
+__all__ = ["Engine", "LRScheduler", "LossFn", "MemoryProbe", "Pipeline", "split_microbatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +124,7 @@ class Engine(nn.Module):
     _fp8_groups: list[AxisGroup]
     _checked_groups: list[AxisGroup]
     _async_saver: Optional["AsyncSaver"]
-    memory_probe: Optional[LiveMemoryTracker]
+    memory_probe: Optional["MemoryProbe"]
     activation_peak_bytes: Optional[int]
 
     def __init__(self, config: Config, parts: ModelParts, optimizer: ZeroOptimizer, *,
@@ -145,9 +154,9 @@ class Engine(nn.Module):
         self._last_grad_norm: Optional[torch.Tensor] = None  # 0-dim on the device until asked for
         self._last_lr: Optional[list[float]] = None
         self._async_saver: Optional[AsyncSaver] = None  # made at the first asynchronous save
-        # a LiveMemoryTracker active around the next train_batch (the trainer sets it for one
-        # step): activation_peak_bytes is then its high-water mark inside forward + backward
-        self.memory_probe: Optional[LiveMemoryTracker] = None
+        # a MemoryProbe active around the next train_batch (the trainer sets it for one step):
+        # activation_peak_bytes is then its high-water mark inside forward + backward
+        self.memory_probe: Optional[MemoryProbe] = None
         self.activation_peak_bytes: Optional[int] = None
         self._loss_group = groups.role(Role.LOSS)  # None after destroy()
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every

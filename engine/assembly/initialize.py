@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from engine.assembly.assemble import assemble_engine
 from engine.assembly.autotp import autotp_parts
 from engine.assembly.builders import layer_list_parts, module_parts, reference_parts
-from engine.context_parallel.groups import build_cp_layout
-from engine.context_parallel.layout import CPLayout
 from engine.config import Config, load_config
 from engine.config.ignored import log_ignored_keys
+from engine.context_parallel.groups import build_cp_layout
+from engine.context_parallel.layout import CPLayout
 from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed
 from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine

@@ -55,8 +55,7 @@ def build_cp_layout(cfg: ContextParallelConfig, groups: ParallelGroups,
     for kind, index in (("ulysses", 0), ("ring", 1)):
         for lists in every:
             for ranks in lists[index]:
-                kw = {} if timeout is None else {"timeout": timeout}
-                handle = dist.new_group(ranks, use_local_synchronization=False, **kw)
+                handle = dist.new_group(ranks, timeout=timeout, use_local_synchronization=False)
                 if groups.rank in ranks:
                     mine[kind] = AxisGroup(f"cp_{kind}", tuple(ranks), ranks.index(groups.rank), handle)
     ring, ulysses = mine["ring"], mine["ulysses"]

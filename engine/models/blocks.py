@@ -28,11 +28,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.context_parallel.layout import CPLayout
 from engine.data.packing import position_ids_from_doc_ids
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.distributed.strict import host_sync_allowed
 from engine.errors import ConfigError
-from engine.context_parallel.layout import CPLayout
 from engine.models.attention import AttnMask, ContextParallelMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
 from engine.placement import REPLICATED, set_placement

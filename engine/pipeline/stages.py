@@ -29,11 +29,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
+from engine.context_parallel.layout import CPLayout
 from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
 from engine.models.attention import AttnMask
-from engine.context_parallel.layout import CPLayout
 from engine.models.blocks import attention_inputs, cp_attention_inputs, forward_layers
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.placement import placement_of, set_placement
@@ -91,6 +91,7 @@ class StageChunk(nn.Module):
         if self.document_masking is not None:
             check_doc_ids(doc_ids, self.document_masking)
         mask: Optional[AttnMask]
+        pos: Optional[torch.Tensor]
         if self.cp is not None:
             if attn_mask is not None:
                 raise ValueError("attn_mask cannot be combined with context parallelism: the mask is causal or "

@@ -48,8 +48,8 @@ from engine.monitor import Monitor
 from engine.monitor.jsonl import JsonlMonitor, keep_metrics_up_to
 from engine.topology import Role
 from engine.training.lifecycle import clear_failure_records, logs_dir, require_model
+from engine.training.memory_probe import memory_probe
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
-from engine.zero.peak import LiveMemoryTracker
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "build_data", "train", "write_memory_report",
            "write_resolved_config", "step_record"]
@@ -134,7 +134,7 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
             data = iter([mb.to(engine.device) for mb in mbs])
             scale = engine.get_loss_scale()
             timer.start()
-            with _memory_probe(engine, i == min(1, steps - 1)):
+            with memory_probe(engine, i == min(1, steps - 1)):  # activation_peak_bytes (memory_probe.py)
                 loss = engine.train_batch(data)
             loss_value = float(loss.item())  # the step's one host read of the loss
             rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
@@ -156,24 +156,6 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
             rows.close()
         engine.monitor = base
     return records
-
-
-@contextlib.contextmanager
-def _memory_probe(engine: Engine, on: bool) -> Any:
-    """The second step of a run (the first if it has one) runs under an exact live-tensor
-    tracker (engine.zero.peak.LiveMemoryTracker), which gives memory.json its
-    ``activation_peak_bytes``; the second, so that state made lazily in the first step
-    (gradient accumulators, buffers) counts as what the rank held before. The tracker
-    costs a Python call per operator, so that one step's tokens/s is lower."""
-    if not on:
-        yield
-        return
-    with LiveMemoryTracker() as probe:
-        engine.memory_probe = probe
-        try:
-            yield
-        finally:
-            engine.memory_probe = None
 
 
 def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, Any]]:

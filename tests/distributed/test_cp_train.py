@@ -36,24 +36,26 @@ SEQ = 64
 STD = sysconfig.get_paths()["stdlib"]
 
 
-def tiny_config(cache_dir: str, files: list, *, cp: int = 1, mode: str = "ring", u: int = 0, dp: int = 1,
-                tp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False, kv: int = 4, doc: bool = False,
-                ckpt: int = 0, schedule: str = "1f1b") -> dict:
-    cp_section = {"size": cp, "mode": mode} if cp > 1 else {"size": 1}
-    if u:
-        cp_section["ulysses_size"] = u
+def tiny_config(cache_dir: str, files: list, **k) -> dict:
+    """The tiny GPT at a layout: ``cp``, ``mode``, ``u`` (ulysses_size), ``dp``, ``tp``, ``pp``,
+    ``zero``, ``sp`` (sequence parallelism), ``kv`` (KV heads), ``doc`` (document masking),
+    ``ckpt`` (activation checkpoint interval), ``schedule``."""
+    cp = k.get("cp", 1)
+    cp_section = {"size": cp, "mode": k.get("mode", "ring")} if cp > 1 else {"size": 1}
+    if k.get("u"):
+        cp_section["ulysses_size"] = k["u"]
     return {
-        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2 if dp == 1 else 1, "seed": 11,
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2 if k.get("dp", 1) == 1 else 1, "seed": 11,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
-        "zero_optimization": {"stage": zero, "reduce_bucket_size": 5000},
-        "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp},
-        "pipeline": {"stages": pp, "partition": "uniform", "schedule": schedule,
-                     "activation_checkpoint_interval": ckpt},
+        "zero_optimization": {"stage": k.get("zero", 0), "reduce_bucket_size": 5000},
+        "tensor_parallel": {"autotp_size": k.get("tp", 1), "sequence_parallel": k.get("sp", False)},
+        "pipeline": {"stages": k.get("pp", 1), "partition": "uniform", "schedule": k.get("schedule", "1f1b"),
+                     "activation_checkpoint_interval": k.get("ckpt", 0)},
         "context_parallel": cp_section,
-        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": kv,
-                  "seq_len": SEQ},
-        "data": {"train_files": files, "cache_dir": cache_dir, "document_masking": doc},
+        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                  "num_kv_heads": k.get("kv", 4), "seq_len": SEQ},
+        "data": {"train_files": files, "cache_dir": cache_dir, "document_masking": k.get("doc", False)},
     }
 
 
@@ -93,7 +95,7 @@ def _train(rank, world, configs):
         eng, *_ = engine.initialize(config=cfg)
         seen = set()
         for ch in eng.parts.chunks:  # the sequence length every stage chunk is run with
-            ch.register_forward_pre_hook(lambda m, args: seen.add(args[0].shape[1]))
+            ch.register_forward_pre_hook(lambda m, args, seen=seen: seen.add(args[0].shape[1]))
         recs = train(eng, sampler, STEPS, output_dir=None)
         rows = eng.groups.role(Role.BATCH)
         mbs = sampler.local_microbatches(100, rows.rank, rows.size, cfg.train_micro_batch_size_per_gpu)
