@@ -20,9 +20,10 @@ scales once per optimizer step).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -43,7 +44,7 @@ from engine.tensor_parallel.layers import shard_tensor
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["StageChunk", "ReferenceModel", "reference_layer_params", "stage_bounds", "build_reference_chunks",
-           "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids"]
+           "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids", "whole_sequences"]
 
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,23 @@ class ReferenceModel(nn.Module):
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, ignore_index=ignore_index)
+
+
+@contextlib.contextmanager
+def whole_sequences(chunks: Sequence[StageChunk]) -> Iterator[None]:
+    """Run ``chunks`` on whole single-document sequences inside the block (the sampler's short
+    prompt), although context parallelism or document masking is on: every CP rank computes
+    the same tokens (their parameters are copies), and a prompt is one document (causal
+    attention, no document ids). Explicit, never a fallback: outside it a CP chunk without
+    positions, or a document-masking chunk without document ids, raises."""
+    saved = [(c.cp, c.document_masking) for c in chunks]
+    for c in chunks:
+        c.cp, c.document_masking = None, None
+    try:
+        yield
+    finally:
+        for c, (cp, doc) in zip(chunks, saved):
+            c.cp, c.document_masking = cp, doc
 
 
 def reference_layer_params(cfg: ModelConfig) -> list[int]:
