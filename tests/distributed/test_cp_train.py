@@ -300,3 +300,37 @@ def test_train_py_under_torchrun_with_cp2_zero3(corpus, reference, tmp_path):
     assert json.load(open(out / "config.json"))["context_parallel"] == {"size": 2, "mode": "ulysses",
                                                                         "ulysses_size": 2}
     assert "sample (greedy):" in proc.stdout
+
+
+# ------------------------------------------------------------------ Muon and FP8
+def _muon(c: dict) -> dict:
+    c["optimizer"] = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.1,
+                                                 "ns_dtype": "float32"}}
+    return c
+
+
+def _fp8(c: dict) -> dict:
+    c.update(bf16={"enabled": True}, fp8={"enabled": True, "recipe": "delayed", "amax_history_len": 4})
+    return c
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp2_with_muon_and_fp8(corpus):
+    """Muon (fp32; its Newton-Schulz on whole matrices, gradients reduced over cp x dp) at CP 2
+    Ulysses with ZeRO-1 equals one-process Muon within RTOL. FP8 GEMMs (bf16 model) at CP 2
+    ring: the amax role spans CP, so scales agree; bf16 rounding of other summation orders is
+    the only difference from one process: within 1e-2 relative over 20 steps (bf16 has 8 bits
+    of mantissa; a broken FP8 scale or an amax not shared over CP moves the loss by more)."""
+    cache, files = corpus
+    one = run_ranks(_train, 1, [_muon(tiny_config(cache, files)), _fp8(tiny_config(cache, files))], timeout=300)[0]
+    two = run_ranks(_train, 2, [_muon(tiny_config(cache, files, cp=2, mode="ulysses", zero=1)),
+                                _fp8(tiny_config(cache, files, cp=2))], timeout=300)
+    muon, fp8 = two[0]
+    print("fp8 losses, CP 2 vs one process:", [round(a / b - 1, 5) for a, b in zip(fp8["loss"], one[1]["loss"])])
+    assert muon["loss"] == pytest.approx(one[0]["loss"], rel=RTOL)
+    assert muon["norm"] == pytest.approx(one[0]["norm"], rel=RTOL)
+    assert fp8["loss"] == pytest.approx(one[1]["loss"], rel=1e-2)
+    assert one[1]["loss"][-1] < one[1]["loss"][0] - 0.3
+    for r in two:
+        assert [x["seen"] for x in r] == [[SEQ // 2], [SEQ // 2]]
