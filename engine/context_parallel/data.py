@@ -34,8 +34,8 @@ SEQUENCE_KWARGS = ("doc_ids", "positions", "position_ids")
 def shard_microbatch(mb: MicroBatch, layout: CPLayout) -> MicroBatch:
     """``mb`` (ids and targets (B, S), optional ``doc_ids`` (B, S)) cut to this rank's shard
     (module docstring)."""
-    extra = sorted(k for k in mb.kwargs if k != "doc_ids")
-    if extra and not ("input_ids" in mb.kwargs and "labels" in mb.kwargs and set(extra) <= {"input_ids", "labels"}):
+    extra = sorted(set(mb.kwargs) - {"doc_ids", "input_ids", "labels"})  # inputs/targets come from mb.split()
+    if extra:
         raise ValueError(f"context parallelism shards token ids, targets and doc_ids only; this micro-batch also "
                          f"has {extra}: feed engine.data batches, (inputs, targets) pairs or dicts of input_ids, "
                          "labels and doc_ids")
