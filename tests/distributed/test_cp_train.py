@@ -356,3 +356,32 @@ def test_cp2_with_muon_and_fp8(corpus):
     assert one[1]["loss"][-1] < one[1]["loss"][0] - 0.3
     for r in two:
         assert [x["seen"] for x in r] == [[SEQ // 2], [SEQ // 2]]
+
+
+def _refused(rank, world):
+    import torch.nn as nn
+
+    import engine
+    from engine.errors import ConfigError
+
+    out = []
+    for model, kw in ((nn.Linear(4, 4), {}), (None, {"loss_fn": lambda o, t: o.sum()})):
+        cfg = {"train_batch_size": 2, "sequence_parallel_size": 2,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "model": {"vocab_size": 32, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "seq_len": 8}}
+        if model is not None:
+            del cfg["model"]
+        try:
+            engine.initialize(model=model, config=cfg, **kw)
+            out.append(None)
+        except ConfigError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_cp_refuses_models_and_losses_it_cannot_split():
+    """A module with its own attention (e.g. a Hugging Face model) and a custom loss_fn are
+    refused on every rank before any collective, naming the key."""
+    for msgs in run_ranks(_refused, 2, timeout=120):
+        assert "sequence_parallel_size) = 2 needs the reference GPT" in msgs[0]
+        assert "custom loss_fn is not supported with context parallelism" in msgs[1]
