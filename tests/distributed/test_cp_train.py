@@ -197,6 +197,8 @@ def _segment(rank, world, config, load, save, steps):
     import engine
     from engine.checkpoint import load_checkpoint, save_checkpoint
     from engine.config import load_config
+    from engine.generate import gather_reference_model
+    from engine.topology import Role
     from engine.training.trainer import build_data, train
 
     cfg = load_config(config, world_size=world)
@@ -208,6 +210,15 @@ def _segment(rank, world, config, load, save, steps):
     if save is not None:
         save_checkpoint(eng, save)
     step = eng.global_steps
+    # the sampling path: the weights gathered into one dense GPT (no CP) give the engine's eval loss
+    rows = eng.groups.role(Role.BATCH)
+    mbs = sampler.local_microbatches(100, rows.rank, rows.size, cfg.train_micro_batch_size_per_gpu)
+    ev = eng.eval_batch(iter(mbs)).item()
+    dense = gather_reference_model(eng)
+    if dense is not None:
+        b = sampler.batch_at(100)
+        dense_loss = dense(b.inputs, b.targets, doc_ids=b.input_doc_ids).item()
+        assert abs(dense_loss / ev - 1) < RTOL, (dense_loss, ev)
     eng.destroy()
     return losses, step
 
