@@ -17,8 +17,10 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 
 # Ranges that torch 2.13.0 (installed first, see .ci/run) satisfies, so pip never pulls
-# another torch build.
-INSTALL_REQUIRES = ["torch>=2.4", "numpy", "sentencepiece", "tqdm", "safetensors"]
+# another torch build. torch >= 2.11: the oldest torch the engine is tested on (the GPU
+# image's; engine/torch_api.py holds the fallbacks for newer-only APIs and
+# tests/distributed/test_older_torch.py runs a smoke subset with those APIs removed).
+INSTALL_REQUIRES = ["torch>=2.11", "numpy", "sentencepiece", "tqdm", "safetensors"]
 EXTRAS = {
     "test": ["pytest>=7", "pytest-timeout", "ninja", "transformers", "tensorboard", "ruff==0.17.6", "mypy==2.4.1"],
     "deepspeed": ["deepspeed"],

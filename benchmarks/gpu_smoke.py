@@ -182,12 +182,23 @@ def check_kernels(device: str) -> dict:
     return {**rec, "ok": all(rec.values())}
 
 
+def _select(cases: dict[str, dict], names: Optional[str]) -> dict[str, dict]:
+    if names is None:
+        return cases
+    wanted = names.split(",")
+    unknown = sorted(set(wanted) - set(cases))
+    if unknown:
+        raise SystemExit(f"gpu_smoke: unknown case(s) {unknown}; the phase has {sorted(cases)}")
+    return {n: cases[n] for n in wanted}
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("phase", choices=["versions", "smoke", "fused"])
     p.add_argument("--out", required=True, help="the phase's JSON file")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all of the phase)")
     return p.parse_args(argv)
 
 
@@ -199,10 +210,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.phase == "versions":
         result: dict[str, Any] = versions()
     elif args.phase == "smoke":
-        result = {"device": device, "cases": run_cases(smoke_cases(device), args.steps)}
+        result = {"device": device, "cases": run_cases(_select(smoke_cases(device), args.cases), args.steps)}
     else:
         result = {"device": device, "kernels": check_kernels(device),
-                  "cases": run_cases(fused_cases(device), args.steps)}
+                  "cases": run_cases(_select(fused_cases(device), args.cases), args.steps)}
     if "cases" in result:
         result["ok"] = all(c["ok"] for c in result["cases"].values()) and result.get("kernels", {}).get("ok", True)
     with open(args.out, "w") as f:

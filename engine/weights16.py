@@ -2,25 +2,28 @@
 exclude_frozen_parameters=False)``: the model's ``state_dict`` in its training dtype
 (bf16 / fp16, or fp32 when neither is enabled), written by rank 0 with ``torch.save``.
 
-Under ZeRO-3 the parameters are gathered over the data-parallel group first, and only when
+Under ZeRO-3 the parameters are gathered over the data-parallel group one bucket (at most
+one unit) at a time, copied to host memory on rank 0 and released before the next, so no
+device ever holds more than its shards plus one unit; only when
 ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true (otherwise nothing
-is written and False is returned, as DeepSpeed). Every rank must call it. With pipeline or
+is written and False is returned, as DeepSpeed). A weight shared by several modules is one
+tensor under each of its names (``torch.load`` gives it back tied). Every rank must call it. With pipeline or
 tensor parallelism the model is spread over ranks: use ``save_checkpoint`` and
 :func:`engine.compat.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict` instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
+from engine.zero.init import GatheredParameters
 
 __all__ = ["save_16bit_model"]
 
@@ -35,17 +38,13 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
                            "save_checkpoint and convert it with engine.compat.zero_to_fp32."
                            "convert_zero_checkpoint_to_fp32_state_dict")
     path = os.path.join(save_dir, save_filename)
-    gather: Any = contextlib.nullcontext()
-    if config.zero.stage == 3:
-        if not config.zero.stage3_gather_16bit_weights_on_model_save:
-            logger.info("did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save is false", path)
-            return False
-        gather = optimizer.gathered_params()  # collective over the DP group: every rank is here
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
-    with gather:
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()
-                 if not (exclude_frozen_parameters and k in frozen)} if rank0 else None
+    stage3 = config.zero.stage == 3
+    if stage3 and not config.zero.stage3_gather_16bit_weights_on_model_save:
+        logger.info("did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save is false", path)
+        return False
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    # a collective over the DP group at stage 3: every rank walks the same groups in order
+    state = _host_state_dict(module, optimizer if stage3 else None, rank0, exclude_frozen_parameters)
     if rank0:
         os.makedirs(save_dir, exist_ok=True)
         torch.save(state, path)
@@ -53,3 +52,23 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
     if dist.is_initialized():
         dist.barrier()  # the file exists on return, on every rank
     return True
+
+
+@torch.no_grad()
+def _host_state_dict(module: nn.Module, zero3: Any, rank0: bool, exclude_frozen: bool) -> Optional[dict]:
+    """``module.state_dict()`` copied to host memory on rank 0 (None elsewhere). ``zero3``:
+    the stage-3 optimizer, whose parameters are gathered one bucket at a time."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    entries = [(k, v) for k, v in module.state_dict(keep_vars=True).items() if not (exclude_frozen and k in frozen)]
+    keys_of: dict[int, list[str]] = {}
+    for k, v in entries:
+        keys_of.setdefault(id(v), []).append(k)
+    tensors = list({id(v): v for _, v in entries}.values())
+    groups = zero3.gather_groups(tensors) if zero3 is not None else [tensors]
+    host: dict[int, torch.Tensor] = {}
+    for group in groups:
+        with GatheredParameters(group):  # whole inside (stage 3), released on exit
+            if rank0:
+                for t in group:
+                    host[id(t)] = t.detach().to("cpu", copy=True)
+    return {k: host[id(v)] for k, v in entries} if rank0 else None

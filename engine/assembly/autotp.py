@@ -8,10 +8,13 @@ Steps (:func:`autotp_parts`; the assembly then broadcasts from DP rank 0 and bui
 optimizer, :mod:`engine.assembly.assemble`):
 
 1. TP ranks start from TP rank 0's weights (the whole model is broadcast over the TP group,
-   parameter by parameter; skipped for a meta-device model, whose weights are loaded later
+   parameter by parameter, each through the engine's device and back, so the device holds
+   one parameter at a time; skipped for a meta-device model, whose weights are loaded later
    with :func:`engine.checkpoint.hf.load_hf_weights`);
-2. :func:`engine.tensor_parallel.auto.autotp` swaps the projections for their shards;
-3. the model goes to the engine's device and dtype (DP replicas start from DP rank 0's);
+2. :func:`engine.tensor_parallel.auto.autotp` swaps the projections for their shards, where
+   the model is (host memory for a model built on the CPU);
+3. the model goes to the engine's device and dtype (DP replicas start from DP rank 0's):
+   only the shards and the replicated parameters reach the device, never the whole model;
 4. the optimizer: the config's, or the client's (an instance built over the *unsharded*
    parameters, or a callable called with the sharded ones), over the sharded parameters,
    as at TP = 1 (:mod:`engine.optim.client`): its param groups and per-group
@@ -38,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
-from engine.distributed import comm
+from engine.distributed import comm, strict
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.build import (
@@ -107,8 +110,9 @@ class TPBatchBroadcast:
 
     One fixed-size descriptor broadcast (key, dtype, shape of each tensor argument), one
     all-reduce that checks the ranks passed the same argument structure (so a mismatch is
-    an error on every rank, not a hang), then one broadcast per tensor. Tensors are moved
-    to ``device`` first (NCCL needs them there)."""
+    an error on every rank, not a hang), one host read of both (the source's shapes size the
+    receive buffers: the only device sync of the hook), then one broadcast per tensor.
+    Tensors are moved to ``device`` first (NCCL needs them there)."""
 
     def __init__(self, group: AxisGroup, src: int, device: torch.device) -> None:
         self.group, self.src, self.device = group, src, device
@@ -134,22 +138,27 @@ class TPBatchBroadcast:
         mine = self._describe(slots).to(self.device)
         desc = mine.clone()
         comm.broadcast(desc, self.src, self.group)
-        # same keys in the same order on every rank (shapes may differ: rank 0's win)
-        ok = torch.tensor([int(len(slots) <= _MAX_TENSORS and all(t.dtype in _DTYPES and t.dim() <= _MAX_DIMS
-                                                                  for _, t in slots))], device=self.device)
-        n = int(desc[0])
-        ok[0] *= int(n == len(slots) and all(int(desc[1 + j * _SLOT]) == int(mine[1 + j * _SLOT])
-                                             for j in range(min(n, _MAX_TENSORS))))
+        # same keys in the same order on every rank (shapes may differ: rank 0's win), decided on
+        # the device: the count, and the key hash of each of this rank's slots
+        supported = len(slots) <= _MAX_TENSORS and all(t.dtype in _DTYPES and t.dim() <= _MAX_DIMS for _, t in slots)
+        keys = torch.arange(min(len(slots), _MAX_TENSORS), device=self.device) * _SLOT + 1
+        same = (desc[0] == mine[0]) & (desc[keys] == mine[keys]).all()
+        ok = (same & supported).to(torch.int64).view(1)
         comm.all_reduce(ok, self.group, op=dist.ReduceOp.MIN)
-        if not int(ok[0]):
+        # the one host read of the forward (it was one per descriptor field, 20-30): the source's
+        # shapes size the receive buffers, so they must reach the host before the broadcasts
+        with strict.host_sync_allowed():
+            host = torch.cat([ok, desc]).tolist()
+        if not host[0]:
             raise ValueError(f"AutoTP: the ranks of a tensor-parallel group called the model with different tensor "
                              f"arguments (or more than {_MAX_TENSORS} tensors / {_MAX_DIMS} dims, or an unsupported "
                              f"dtype): every TP rank must call it with the same argument names")
+        desc_host = host[1:]
         new_args, kwargs = list(args), dict(kwargs)
         for j, (key, t) in enumerate(slots):
             base = 1 + j * _SLOT
-            dtype, ndim = _DTYPES[int(desc[base + 1])], int(desc[base + 2])
-            shape = [int(x) for x in desc[base + 3:base + 3 + ndim]]
+            dtype, ndim = _DTYPES[desc_host[base + 1]], desc_host[base + 2]
+            shape = desc_host[base + 3:base + 3 + ndim]
             buf = t.to(self.device).contiguous() if self.is_src else torch.empty(shape, dtype=dtype,
                                                                                  device=self.device)
             comm.broadcast(buf, self.src, self.group)
@@ -178,9 +187,20 @@ def _hf_train_batch_loss(model: nn.Module, bcast: TPBatchBroadcast) -> Optional[
 
 
 @torch.no_grad()
-def _broadcast_module(module: nn.Module, src: int, group: AxisGroup) -> None:
+def _broadcast_module(module: nn.Module, src: int, group: AxisGroup, device: torch.device) -> None:
+    """Every parameter and buffer from global rank ``src``, one at a time through ``device``
+    (the collectives' device): a tensor elsewhere (host memory) is copied there, broadcast
+    and copied back, so the device holds at most one tensor of the model."""
+    if group.size == 1:
+        return
     for t in list(module.parameters()) + list(module.buffers()):
-        comm.broadcast(t.data, src, group)
+        if t.device == device:
+            comm.broadcast(t.data, src, group)
+            continue
+        staged = t.data.to(device)
+        comm.broadcast(staged, src, group)
+        t.data.copy_(staged)
+        del staged
 
 
 def autotp_parts(cfg: Config, model: nn.Module, client_opt: Any, model_parameters: Optional[Iterable[Any]],
@@ -200,10 +220,11 @@ def autotp_parts(cfg: Config, model: nn.Module, client_opt: Any, model_parameter
     meta = any(p.is_meta for p in model.parameters())
     tp_src = groups.tp_ranks[0]
     if not meta:
-        model.to(device=device)
-        _broadcast_module(model, tp_src, groups.tp_group)   # TP ranks slice the same weights
-    result = autotp(model, groups.tp_group, specs)
-    if meta:
+        _broadcast_module(model, tp_src, groups.tp_group, device)   # TP ranks slice the same weights
+    result = autotp(model, groups.tp_group, specs)  # split where the model is (the host, usually)
+    if not meta:
+        model.to(device=device)  # the shards (and replicated parameters) only
+    else:
         # weights come later (engine.checkpoint.hf.load_hf_weights); buffers computed in
         # __init__ (rotary inv_freq) are recomputed by the model's own initialiser
         model.to_empty(device=device)

@@ -41,15 +41,14 @@ _TOP_LEVEL = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "fp16", "bf16", "fp8", "data_types", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
-    "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "context_parallel",
-    "sequence_parallel_size",
+    "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "communication_data_type",
+    "context_parallel", "sequence_parallel_size",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
     "amp": "NVIDIA Apex AMP is replaced by the bf16 / fp16 sections: use those instead",
     "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
     "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
-    "communication_data_type": "gradients are reduced in fp32; remove the key",
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
     "autotuning": "the autotuner is " + _NOT_IMPLEMENTED,
     "flops_profiler": "the flops profiler is " + _NOT_IMPLEMENTED + " (the engine logs tokens/s and MFU)",
@@ -131,10 +130,23 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
         seed=top.int("seed", 1234, min=0, max=2**63 - 1),
+        communication_data_type=_communication_data_type(top),
         ignored_keys=ignored_keys_in(raw),
     )
     _check_cross_section(cfg)
     return cfg
+
+
+COMMUNICATION_DATA_TYPES = ("fp32", "bf16", "fp16")
+
+
+def _communication_data_type(top: Section) -> str:
+    """DeepSpeed's ``communication_data_type`` (case-insensitive, null = unset): the dtype of
+    the ZeRO gradient reductions. Unset means fp32 here (exact reductions), where DeepSpeed
+    reduces in the compute dtype."""
+    if top.raw("communication_data_type") is None:
+        return "fp32"
+    return top.choice("communication_data_type", COMMUNICATION_DATA_TYPES, case_insensitive=True)
 
 
 def _topology(world_size: int, tp: int, pp: int, cp: int) -> Topology:

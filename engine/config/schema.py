@@ -395,6 +395,9 @@ class Config:
     steps_per_print: Optional[int] = 10  # None: never
     wall_clock_breakdown: bool = False
     seed: int = 1234
+    # DeepSpeed's communication_data_type: the dtype of the ZeRO gradient reductions (0-3).
+    # "fp32" (default here; DeepSpeed's default is the compute dtype), "bf16" or "fp16"
+    communication_data_type: str = "fp32"
     # keys of engine.config.ignored.IGNORED_KEYS this config set: accepted, no effect; not
     # part of the config's value (not compared, not written by to_dict)
     ignored_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -435,6 +438,7 @@ class Config:
             "wall_clock_breakdown": self.wall_clock_breakdown,
             "seed": self.seed,
             "gradient_clipping": self.gradient_clipping,
+            "communication_data_type": self.communication_data_type,
         }
         if self.optimizer is not None:
             d["optimizer"] = self.optimizer.to_dict()

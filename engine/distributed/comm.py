@@ -138,6 +138,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence
     if group.size == 1:
         out.copy_(inp)
         return
+    strict.check_all_to_all(inp, out, in_splits, out_splits, group.process_group)
     dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group.process_group)
 
 

@@ -26,6 +26,19 @@ is checked against the rules a real NCCL job lives by:
    the inner optimizer (reduction, norm, clipping; fp16's one skip read is exempt). On a GPU each one stalls the
    host until the device queue drains, which serialises compute and communication.
 
+7. every direct ``torch.distributed`` call (code that bypasses :mod:`engine.distributed.comm`)
+   is seen too: while the mode is on, the tensor collectives and transfers of
+   ``torch.distributed`` are wrapped (:data:`GUARDED_COLLECTIVES`) and their tensors checked
+   by rules 1 and 2, and the object collectives (:data:`OBJECT_COLLECTIVES`: pickling, a host
+   round trip and a device sync each) are refused inside a step region.
+8. all-to-all (Muon's exchange, expert dispatch): every member's send splits must match what
+   its peers expect to receive (exchanged before the call, so every rank raises the same
+   error): NCCL would hang or read past a buffer.
+
+The step regions of rule 6 are the forward (``engine.forward`` and ``train_batch``'s), the
+backward with the ZeRO gradient hooks, the gradient reduction, the pipeline executor's step
+and the ZeRO optimizer step up to the inner optimizer.
+
 Errors are :class:`NcclRuleError` and name the rule, the group's ranks and the fix.
 """
 
@@ -33,9 +46,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +57,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["NcclRuleError", "enable", "disable", "enabled", "strict", "check_tensor", "check_collective",
-           "check_sequence", "checked_batch_isend_irecv", "no_host_sync", "host_sync_allowed", "HOST_SYNC_METHODS"]
+           "check_sequence", "checked_batch_isend_irecv", "check_all_to_all", "no_host_sync", "host_sync_allowed",
+           "HOST_SYNC_METHODS", "GUARDED_COLLECTIVES", "OBJECT_COLLECTIVES"]
 
 
 class NcclRuleError(RuntimeError):
@@ -59,6 +74,13 @@ _SEQUENCE_CHECK = "sequence-check"
 _HASH_MOD = (1 << 61) - 1
 HOST_SYNC_METHODS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
                                "numpy"})
+# torch.distributed functions wrapped while the mode is on (rule 7). isend/irecv stay as they
+# are: P2POp accepts only those very functions (their tensors are checked in batch_isend_irecv).
+GUARDED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                       "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+                       "broadcast", "reduce", "gather", "scatter", "send", "recv", "batch_isend_irecv")
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list")
 
 
 @dataclass
@@ -71,23 +93,30 @@ class _GroupLog:
 @dataclass
 class _State:
     device_type: str
+    device_index: Optional[int] = None  # None: any device of the type (gloo: "cpu")
     logs: dict = field(default_factory=dict)  # group name -> _GroupLog
     checking: int = 0  # > 0 while the checker itself runs (its own .tolist() is not a violation)
+    regions: list = field(default_factory=list)  # the step regions this rank is inside (rule 6)
 
 
 _STATE: Optional[_State] = None
+_ORIGINALS: dict[str, Callable[..., Any]] = {}  # name -> the torch.distributed function the guard wraps
 
 
-def enable(device_type: str) -> None:
-    """Turn the strict mode on; ``device_type`` is the job's device type (``"cpu"`` on gloo,
-    ``"cuda"`` under NCCL). Resets the sequence hashes."""
+def enable(device: Union[str, torch.device]) -> None:
+    """Turn the strict mode on; ``device`` is the job's device (``"cpu"`` on gloo, the rank's
+    ``cuda:i`` under NCCL: a tensor on another GPU is refused as NCCL would). Resets the
+    sequence hashes and wraps ``torch.distributed``'s collectives (rule 7)."""
     global _STATE
-    _STATE = _State(device_type=str(device_type))
+    d = torch.device(device)
+    _STATE = _State(device_type=d.type, device_index=d.index)
+    _install_guards()
 
 
 def disable() -> None:
     global _STATE
     _STATE = None
+    _remove_guards()
 
 
 def enabled() -> bool:
@@ -104,6 +133,8 @@ def strict(device_type: str) -> Iterator[None]:
         yield
     finally:
         _STATE = before
+        if before is None:
+            _remove_guards()
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -131,9 +162,11 @@ def check_tensor(t: torch.Tensor, what: str) -> None:
     """Rules 1 and 2 for one tensor (local: no communication)."""
     if _STATE is None:
         return
-    if t.device.type != _STATE.device_type:
+    index = _STATE.device_index
+    if t.device.type != _STATE.device_type or (index is not None and t.device.index != index):
+        where = _STATE.device_type if index is None else f"{_STATE.device_type}:{index}"
         raise NcclRuleError(
-            f"{what}: tensor is on {t.device} but this job communicates on {_STATE.device_type} "
+            f"{what}: tensor is on {t.device} but this job communicates on {where} "
             f"(NCCL rejects tensors off the group's device): create it with device=<the engine's device>")
     if not t.is_contiguous():
         raise NcclRuleError(f"{what}: tensor of shape {tuple(t.shape)} is not contiguous (NCCL reads raw memory): "
@@ -188,7 +221,37 @@ def _compare(op: str, group: dist.ProcessGroup, device: torch.device, dtype_code
 
 
 _OP_NAMES = {zlib.crc32(n.encode()): n for n in
-             ("all_reduce", "reduce_scatter", "all_gather", "broadcast", _SEQUENCE_CHECK)}
+             ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", _SEQUENCE_CHECK)}
+
+
+def check_all_to_all(inp: torch.Tensor, out: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int],
+                     group: dist.ProcessGroup) -> None:
+    """Rules 1-3, 5 and 8 before an all-to-all of rows (dim 0): tensors, dtype and row size
+    agree (the header), and member s expects from member r exactly what r sends to s. The
+    splits of every member are exchanged first, so every rank raises the same error."""
+    if _STATE is None:
+        return
+    where = f"all_to_all on ranks {_ranks(group)}"
+    check_tensor(inp, where + " input")
+    check_tensor(out, where + " output")
+    row = inp[0].numel() if inp.shape[0] else int(torch.Size(inp.shape[1:]).numel())
+    _compare("all_to_all", group, inp.device, _dtype_code(inp.dtype), row, -1)
+    world = dist.get_world_size(group)
+    local_ok = int(len(in_splits) == len(out_splits) == world and sum(in_splits) == inp.shape[0]
+                   and sum(out_splits) == out.shape[0])
+    mine = (list(in_splits) + list(out_splits) + [0] * (2 * world))[:2 * world] + [local_ok]
+    _STATE.checking += 1
+    try:
+        rows = _exchange(group, mine, inp.device)
+    finally:
+        _STATE.checking -= 1
+    bad = [f"rank {_ranks(group)[r]}: splits do not add up to its tensors" for r in range(world) if not rows[r][-1]]
+    bad += [f"rank {_ranks(group)[r]} sends {rows[r][s]} rows to rank {_ranks(group)[s]}, which expects "
+            f"{rows[s][world + r]}" for r in range(world) for s in range(world) if rows[r][s] != rows[s][world + r]]
+    if bad:
+        raise NcclRuleError(f"NCCL rule violated at {where}: " + "; ".join(bad[:4])
+                            + ". NCCL would hang or read past a buffer: exchange the counts first and size the "
+                              "receive splits from them")
 
 
 def _mismatch_message(op: str, group: dist.ProcessGroup, rows: list[list[int]], log: _GroupLog) -> str:
@@ -318,18 +381,25 @@ class _NoScalarRead(TorchDispatchMode):
 
 @contextlib.contextmanager
 def no_host_sync(where: str) -> Iterator[None]:
-    """Rule 6 for a region (free when the strict mode is off)."""
-    if _STATE is None:
+    """Rule 6 for a region (free when the strict mode is off); object collectives are
+    refused inside it too (rule 7)."""
+    state = _STATE
+    if state is None:
         yield
         return
-    with _NoHostSync(where), _NoScalarRead(where):
-        yield
+    state.regions.append(where)
+    try:
+        with _NoHostSync(where), _NoScalarRead(where):
+            yield
+    finally:
+        state.regions.pop()
 
 
 @contextlib.contextmanager
 def host_sync_allowed() -> Iterator[None]:
-    """Exempt a read that only happens on CPU tensors (a ``t.device.type == "cpu"`` branch:
-    input range checks that cost no device sync) from rule 6."""
+    """Exempt from rule 6 a read that only happens on CPU tensors (a ``t.device.type == "cpu"``
+    branch: input range checks that cost no device sync), or the one read a design needs and
+    documents at the call (AutoTP's input broadcast: the source's shapes size the buffers)."""
     if _STATE is None:
         yield
         return
@@ -338,3 +408,51 @@ def host_sync_allowed() -> Iterator[None]:
         yield
     finally:
         _STATE.checking -= 1
+
+
+# ----------------------------------------------------------------------- direct torch.distributed calls
+def _tensors_in(args: Sequence[Any], kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors a torch.distributed call was given: tensors, lists of tensors, P2POps."""
+    for a in list(args) + list(kwargs.values()):
+        items = a if isinstance(a, (list, tuple)) else [a]
+        for x in items:
+            if isinstance(x, torch.Tensor):
+                yield x
+            elif isinstance(x, dist.P2POp):
+                yield x.tensor
+
+
+def _guard(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    objects = name in OBJECT_COLLECTIVES
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        state = _STATE
+        if state is not None and state.checking == 0:
+            if objects and state.regions:
+                raise NcclRuleError(
+                    f"torch.distributed.{name} inside {state.regions[-1]}: an object collective pickles, "
+                    f"round-trips through the host and syncs the device on every call. Exchange tensors "
+                    f"on the device (engine.distributed.comm) or move it out of the step")
+            for t in _tensors_in(args, kwargs):
+                check_tensor(t, f"torch.distributed.{name}")
+        return fn(*args, **kwargs)
+
+    guarded.__wrapped_by_strict__ = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _install_guards() -> None:
+    for name in GUARDED_COLLECTIVES + OBJECT_COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, "__wrapped_by_strict__", False):
+            continue
+        _ORIGINALS[name] = fn
+        setattr(dist, name, _guard(name, fn))
+
+
+def _remove_guards() -> None:
+    for name, fn in list(_ORIGINALS.items()):
+        if getattr(getattr(dist, name, None), "__wrapped_by_strict__", False):
+            setattr(dist, name, fn)  # only our own wrapper: a later wrapper (a timer) stays
+        del _ORIGINALS[name]

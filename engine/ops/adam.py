@@ -21,9 +21,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from engine.ops.builder import load_op
+from engine.ops.builder import get_builder, load_op
 
-__all__ = ["AdamWHyper", "adamw_reference", "adamw_step", "fused_adamw_available"]
+__all__ = ["AdamWHyper", "adamw_reference", "adamw_step", "fused_adamw_available", "fused_adamw_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,26 @@ def fused_adamw_available(device: Union[str, torch.device]) -> bool:
         return False
     key = "CPU" if device.type == "cpu" else "CUDA"
     return torch._C._dispatch_has_kernel_for_dispatch_key("engine_adam::adamw_step", key)
+
+
+def fused_adamw_problem(device: Union[str, torch.device]) -> Optional[str]:
+    """None when the fused kernel runs on ``device``, else why not, with the fix (a CUDA
+    device whose op was built without nvcc is the case that used to pass unnoticed: the CPU
+    kernel loads, the reference runs on the GPU)."""
+    device = torch.device(device)
+    if fused_adamw_available(device):
+        return None
+    if device.type not in ("cpu", "cuda"):
+        return f"the fused kernel has no {device.type} implementation"
+    builder = get_builder("adam")
+    if not builder.is_loaded():
+        why = builder.jit_problem() or "its build or load failed (the engine.ops warning above gives the error)"
+        return f"the op is not loaded: {why}"
+    if device.type == "cuda":
+        why = builder.cuda_problem() or "the loaded library was built without CUDA (an earlier build without nvcc)"
+        return (f"the op was built without its CUDA kernel: {why}; install the CUDA toolkit (nvcc) and rebuild "
+                "(`python -m engine.ops --load`), or build ahead of time with ENGINE_BUILD_OPS=1")
+    return "the loaded library has no CPU kernel"
 
 
 def _kernel_eligible(tensors: Sequence[Tensors]) -> bool:

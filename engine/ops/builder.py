@@ -124,6 +124,16 @@ def _cuda_toolkit_problem() -> Optional[str]:
     return None
 
 
+def _cuda_problem(cuda_arch_list: Optional[str]) -> Optional[str]:
+    """None when the CUDA kernel should be built here, else why not: no toolkit, or no GPU
+    visible and no TORCH_CUDA_ARCH_LIST (torch's arch detection then has nothing to compile
+    for and fails: a CUDA build of torch on a CPU-only host builds the CPU kernel only)."""
+    problem = _cuda_toolkit_problem()
+    if problem is None and not cuda_arch_list and not torch.cuda.is_available():
+        return "no GPU is visible and TORCH_CUDA_ARCH_LIST is unset: nothing to compile it for"
+    return problem
+
+
 # TORCH_CUDA_ARCH_LIST names, as torch's cpp_extension accepts them
 NAMED_ARCHES = {"Volta": "7.0+PTX", "Turing": "7.5+PTX", "Ampere": "8.0;8.6+PTX", "Ada": "8.9+PTX",
                 "Hopper": "9.0+PTX", "Blackwell": "10.0;10.3;12.0;12.1+PTX"}
@@ -179,7 +189,11 @@ class OpBuilder:
 
     # ---- what to build ---------------------------------------------------------------
     def with_cuda(self) -> bool:
-        return _cuda_toolkit_problem() is None
+        return _cuda_problem(self.settings.cuda_arch_list) is None
+
+    def cuda_problem(self) -> Optional[str]:
+        """Why the CUDA kernel is not built here (no nvcc, a torch without CUDA, ...), or None."""
+        return _cuda_problem(self.settings.cuda_arch_list)
 
     def sources(self, with_cuda: Optional[bool] = None) -> list[Path]:
         cuda = self.with_cuda() if with_cuda is None else with_cuda
@@ -287,7 +301,7 @@ class OpBuilder:
 
     def status(self) -> OpStatus:
         """For the report: does not build anything."""
-        cuda_problem = _cuda_toolkit_problem()
+        cuda_problem = _cuda_problem(self.settings.cuda_arch_list)
         cuda = "cuda kernel: will be built" if cuda_problem is None else f"cuda kernel: no ({cuda_problem})"
         loaded = self.is_loaded()
         aot = self.aot_library_path()

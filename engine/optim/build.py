@@ -146,7 +146,8 @@ def optimizer_inputs(cfg: Config, params: Any, client: Any = None,
 
 def precision_policy(cfg: Config) -> PrecisionPolicy:
     check = cfg.bf16.check_grad_overflow if cfg.bf16.enabled else None
-    return PrecisionPolicy.from_name(cfg.precision, check_nonfinite=check, grad_accum=cfg.data_types.grad_accum_dtype)
+    return PrecisionPolicy.from_name(cfg.precision, check_nonfinite=check, grad_accum=cfg.data_types.grad_accum_dtype,
+                                     comm=cfg.communication_data_type)
 
 
 def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, *,

@@ -20,23 +20,31 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim.adam import adam
 
-__all__ = ["ChunkedAdam", "ChunkedAdamW", "DEFAULT_CHUNK_NUMEL"]
+__all__ = ["ChunkedAdam", "ChunkedAdamW", "DEFAULT_CHUNK_NUMEL", "DEFAULT_DEVICE_CHUNK_NUMEL"]
 
-DEFAULT_CHUNK_NUMEL = 1 << 20  # 1M elements: 4 MiB fp32 per temporary
+DEFAULT_CHUNK_NUMEL = 1 << 20  # 1M elements: 4 MiB fp32 per temporary (host memory)
+# On an accelerator each chunk costs the host ~0.2-1.5 ms of Python and a dozen kernel
+# launches while the device does 1M elements in microseconds: with 1M-element chunks a
+# 1B-element master takes ~1000 chunks, seconds of host time per step (measured per chunk
+# on CPU: benchmarks/results/gpu_ready_slow_paths.md). 64M elements (256 MiB fp32 per
+# temporary) keeps the temporaries small beside the device's memory and the chunks few.
+DEFAULT_DEVICE_CHUNK_NUMEL = 1 << 26
 
 
 class ChunkedAdam(torch.optim.Adam):
     """``torch.optim.Adam`` (with ``decoupled_weight_decay``: AdamW) whose step runs chunk by
-    chunk (see the module docstring). Takes torch's arguments plus ``chunk_numel``."""
+    chunk (see the module docstring). Takes torch's arguments plus ``chunk_numel`` (None:
+    :data:`DEFAULT_CHUNK_NUMEL` for a parameter in host memory, :data:`DEFAULT_DEVICE_CHUNK_NUMEL`
+    on an accelerator)."""
 
-    def __init__(self, params: Any, *args: Any, chunk_numel: int = DEFAULT_CHUNK_NUMEL, **kwargs: Any):
-        if chunk_numel < 1:
+    def __init__(self, params: Any, *args: Any, chunk_numel: Optional[int] = None, **kwargs: Any):
+        if chunk_numel is not None and chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         if kwargs.get("fused") or kwargs.get("capturable") or kwargs.get("differentiable"):
             raise ValueError("ChunkedAdam runs torch's foreach/per-tensor update: fused, capturable and "
                              "differentiable are not supported (use torch.optim.Adam for those)")
         super().__init__(params, *args, **kwargs)
-        self.chunk_numel = int(chunk_numel)
+        self.chunk_numel = None if chunk_numel is None else int(chunk_numel)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -66,8 +74,10 @@ class ChunkedAdam(torch.optim.Adam):
         flat = [t.view(-1) if t.is_contiguous() else None for t in tensors]
         before = step.clone()
         n = tensors[0].numel()
+        chunk = self.chunk_numel or (DEFAULT_CHUNK_NUMEL if tensors[0].device.type == "cpu"
+                                     else DEFAULT_DEVICE_CHUNK_NUMEL)
         ranges = [(0, n)] if any(f is None for f in flat) else \
-            [(lo, min(lo + self.chunk_numel, n)) for lo in range(0, n, self.chunk_numel)]
+            [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
         for lo, hi in ranges:
             step.copy_(before)
             part = tensors if (lo, hi) == (0, n) else [f[lo:hi] for f in flat]  # type: ignore[index]
@@ -83,7 +93,7 @@ class ChunkedAdamW(ChunkedAdam):
     """``torch.optim.AdamW`` stepped in chunks (decoupled weight decay, torch's default 1e-2)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, chunk_numel: Optional[int] = None,
                  **kwargs: Any):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          decoupled_weight_decay=True, chunk_numel=chunk_numel, **kwargs)

@@ -2,7 +2,9 @@
 
 One kernel call per (param group, device, grad dtype, copy dtype, step) bucket instead of
 five torch ops per parameter; each element is read and written once. If the op cannot be
-built here the PyTorch reference runs instead (engine.ops.adam; one log line).
+built here (or was built without its CUDA kernel, e.g. no nvcc) the PyTorch reference runs
+instead (engine.ops.adam), and the constructor says so once per device type, naming the
+cause (a logged warning and a RuntimeWarning).
 
 State is torch.optim.AdamW's (``step`` as a float32 scalar tensor, ``exp_avg``,
 ``exp_avg_sq``), so state dicts move between the two optimizers.
@@ -15,17 +17,36 @@ one's low-precision copy (the model weight, or a ZeRO shard of it) with
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from engine.ops.adam import AdamWHyper, adamw_step, fused_adamw_available
+from engine.ops.adam import AdamWHyper, adamw_step, fused_adamw_available, fused_adamw_problem
 
 __all__ = ["FusedAdamW"]
 
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # device types whose missing kernel was reported (once per process)
+
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COPY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _warn_if_reference(device: torch.device) -> None:
+    """Say once per device type, as a warning, when the step will run the PyTorch reference
+    instead of the kernel, and why (builds/loads the op on first call)."""
+    problem = fused_adamw_problem(device)
+    if problem is None or device.type in _WARNED:
+        return
+    _WARNED.add(device.type)
+    msg = (f"FusedAdamW on {device}: NO FUSED KERNEL, running the PyTorch reference instead ({problem}). The "
+           "reference updates one tensor at a time with five ops and parameter-sized temporaries: several times "
+           "slower on a GPU. `python -m engine.ops` reports the ops' state.")
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -65,7 +86,7 @@ class FusedAdamW(torch.optim.Optimizer):
         # Build/load the kernel now, at construction: a JIT build inside the first step would
         # hold every other rank in a collective for minutes (NCCL timeout on a cold cache).
         for device in {p.device for g in self.param_groups for p in g["params"]}:
-            fused_adamw_available(device)
+            _warn_if_reference(device)
         # param -> low-precision tensor the kernel refreshes after each update; not part of
         # the state dict (it is model memory, not optimizer state).
         self._param_copies: dict[torch.Tensor, torch.Tensor] = {}

@@ -82,6 +82,7 @@ def pipeline_module_parts(cfg: Config, module: PipelineModule, client_opt: Any, 
                 if (old := before[slot]) is not new}
     for ch in chunks:
         ch.to(device=device, dtype=dtype)
+    module.keep_only([m for ch in chunks for m in ch.layers])  # the other stages' layers are released
     stage: nn.Module = nn.ModuleList(chunks) if cfg.pp > 1 else chunks[0]
     trainable = [p for p in stage.parameters() if p.requires_grad]
     # this stage's share of a client's groups (the tied copy on the last stage included)

@@ -16,11 +16,13 @@ gradients of the shared weight are summed across the stages that hold it;
 (balance layer counts), ``"type:<regex>"`` (balance the layers whose class name matches,
 case-insensitive) or this engine's ``"blocks"`` (Megatron's: the layers between the first
 and the last split evenly): one table with ``pipeline.partition``,
-:data:`engine.config.sections.PARTITION_METHODS`. Differences: every layer is built on every
-rank at construction (so
-``parameters()`` are the whole model's; DeepSpeed builds them to count parameters too,
-then keeps its stage's); a tied module may be shared only by the first and the last stage
-(an embedding and its head); one tensor crosses each stage boundary.
+:data:`engine.config.sections.PARTITION_METHODS`. Differences: every layer is built (on the
+host) on every rank at construction, so ``parameters()`` are the whole model's until
+``engine.initialize`` cuts the stage (DeepSpeed builds them to count parameters too, then
+keeps its stage's); ``engine.initialize`` then keeps this rank's layers only
+(:meth:`PipelineModule.keep_only`: the others are released, and the module cannot be
+initialised again); a tied module may be shared only by the first and the last stage (an
+embedding and its head); one tensor crosses each stage boundary.
 """
 
 from __future__ import annotations
@@ -89,6 +91,13 @@ class _Callable(nn.Module):
         return self.fn(x)
 
 
+class _Released(nn.Module):
+    """Where a layer of another pipeline stage was (:meth:`PipelineModule.keep_only`)."""
+
+    def forward(self, x: Any) -> Any:
+        raise RuntimeError("this layer belongs to another pipeline stage and was released by engine.initialize")
+
+
 def _type_name(spec: Any) -> Optional[str]:
     if isinstance(spec, LayerSpec):
         return spec.typename.__name__
@@ -130,6 +139,8 @@ class PipelineModule(nn.Module):
         self._check_method(partition_method)
         built = self._build(seed_layers, base_seed)
         self.layers = nn.ModuleList(built)
+        self._weights: Optional[list[int]] = None  # layer_weights(), kept once the layers are released
+        self._released = False
 
     # ------------------------------------------------------------------ construction
     def _build(self, seed_layers: bool, base_seed: int) -> list[nn.Module]:
@@ -169,10 +180,29 @@ class PipelineModule(nn.Module):
 
     # ------------------------------------------------------------------ what initialize reads
     def layer_list(self) -> list[nn.Module]:
+        self._check_whole("engine.initialize")
         return list(self.layers)
+
+    def keep_only(self, kept: Sequence[nn.Module]) -> None:
+        """Release every layer not in ``kept`` (this rank's stage, after ``engine.initialize``
+        cut it): each becomes an empty placeholder, so its parameters are freed once nothing
+        else holds them. DeepSpeed's PipelineModule likewise holds its own stage only."""
+        self._weights = self.layer_weights()
+        keep = {id(m) for m in kept}
+        for i, layer in enumerate(self.layers):
+            if id(layer) not in keep:
+                self.layers[i] = _Released()
+        self._released = True
+
+    def _check_whole(self, what: str) -> None:
+        if self._released:
+            raise RuntimeError(f"{what}: this PipelineModule kept only one pipeline stage's layers after "
+                               "engine.initialize; build a new PipelineModule for another engine or a whole-model run")
 
     def layer_weights(self) -> list[int]:
         """The weight of each layer that ``partition_method`` balances."""
+        if self._weights is not None:
+            return list(self._weights)
         m = self.partition_method.lower()
         if m in ("uniform", "blocks"):
             return [1] * len(self._specs)
@@ -194,6 +224,7 @@ class PipelineModule(nn.Module):
 
     def forward(self, x: Any) -> Any:
         """The whole model in one process (no pipeline): the layers in order."""
+        self._check_whole("PipelineModule.forward")
         for layer in self.layers:
             x = layer(x)
         return x

@@ -139,19 +139,17 @@ class ReferenceModel(nn.Module):
 
 @contextlib.contextmanager
 def whole_sequences(chunks: Sequence[StageChunk]) -> Iterator[None]:
-    """Run ``chunks`` on whole single-document sequences inside the block (the sampler's short
-    prompt), although context parallelism or document masking is on: every CP rank computes
-    the same tokens (their parameters are copies), and a prompt is one document (causal
-    attention, no document ids). Explicit, never a fallback: outside it a CP chunk without
-    positions, or a document-masking chunk without document ids, raises."""
-    saved = [(c.cp, c.document_masking) for c in chunks]
+    """Run ``chunks`` on whole sequences inside the block although context parallelism is on
+    (the sampler's short prompts: every CP rank computes the same tokens, their parameters
+    being copies). Explicit, never a fallback: outside it a CP chunk without positions raises."""
+    saved = [c.cp for c in chunks]
     for c in chunks:
-        c.cp, c.document_masking = None, None
+        c.cp = None
     try:
         yield
     finally:
-        for c, (cp, doc) in zip(chunks, saved):
-            c.cp, c.document_masking = cp, doc
+        for c, cp in zip(chunks, saved):
+            c.cp = cp
 
 
 def reference_layer_params(cfg: ModelConfig) -> list[int]:

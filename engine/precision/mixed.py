@@ -31,12 +31,15 @@ class PrecisionPolicy:
     ``grad_accum_dtype``: DeepSpeed's ``data_types.grad_accum_dtype``, the dtype of a FULL
     gradient accumulated over micro-batches (ZeRO-1's; stage 0's is the fp32 master gradient and
     stages 2/3 add each micro-batch's reduced shard into the fp32 master gradient). None: the
-    compute dtype, DeepSpeed's default; fp32 or the compute dtype only."""
+    compute dtype, DeepSpeed's default; fp32 or the compute dtype only; ``comm_dtype``:
+    DeepSpeed's ``communication_data_type``, the dtype ZeRO's gradient reductions run in
+    (fp32 by default here; the reduced gradient lands in fp32 whatever it is)."""
 
     compute_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
     check_nonfinite: Optional[bool] = None  # None: on for fp16/bf16, off for fp32
     grad_accum_dtype: Optional[torch.dtype] = None
+    comm_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in _DTYPES.values():
@@ -63,10 +66,10 @@ class PrecisionPolicy:
 
     @classmethod
     def from_name(cls, name: str, check_nonfinite: Optional[bool] = None,
-                  grad_accum: Optional[str] = None) -> "PrecisionPolicy":
-        """From ``"fp32"`` / ``"bf16"`` / ``"fp16"`` (and ``grad_accum``, the same names)."""
-        for n in (name, grad_accum):
+                  grad_accum: Optional[str] = None, comm: str = "fp32") -> "PrecisionPolicy":
+        """From ``"fp32"`` / ``"bf16"`` / ``"fp16"`` (and ``grad_accum``, ``comm``, the same names)."""
+        for n in (name, grad_accum, comm):
             if n is not None and n not in _DTYPES:
                 raise ConfigError(f"precision {n!r} is not one of {sorted(_DTYPES)}")
         return cls(compute_dtype=_DTYPES[name], check_nonfinite=check_nonfinite,
-                   grad_accum_dtype=None if grad_accum is None else _DTYPES[grad_accum])
+                   grad_accum_dtype=None if grad_accum is None else _DTYPES[grad_accum], comm_dtype=_DTYPES[comm])

@@ -196,6 +196,7 @@ class ZeroOptimizer:
         self._recv_pool = BufferPool(self._device, capacity=self.MAX_INFLIGHT)
         for b in self.buckets:
             b.pooled = not self.keeps_full_grads
+            b.comm_dtype = self.precision.comm_dtype  # communication_data_type
             self._init_bucket(b)
         self.optimizer = optimizer_factory([g.param_group() for g in self.groups])
         attach = getattr(self.optimizer, "attach_shard_view", None)

@@ -48,6 +48,10 @@ class FlatBucket:
         # low-precision one holds raw gradient sums; the step's factor is applied as it is
         # copied into an fp32 pooled buffer to be reduced (engine.zero.base._launch)
         self.acc_dtype = torch.float32
+        # DeepSpeed's communication_data_type: the dtype the reduction runs in (fp32: the
+        # accumulator itself; bf16/fp16: a cast copy, summed, then copied back into fp32)
+        self.comm_dtype = torch.float32
+        self._upcast: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (fp32 target, low result)
         # set by the group (FlatGroup) right after the buckets are built:
         self.shard_master: torch.Tensor  # (shard,) fp32 view into the group master
         self.shard_grad: torch.Tensor  # (shard,) fp32 view into the group master grad
@@ -148,18 +152,34 @@ class FlatBucket:
             raise RuntimeError(f"bucket {self.index} reduced twice in one step")
         if self.grad_acc is None:  # no gradient arrived here: still take part in the collective
             self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        target = (self.shard_grad if out is None else out) if sharded else self.grad_acc
+        src, dst = self.grad_acc, target
+        if self.comm_dtype != self.grad_acc.dtype:
+            # (padded,) cast copy in the communication dtype; the result is copied into the
+            # fp32 target when the reduction completes (wait)
+            src = self.grad_acc.to(self.comm_dtype)
+            dst = src if not sharded else torch.empty(target.numel(), dtype=self.comm_dtype, device=self.device)
+            self._upcast = (target, dst)
         if sharded:
             # the accumulator is not read after its reduction (freed, pooled or zeroed next)
-            self.work = comm.reduce_scatter(self.shard_grad if out is None else out, self.grad_acc, group,
-                                            async_op=async_op, inp_is_scratch=True)
+            self.work = comm.reduce_scatter(dst, src, group, async_op=async_op, inp_is_scratch=True)
         else:
-            self.work = comm.all_reduce(self.grad_acc, group, async_op=async_op)
+            self.work = comm.all_reduce(src, group, async_op=async_op)
+        if not async_op:
+            self._finish_upcast()
         self.launched = True
+
+    def _finish_upcast(self) -> None:
+        if self._upcast is not None:
+            target, low = self._upcast
+            target.copy_(low)
+            self._upcast = None
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        self._finish_upcast()
 
     def reset_step(self) -> None:
         self.ready = 0

@@ -24,11 +24,23 @@ every rank of the group must enter with the same parameters.
 
 Modules whose constructors are being wrapped: every subclass of ``nn.Module`` known when
 the context is entered, and any defined inside it (as DeepSpeed does).
+
+Where the shards live (DeepSpeed's rule): ``remote_device="cpu"`` (or, with
+``remote_device=None``, a ``config_dict_or_path`` whose ``zero_optimization.offload_param.device``
+is ``"cpu"``) keeps them in host memory; otherwise they go to the accelerator of this rank,
+the device the default process group's collectives run on (``cuda:<local rank>`` under
+NCCL, the CPU under gloo; :func:`engine.distributed.env.device_for_initialised_group`). A
+parameter is built where its module builds it (one module at a time) and only its slice is
+copied to that device. The empty placeholder ``p.data`` sits on the shard's device, so a
+later ``model.to(device)`` moves the placeholder, and the shard follows it when the
+parameter is next gathered (:func:`gather_partitioned`): gathers always run where the
+placeholder is, the device NCCL needs.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from typing import Any, Iterable, Optional, Protocol, TypeGuard, Union, cast
 
@@ -36,11 +48,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from engine.config.reader import read_json_file
 from engine.distributed import comm
+from engine.distributed.env import device_for_initialised_group
 from engine.distributed.groups import AxisGroup
 
 __all__ = ["Init", "GatheredParameters", "is_partitioned", "param_numel", "param_shape", "register_managed",
-           "gather_partitioned", "shard_range"]
+           "gather_partitioned", "shard_range", "accelerator_device"]
 
 
 class PartitionedParameter(Protocol):
@@ -74,29 +88,103 @@ def shard_range(numel: int, rank: int, world: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def _partition(p: nn.Parameter, group: AxisGroup, dtype: Optional[torch.dtype]) -> None:
+def _partition(p: nn.Parameter, group: AxisGroup, dtype: Optional[torch.dtype], device: torch.device) -> None:
     world, rank = comm.group_size(group), comm.group_rank(group)
     flat = p.detach().reshape(-1)
     if dtype is not None and flat.is_floating_point():
         flat = flat.to(dtype)
     n = flat.numel()
     lo, hi = shard_range(n, rank, world)
-    shard = torch.zeros(hi - lo, dtype=flat.dtype, device=flat.device)  # (ceil(n/world),)
+    shard = torch.zeros(hi - lo, dtype=flat.dtype, device=device)  # (ceil(n/world),) on the shards' device
     if lo < n:
         shard[:min(hi, n) - lo].copy_(flat[lo:min(hi, n)])
     part = cast(PartitionedParameter, p)  # it becomes one here
     part.ds_shape, part.ds_numel, part.ds_process_group = p.shape, n, group
     part.ds_tensor = shard
-    p.data = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    set_data(p, torch.empty(0, dtype=flat.dtype, device=device))
+
+
+def set_data(p: Any, t: torch.Tensor) -> None:  # a Parameter, also typed as a PartitionedParameter
+    """``p.data = t``, also where the two tensor types cannot share a shallow copy (a
+    placeholder on another kind of device, e.g. the meta device tests use as a fake
+    accelerator): then ``p`` is swapped in place (``torch.utils.swap_tensors``, as
+    ``nn.Module.to`` does) and keeps its Python attributes."""
+    if torch._has_compatible_shallow_copy_type(p.data, t):  # dense CPU <-> CUDA
+        p.data = t
+        return
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, nn.Parameter(t, requires_grad=p.requires_grad))
+    p.__dict__.update(attrs)
+
+
+def _follow_placeholder(p: PartitionedParameter) -> None:
+    """``model.to(device)`` moved the empty placeholder only: bring the shard after it."""
+    if p.ds_tensor.device != p.data.device:
+        p.ds_tensor = p.ds_tensor.to(p.data.device)
 
 
 def gather_partitioned(p: PartitionedParameter) -> torch.Tensor:
-    """The whole value of a partitioned parameter, ``ds_shape`` (one all-gather)."""
+    """The whole value of a partitioned parameter, ``ds_shape`` (one all-gather), on the
+    device of its placeholder ``p.data`` (the shard moves there first if the model was moved)."""
+    _follow_placeholder(p)
     group = p.ds_process_group
     world = comm.group_size(group)
     full = torch.empty(p.ds_tensor.numel() * world, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
     comm.all_gather(full, p.ds_tensor, group)
     return full[:p.ds_numel].view(p.ds_shape)
+
+
+def accelerator_device() -> torch.device:
+    """This rank's accelerator: the device the default group's collectives run on
+    (``cuda:<local rank>`` under NCCL, resolved as :func:`engine.initialize` does; the CPU
+    under gloo or without an initialised group)."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    kind, index = device_for_initialised_group("nccl", bound.index if bound is not None else None,
+                                               torch.cuda.current_device(), torch.cuda.device_count())
+    return torch.device(kind) if index is None else torch.device(kind, index)
+
+
+def _config_dict(config: Any) -> dict:
+    """``config_dict_or_path`` as a dict: a dict, a JSON file's path, or None (empty)."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        raw = read_json_file(config)
+        if isinstance(raw, dict):
+            return raw
+    raise TypeError(f"engine.zero.Init: config_dict_or_path must be a dict or the path of a JSON file, "
+                    f"got {type(config).__name__}")
+
+
+def _section(raw: dict, *keys: str) -> dict:
+    for k in keys:
+        v = raw.get(k)
+        raw = v if isinstance(v, dict) else {}
+    return raw
+
+
+def _placement_from(remote_device: Optional[str], config: dict) -> str:
+    """DeepSpeed's rule: an explicit ``remote_device``, else the config's
+    ``zero_optimization.offload_param.device``, else the accelerator ("device")."""
+    offload = _section(config, "zero_optimization", "offload_param").get("device")
+    where = remote_device if remote_device is not None else (offload if offload not in (None, "none") else None)
+    if where not in (None, "cpu", "cuda"):
+        raise ValueError(f"engine.zero.Init: parameters on {where!r} (remote_device or zero_optimization."
+                         "offload_param.device) are not supported: use None (the accelerator) or 'cpu'")
+    return "cpu" if where == "cpu" else "device"
+
+
+def _dtype_from(config: dict) -> Optional[torch.dtype]:
+    """DeepSpeed: the config's half precision, when ``dtype`` is not given."""
+    if _section(config, "bf16").get("enabled") is True:
+        return torch.bfloat16
+    if _section(config, "fp16").get("enabled") is True:
+        return torch.float16
+    return None
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -122,19 +210,24 @@ class Init:
     """Partition parameters over the data-parallel group as modules are built (see the
     module docstring). DeepSpeed's keyword names; ``data_parallel_group``: an
     :class:`~engine.distributed.groups.AxisGroup` or a torch process group, None meaning the
-    default (world) group as in DeepSpeed (converted here, at the DeepSpeed edge); ``dtype``: the shards' dtype (default: as
-    built); ``enabled=False``: a no-op context. Options DeepSpeed offers for offload
-    (``remote_device`` other than None/"cpu"/the parameters' device, ``pin_memory``) are
-    refused rather than ignored."""
+    default (world) group as in DeepSpeed (converted here, at the DeepSpeed edge); ``dtype``: the shards' dtype (default:
+    the config's bf16/fp16 when ``config_dict_or_path`` enables one, else as built);
+    ``remote_device`` / ``config_dict_or_path``: where the shards live (module docstring;
+    ``config`` is DeepSpeed's deprecated name of the latter); ``enabled=False``: a no-op
+    context. Options DeepSpeed offers for NVMe offload (``remote_device="nvme"``,
+    ``pin_memory``) are refused rather than ignored."""
 
     def __init__(self, module: Optional[nn.Module] = None,
                  data_parallel_group: Union[AxisGroup, dist.ProcessGroup, None] = None,
                  mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: Optional[torch.dtype] = None, mpu: Any = None) -> None:
-        if remote_device not in (None, "cpu", "cuda") or pin_memory:
-            raise ValueError("engine.zero.Init: parameter offload (remote_device='nvme', pin_memory=True) is not "
-                             "supported; leave remote_device=None and pin_memory=False")
+        if pin_memory:
+            raise ValueError("engine.zero.Init: pin_memory=True is not supported; leave it False")
+        if config is not None and config_dict_or_path is not None:
+            raise ValueError("engine.zero.Init: pass config_dict_or_path only (config is its deprecated name)")
+        raw = _config_dict(config_dict_or_path if config_dict_or_path is not None else config)
+        where = _placement_from(remote_device, raw)
         if mpu is not None:
             raise ValueError("engine.zero.Init: mpu is not supported; pass data_parallel_group=")
         if enabled and not dist.is_initialized():
@@ -142,7 +235,9 @@ class Init:
                                "init_distributed(), or gloo with world_size=1)")
         self.group = _dp_axis(data_parallel_group) if enabled else AxisGroup.single("dp")
         self.enabled = bool(enabled)
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else _dtype_from(raw)
+        # the shards' device: host memory or this rank's accelerator (module docstring)
+        self.device = torch.device("cpu") if where == "cpu" else accelerator_device()
         self._saved: dict[type, Any] = {}
         self._depth: dict[int, int] = {}
         self._prev_subclass_hook: Any = None
@@ -203,7 +298,7 @@ class Init:
     def _partition_module(self, module: nn.Module) -> None:
         for p in module.parameters(recurse=False):
             if not is_partitioned(p):
-                _partition(p, self.group, self.dtype)
+                _partition(p, self.group, self.dtype, self.device)
 
 
 # ---------------------------------------------------------------------- optimizer-managed parameters
@@ -253,7 +348,7 @@ class GatheredParameters:
         if not self.enabled:
             return
         for p in self.partitioned:
-            p.data = gather_partitioned(p)
+            set_data(p, gather_partitioned(p))
         for opt, ps in self.managed.values():
             opt.gather_for_modification(ps)
 
@@ -270,6 +365,6 @@ class GatheredParameters:
                 flat = p.data.reshape(-1)
                 if lo < p.ds_numel:
                     p.ds_tensor[:min(hi, p.ds_numel) - lo].copy_(flat[lo:min(hi, p.ds_numel)])
-            p.data = torch.empty(0, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+            set_data(p, torch.empty(0, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device))
         for opt, ps in self.managed.values():
             opt.release_after_modification(ps, self.modifier_rank)

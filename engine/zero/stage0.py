@@ -46,7 +46,8 @@ class DataParallelOptimizer(ZeroOptimizer):
         # of a group are consecutive views of its master gradient, so one all-reduce per
         # group replaces one per bucket (gloo, 2 ranks, 5.3M fp32: 16 ms vs 20 ms queued,
         # 30 ms one by one).
-        if any(b.launched for b in self.buckets):
+        if any(b.launched for b in self.buckets) or self.precision.comm_dtype != torch.float32:
+            # (a low-precision communication_data_type casts bucket by bucket)
             super()._launch_remaining()
             return
         for g in self.groups:

@@ -537,6 +537,18 @@ class Zero3Optimizer(Zero2Optimizer):
                     b.shard_master.copy_(shard)
             self._release_bucket(b)
 
+    def gather_groups(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``params`` (in order) grouped by the bucket one gather makes whole: a
+        :class:`engine.zero.GatheredParameters` over one group holds at most one unit
+        gathered. Parameters this optimizer never gathers (persistent, not its own) are
+        groups of one."""
+        out: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            where = self._where.get(id(p))
+            key = ("bucket", where[0].index) if where is not None and not where[0].persistent else ("one", id(p))
+            out.setdefault(key, []).append(p)
+        return list(out.values())
+
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
         """All parameters whole inside the block (read-only: changes are not written back)."""

@@ -134,3 +134,83 @@ def test_strict_mode_catches_a_host_sync_in_a_gradient_hook_of_the_engine():
     msgs = run_ranks(_engine_hook_sync, 2, timeout=120)
     for m in msgs:
         assert "blocking host sync (a scalar read" in m and "ZeRO gradient hooks" in m, m
+
+
+# ------------------------------------------------------------------ rules 7 and 8, the forward
+def _planted_direct(rank, world):
+    out = {}
+    world_group = AxisGroup.world()
+    strict.enable("cuda")  # a job whose device is not the tensors' (CPU) device
+    # 7a. a direct torch.distributed call that bypasses engine.distributed.comm
+    out["direct"] = _raises(lambda: dist.all_reduce(torch.ones(3)))
+    out["direct_p2p"] = _raises(lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), 1 - rank)]))
+    strict.enable("cpu")
+    out["direct_contiguous"] = _raises(lambda: dist.all_reduce(torch.ones(2, 3).t()))
+    # 7b. an object collective inside a step region, and the same call outside it
+    with comm.no_host_sync("a planted step"):
+        out["object"] = _raises(lambda: dist.all_gather_object([None] * world, rank))
+    got = [None] * world
+    dist.all_gather_object(got, rank)
+    out["object_outside"] = got
+    # 8. all-to-all (Muon's exchange) with splits that do not match the peers' (rank 1 sends
+    # 3 rows to rank 0, which expects 1): gloo would fail with a size error or hang
+    inp = torch.arange(4.0).view(4, 1)
+    in_splits = [2, 2] if rank == 0 else [3, 1]
+    out_splits = [2, 1] if rank == 0 else [2, 1]
+    recv = torch.empty(sum(out_splits), 1)
+    out["a2a"] = _raises(lambda: comm.all_to_all_single(recv, inp, out_splits, in_splits, world_group))
+    # matching splits pass and deliver
+    in_ok, out_ok = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+    recv = torch.empty(sum(out_ok), 1)
+    comm.all_to_all_single(recv, inp, out_ok, in_ok, world_group)
+    out["a2a_ok"] = recv.flatten().tolist()
+    return out
+
+
+def test_strict_mode_sees_direct_calls_object_collectives_and_all_to_all():
+    per_rank = run_ranks(_planted_direct, 2, timeout=120)
+    for out in per_rank:
+        assert "torch.distributed.all_reduce: tensor is on cpu but this job communicates on cuda" in out["direct"]
+        assert "torch.distributed.batch_isend_irecv: tensor is on cpu" in out["direct_p2p"]
+        assert "not contiguous" in out["direct_contiguous"]
+        assert "all_gather_object inside a planted step" in out["object"], out["object"]
+        assert out["object_outside"] == [0, 1]
+        assert "rank 1 sends 3 rows to rank 0, which expects 1" in out["a2a"], out["a2a"]
+    assert per_rank[0]["a2a_ok"] == [0.0, 0.0, 1.0]
+    assert per_rank[1]["a2a_ok"] == [1.0, 2.0, 3.0, 2.0, 3.0]
+
+
+class _SyncInForward(nn.Module):
+    """A forward that reads a value on the host (a data-dependent branch): a device stall in
+    every forward on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        if h.abs().max() > 100:  # bool(t): a scalar read
+            h = h.clamp(-100, 100)
+        return ((h - y) ** 2).mean()
+
+
+def _engine_forward_sync(rank, world):
+    import engine
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}}
+    torch.manual_seed(0)
+    eng, *_ = engine.initialize(model=_SyncInForward(), config=cfg)
+    try:
+        eng(torch.randn(2, 4), torch.randn(2, 1))
+    except strict.NcclRuleError as e:
+        return str(e)
+    finally:
+        eng.destroy()
+    return ""
+
+
+def test_strict_mode_catches_a_host_sync_in_the_forward():
+    for m in run_ranks(_engine_forward_sync, 2, timeout=120):
+        assert "blocking host sync" in m and "inside the forward" in m, m

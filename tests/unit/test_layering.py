@@ -29,7 +29,7 @@ PACKAGE = ROOT / "engine"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # pure values and helpers with no engine dependencies
     ("foundation", ("engine.errors", "engine.topology", "engine.metrics", "engine.validate", "engine.timers",
-                    "engine.version", "engine.placement")),
+                    "engine.version", "engine.placement", "engine.torch_api")),
     # process groups, collectives, launch/spawn, the failure watch
     ("distributed", ("engine.distributed",)),
     # typed configuration (the model's config dataclass and the AutoTP rule grammar are
@@ -37,8 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("engine.config", "engine.models.config", "engine.tensor_parallel.auto_rules", "engine.data",
                 "engine.monitor", "engine.ops")),
     # layers: precision (FP8, loss scaling, the split-backward phase flag), TP, models
-    # (context parallelism: the attention the models call, its sharding and groups)
-    ("layers", ("engine.precision", "engine.tensor_parallel", "engine.models", "engine.context_parallel")),
+    ("layers", ("engine.precision", "engine.tensor_parallel", "engine.context_parallel", "engine.models")),
     # ZeRO (step arithmetic included) and the pipeline (stage chunks, runner, parameter
     # names); the optimizers (Muon reads ZeRO's shard view); the values the engine is
     # assembled from and exports
