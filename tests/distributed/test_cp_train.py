@@ -358,8 +358,9 @@ def test_cp2_with_muon_and_fp8(corpus):
     """Muon (fp32; its Newton-Schulz on whole matrices, gradients reduced over cp x dp) at CP 2
     Ulysses with ZeRO-1 equals one-process Muon within RTOL. FP8 GEMMs (bf16 model) at CP 2
     ring: the amax role spans CP, so scales agree; bf16 rounding of other summation orders is
-    the only difference from one process: within 1e-2 relative over 20 steps (bf16 has 8 bits
-    of mantissa; a broken FP8 scale or an amax not shared over CP moves the loss by more)."""
+    the only difference from one process: within 3e-3 relative over 20 steps (measured 7.3e-4;
+    bf16 has 8 bits of mantissa; a broken FP8 scale or an amax not shared over CP moves the
+    loss by more)."""
     cache, files = corpus
     one = run_ranks(_train, 1, [_muon(tiny_config(cache, files)), _fp8(tiny_config(cache, files))], timeout=300)[0]
     two = run_ranks(_train, 2, [_muon(tiny_config(cache, files, cp=2, mode="ulysses", zero=1)),
@@ -368,7 +369,7 @@ def test_cp2_with_muon_and_fp8(corpus):
     print("fp8 losses, CP 2 vs one process:", [round(a / b - 1, 5) for a, b in zip(fp8["loss"], one[1]["loss"])])
     assert muon["loss"] == pytest.approx(one[0]["loss"], rel=RTOL)
     assert muon["norm"] == pytest.approx(one[0]["norm"], rel=RTOL)
-    assert fp8["loss"] == pytest.approx(one[1]["loss"], rel=1e-2)
+    assert fp8["loss"] == pytest.approx(one[1]["loss"], rel=3e-3)
     assert one[1]["loss"][-1] < one[1]["loss"][0] - 0.3
     for r in two:
         assert [x["seen"] for x in r] == [[SEQ // 2], [SEQ // 2]]
