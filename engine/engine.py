@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from engine.checkpoint.layout import module_names
 from engine.config import Config
+from engine.context_parallel.data import SEQUENCE_KWARGS, shard_microbatch
 from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
 from engine.distributed import comm
 from engine.distributed.env import DistEnv
@@ -48,10 +49,22 @@ from engine.weights16 import save_16bit_model
 from engine.zero import ZeroOptimizer
 from engine.zero.step import token_mean
 
+_FORWARD_BACKWARD = "forward_backward"  # the memory probe's phase (activation_peak_bytes)
+
+
+class MemoryProbe(Protocol):
+    """Measures tensor bytes allocated inside ``with probe.phase(name):`` over those alive at
+    its entry, high-water mark in ``probe.phases[name]``
+    (engine.zero.peak.LiveMemoryTracker; engine.training.memory_probe.CudaPeakProbe)."""
+
+    phases: dict[str, int]
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
+
 if TYPE_CHECKING:  # imported where used: the checkpoint package imports the engine's modules
     from engine.checkpoint.async_save import AsyncSaver
 
-__all__ = ["Engine", "LRScheduler", "LossFn", "Pipeline", "split_microbatch"]
+__all__ = ["Engine", "LRScheduler", "LossFn", "MemoryProbe", "Pipeline", "split_microbatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +126,8 @@ class Engine(nn.Module):
     _fp8_groups: list[AxisGroup]
     _checked_groups: list[AxisGroup]
     _async_saver: Optional["AsyncSaver"]
+    memory_probe: Optional["MemoryProbe"]
+    activation_peak_bytes: Optional[int]
 
     def __init__(self, config: Config, parts: ModelParts, optimizer: ZeroOptimizer, *,
                  device: torch.device, groups: ParallelGroups, lr_scheduler: Optional[LRScheduler] = None,
@@ -141,6 +156,10 @@ class Engine(nn.Module):
         self._last_grad_norm: Optional[torch.Tensor] = None  # 0-dim on the device until asked for
         self._last_lr: Optional[list[float]] = None
         self._async_saver: Optional[AsyncSaver] = None  # made at the first asynchronous save
+        # a MemoryProbe active around the next train_batch (the trainer sets it for one step):
+        # activation_peak_bytes is then its high-water mark inside forward + backward
+        self.memory_probe: Optional[MemoryProbe] = None
+        self.activation_peak_bytes: Optional[int] = None
         self._loss_group = groups.role(Role.LOSS)  # None after destroy()
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
         # steps_per_print steps
@@ -331,7 +350,9 @@ class Engine(nn.Module):
         out = []
         for _ in range(n):
             try:
-                out.append(to_microbatch(next(data_iter)))  # the data boundary: one type from here on
+                mb = to_microbatch(next(data_iter))  # the data boundary: one type from here on
+                # context parallelism: this rank's head-tail shard of the sequence, from here on
+                out.append(mb if self.parts.cp is None else shard_microbatch(mb, self.parts.cp))
             except StopIteration:
                 raise ValueError(f"the data iterator ran out after {len(out)} of the {n} micro-batches "
                                  "this step needs (gradient_accumulation_steps)") from None
@@ -362,7 +383,7 @@ class Engine(nn.Module):
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is not None:
             inputs, targets = mb.split()
-            extra = {} if mb.doc_ids is None else {"doc_ids": mb.doc_ids}
+            extra = {k: mb.kwargs[k] for k in SEQUENCE_KWARGS if k in mb.kwargs}  # doc_ids; CP's positions
             return loss_fn(self.module(inputs, **extra), targets)
         return self.module(*mb.args, **mb.kwargs)
 
@@ -377,24 +398,36 @@ class Engine(nn.Module):
         step_loss = self._step_loss_fn(mbs)
         if self.pipeline is not None:
             self.pipeline.prepare(mbs)  # one-time setup (a PipelineModule's shape probe), before the step
-            with self.timers.phase("pipeline"), comm.no_host_sync("the pipeline executor's step"):
-                losses = self.pipeline.train(mbs, step_loss)
-            self.micro_steps += ga
-        else:
-            losses = []
-            for i, mb in enumerate(mbs):
-                self.optimizer.set_boundary(i == ga - 1)
-                with self.timers.phase("forward"), self._forward_rule():
-                    loss = self._micro_loss(mb, step_loss)
-                with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
-                    self.optimizer.backward(loss, num_microbatches=ga)
-                losses.append(loss.detach())
-                self.micro_steps += 1
+        probe = self.memory_probe
+        with probe.phase(_FORWARD_BACKWARD) if probe is not None else contextlib.nullcontext():
+            losses = self._forward_backward(mbs, step_loss)
+        if probe is not None:  # bytes allocated in forward + backward over what was held before the step
+            self.activation_peak_bytes = probe.phases[_FORWARD_BACKWARD]
         self._optimizer_step()
         loss = self._aggregate_loss(losses)
         if self.monitor is not None:
             self._write_monitor(loss)
         return loss
+
+    def _forward_backward(self, mbs: Sequence[MicroBatch], step_loss: Optional[LossFn]) -> Optional[list[torch.Tensor]]:
+        """The step's forward and backward passes (the pipeline's schedule, or the DeepSpeed
+        loop over the micro-batches); the micro-batch losses (None off the last stage)."""
+        ga = len(mbs)
+        if self.pipeline is not None:
+            with self.timers.phase("pipeline"), comm.no_host_sync("the pipeline executor's step"):
+                pipe_losses = self.pipeline.train(mbs, step_loss)
+            self.micro_steps += ga
+            return pipe_losses
+        losses = []
+        for i, mb in enumerate(mbs):
+            self.optimizer.set_boundary(i == ga - 1)
+            with self.timers.phase("forward"), self._forward_rule():
+                loss = self._micro_loss(mb, step_loss)
+            with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
+                self.optimizer.backward(loss, num_microbatches=ga)
+            losses.append(loss.detach())
+            self.micro_steps += 1
+        return losses
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: Optional[int] = None) -> torch.Tensor:

@@ -35,7 +35,7 @@ from engine.engine import Engine
 from engine.models import GPT
 from engine.pipeline.partition import layers_of
 from engine.pipeline.schedule import placement_of, stage_index
-from engine.pipeline.stages import reference_layer_params, stage_bounds
+from engine.pipeline.stages import reference_layer_params, stage_bounds, whole_sequences
 from engine.tensor_parallel.layers import gather_full_tensor
 from engine.topology import Role
 from engine.zero.init import GatheredParameters
@@ -170,7 +170,8 @@ def greedy_generate_sharded(engine: Engine, prompt_ids: Sequence[int], max_new_t
     was_training = module.training
     module.eval()
     try:
-        return _greedy(prompt_ids, max_new_tokens, stop_id, device, cfg.model.seq_len, next_token)
+        with whole_sequences(engine.parts.chunks):  # under CP every rank runs the whole (short) context
+            return _greedy(prompt_ids, max_new_tokens, stop_id, device, cfg.model.seq_len, next_token)
     finally:
         module.train(was_training)
 

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from engine.context_parallel.layout import CPLayout
 from engine.pipeline.stages import StageChunk
 
 __all__ = ["LossFn", "ModelParts", "TokenLoss"]
@@ -52,7 +53,10 @@ class ModelParts:
     - ``token_loss``: the engine's own loss (the reference GPT's cross-entropy, none given):
       ``train_batch`` / ``eval_batch`` compute each micro-batch's loss as its token sum over
       the step's mean target count (``engine.zero.step``, the global token mean) instead of
-      ``loss_fn`` / the module's; None: users' losses, as given.
+      ``loss_fn`` / the module's; None: users' losses, as given;
+    - ``cp``: the chunks' context-parallel layout (``context_parallel.size`` > 1): the engine
+      cuts every micro-batch to this rank's sequence shard where it draws it
+      (:func:`engine.context_parallel.data.shard_microbatch`); None without CP.
     """
 
     module: nn.Module
@@ -63,6 +67,7 @@ class ModelParts:
     reference: bool = False
     measure_boundary: bool = False
     token_loss: Optional[TokenLoss] = None
+    cp: Optional[CPLayout] = None
 
     def __post_init__(self) -> None:
         if self.measure_boundary and not self.chunks:

@@ -8,18 +8,25 @@ coordinates are its digits in that mixed radix::
 
     rank = sum(coord[a] * stride[a]),  stride[a] = product of the sizes of the axes before a
 
-With ``(tp, dp, pp)``: ``rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. TP is
-innermost so tensor-parallel peers are neighbouring ranks (on a real node they share the
-fastest links); PP is outermost so a pipeline stage is a contiguous block of ranks. Adding
-an axis (context parallelism: ``tp, cp, dp, pp``) is one name in :class:`Axis`, one place in
-:data:`MESH_AXES`, one field of :class:`Topology` and :class:`Coord` (size 1, coordinate 0
-by default), and a column in :data:`ROLE_AXES`; every method below is written over the list.
+With ``(tp, cp, dp, pp)``: ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``.
+TP is innermost so tensor-parallel peers are neighbouring ranks (on a real node they share
+the fastest links); context parallelism (CP) comes next, because its ring / all-to-all
+traffic runs in every attention layer, then data parallelism; PP is outermost so a pipeline
+stage is a contiguous block of ranks. World size = ``dp * tp * pp * cp``. Adding an axis is
+one name in :class:`Axis`, one place in :data:`MESH_AXES`, one field of :class:`Topology` and
+:class:`Coord` (size 1, coordinate 0 by default), and a column in :data:`ROLE_AXES`; every
+method below is written over the list.
+
+The CP ranks of one group hold the same parameters and different head-tail shards of the
+same sequences (engine.context_parallel.sharding): they read the same rows (``batch`` is
+``dp`` alone), but reduce and partition gradients and share the loss's token count with the
+other data replicas (``grad`` and ``loss`` span ``cp x dp``).
 
 **Roles, not axes.** Code asks "which ranks reduce this gradient", "which ranks share the
 loss denominator", never "the dp group": :data:`ROLE_AXES` maps each :class:`Role` to the
-axes it spans. Today ``batch``, ``grad`` and ``loss`` are all ``dp``; with context
-parallelism ``grad`` and ``loss`` become ``cp x dp`` while ``batch`` stays ``dp``, and only
-the table changes. A role over several axes is one flattened group (its ranks vary along all
+axes it spans. ``batch`` is ``dp``; ``grad`` and ``loss`` are ``cp x dp`` (the CP ranks
+of a replica hold copies of the same parameters and parts of the same loss); ``amax`` is
+every axis but PP. A role over several axes is one flattened group (its ranks vary along all
 of them), except the separable ones in :data:`PER_AXIS_ROLES` (a MAX can be taken over each
 axis in turn, so they need no communicator of their own).
 
@@ -52,6 +59,7 @@ class Axis(str, enum.Enum):
     DP = "dp"
     TP = "tp"
     PP = "pp"
+    CP = "cp"
 
     @classmethod
     def parse(cls, axis: Union["Axis", str]) -> "Axis":
@@ -65,7 +73,7 @@ class Axis(str, enum.Enum):
 
 
 # The mesh's axes, innermost first (see the module docstring). TP first and PP last.
-MESH_AXES: tuple[Axis, ...] = (Axis.TP, Axis.DP, Axis.PP)
+MESH_AXES: tuple[Axis, ...] = (Axis.TP, Axis.CP, Axis.DP, Axis.PP)
 
 
 class Role(str, enum.Enum):
@@ -84,9 +92,9 @@ class Role(str, enum.Enum):
 # The role table: the axes each role spans (in MESH_AXES order).
 ROLE_AXES: dict[Role, tuple[Axis, ...]] = {
     Role.BATCH: (Axis.DP,),
-    Role.GRAD: (Axis.DP,),
-    Role.LOSS: (Axis.DP,),
-    Role.AMAX: (Axis.TP, Axis.DP),
+    Role.GRAD: (Axis.CP, Axis.DP),
+    Role.LOSS: (Axis.CP, Axis.DP),
+    Role.AMAX: (Axis.TP, Axis.CP, Axis.DP),
     Role.TP: (Axis.TP,),
     Role.PP: (Axis.PP,),
 }
@@ -116,6 +124,7 @@ class Coord(NamedTuple):
     dp: int
     tp: int
     pp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,7 @@ class Mesh:
 
 @dataclass(frozen=True)
 class Topology:
-    """A validated mesh of the axes in :data:`MESH_AXES` (``dp x tp x pp`` today).
+    """A validated mesh of the axes in :data:`MESH_AXES` (``dp x tp x pp x cp``).
 
     ``Topology(dp=2, tp=2, pp=2, world_size=8)`` additionally checks the product
     against the world size the run was launched with.
@@ -200,6 +209,7 @@ class Topology:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     world_size: Optional[int] = None
 
     def __post_init__(self) -> None:

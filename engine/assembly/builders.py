@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from engine.config import Config
+from engine.context_parallel.layout import CPLayout
 from engine.distributed.groups import NO_TP, ParallelGroups
 from engine.errors import ConfigError
 from engine.models import GPT
@@ -57,8 +58,9 @@ def _tied_reference(cfg: Config, chunks: Sequence[Any]) -> tuple[nn.Parameter, .
 
 
 def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, device: torch.device,
-                    loss_fn: Optional[LossFn]) -> tuple[ModelParts, OptimizerInputs]:
-    """The reference GPT (``model=None``: built from the config; a GPT: its weights)."""
+                    loss_fn: Optional[LossFn], cp: Optional[CPLayout] = None) -> tuple[ModelParts, OptimizerInputs]:
+    """The reference GPT (``model=None``: built from the config; a GPT: its weights); ``cp``:
+    this rank's context-parallel layout (``context_parallel.size`` > 1)."""
     if cfg.model is None:
         raise ConfigError("the config has no \"model\" section, which the reference GPT needs (model=None builds it "
                           "from the section; an engine.models.GPT must match it): add a model section with "
@@ -70,7 +72,7 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     tp_group = groups.tp_group
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
     with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None):
-        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype)
+        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp)
     if model is not None:
         load_full_weights(chunks, model, tp_group)
     loss: Optional[LossFn] = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets,
@@ -82,7 +84,7 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     token = None if loss_fn is not None else TokenLoss(
         lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp_group, reduction="sum"))
     parts = ModelParts(module, tuple(chunks), _tied_reference(cfg, chunks), loss, dtype, reference=True,
-                       token_loss=token)
+                       token_loss=token, cp=cp)
     return parts, OptimizerInputs(module, optimizer_factory(cfg.optimizer))
 
 

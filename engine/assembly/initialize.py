@@ -34,6 +34,8 @@ from engine.assembly.autotp import autotp_parts
 from engine.assembly.builders import layer_list_parts, module_parts, reference_parts
 from engine.config import Config, load_config
 from engine.config.ignored import log_ignored_keys
+from engine.context_parallel.groups import build_cp_layout
+from engine.context_parallel.layout import CPLayout
 from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed
 from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine
@@ -99,6 +101,22 @@ def _check_fp8_model(cfg: Config, model: Any) -> None:
                           "from the config; a custom module needs engine.precision.fp8.Fp8Linear)")
 
 
+def _check_cp_model(cfg: Config, model: Any, loss_fn: Optional[LossFn]) -> None:
+    """Context parallelism runs the reference GPT (from the config, or an engine.models.GPT)
+    only: its attention is the one that attends across the CP group. Checked on every rank
+    before any collective."""
+    if cfg.cp == 1:
+        return
+    key = "context_parallel.size (or sequence_parallel_size)"
+    if model is not None and not isinstance(model, GPT):
+        raise ConfigError(f"{key} = {cfg.cp} needs the reference GPT (model=None with a model section, or an "
+                          f"engine.models.GPT): {type(model).__name__} has its own attention, which context "
+                          "parallelism cannot split (Hugging Face models are not supported yet); set the size to 1")
+    if loss_fn is not None:
+        raise ConfigError(f"{key} = {cfg.cp}: a custom loss_fn is not supported with context parallelism (the engine "
+                          "normalises the reference GPT's token loss over the cp x dp shards); drop loss_fn")
+
+
 def _is_layer_list(model: Any) -> bool:
     return isinstance(model, (list, tuple, nn.ModuleList))
 
@@ -152,6 +170,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
         raise ConfigError(f"the config was resolved for {cfg.world_size} ranks but the job has {world}")
     log_ignored_keys(cfg.ignored_keys, dist.get_rank(), logger)  # once, rank 0: accepted, no effect
     _check_fp8_model(cfg, model)  # on every rank, before any collective
+    _check_cp_model(cfg, model, loss_fn)
     check_client_objects(cfg, optimizer, lr_scheduler)
     device = dist_env.device if dist_env is not None else _device_of_default_group()
     if mpu is not None:
@@ -160,7 +179,8 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
     loader = None if training_data is None else _dataloader(training_data, cfg, groups, collate_fn, device)
-    parts, opt_inputs = _build_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn)
+    cp = build_cp_layout(cfg.context_parallel, groups, getattr(dist_env, "timeout_s", None))  # collective (hybrid)
+    parts, opt_inputs = _build_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn, cp)
     engine = assemble_engine(cfg, parts, opt_inputs, lr_scheduler, groups, device, dist_env=dist_env,
                              monitor=monitor, training_dataloader=loader)
     logger.info("engine: %s, ZeRO-%d, %s, %s", cfg.topology, cfg.zero.stage, cfg.precision,
@@ -170,11 +190,12 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
 
 def _build_parts(cfg: Config, model: Union[nn.Module, Sequence[nn.Module], None], optimizer: Any,
                  model_parameters: Optional[Iterable[Any]], groups: ParallelGroups, device: torch.device,
-                 loss_fn: Optional[LossFn]) -> tuple[ModelParts, OptimizerInputs]:
+                 loss_fn: Optional[LossFn], cp: Optional[CPLayout] = None) -> tuple[ModelParts, OptimizerInputs]:
     """The builder for this kind of model (see the module docstring)."""
     if isinstance(model, PipelineModule):
         return pipeline_module_parts(cfg, model, optimizer, model_parameters, groups, device)
-    if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1:
+    if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1 \
+            and not (cfg.cp > 1 and isinstance(model, GPT)):  # a GPT under CP: the reference chunks
         return module_parts(cfg, model, optimizer, model_parameters, device, loss_fn)  # type: ignore[arg-type]
     if isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
         return autotp_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn)  # a model we did not write
@@ -183,7 +204,7 @@ def _build_parts(cfg: Config, model: Union[nn.Module, Sequence[nn.Module], None]
                          "optimizer from the config over its own parameter shards: pass optimizer=None "
                          "and model_parameters=None")
     if model is None or isinstance(model, GPT):
-        return reference_parts(cfg, model, groups, device, loss_fn)
+        return reference_parts(cfg, model, groups, device, loss_fn, cp)
     if _is_layer_list(model):
         return layer_list_parts(cfg, list(model), groups, device, loss_fn)  # type: ignore[arg-type]
     raise TypeError(f"with tensor or pipeline parallelism (tp={cfg.tp}, pp={cfg.pp}) engine.initialize takes "

@@ -151,6 +151,7 @@ class SavedTopology:
     world_size: int
     zero_stage: int
     virtual_stages: int = 1
+    cp: int = 1  # absent in checkpoints written before context parallelism
 
     @classmethod
     def of(cls, topology: Topology, zero_stage: int, virtual_stages: int = 1) -> "SavedTopology":
@@ -168,12 +169,12 @@ class SavedTopology:
 
     def to_json(self) -> dict[str, int]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "world_size": self.world_size,
-                "zero_stage": self.zero_stage, "virtual_stages": self.virtual_stages}
+                "zero_stage": self.zero_stage, "virtual_stages": self.virtual_stages, "cp": self.cp}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> "SavedTopology":
         dp, tp, pp, world, zero = (int(_need(d, k, where)) for k in ("dp", "tp", "pp", "world_size", "zero_stage"))
-        return cls(dp, tp, pp, world, zero, int(d.get("virtual_stages") or 1))
+        return cls(dp, tp, pp, world, zero, int(d.get("virtual_stages") or 1), int(d.get("cp") or 1))
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,9 @@ def snapshot_local(engine: Checkpointable, view: ShardView) -> tuple[Tensors, di
     originals, copies = tied_names(view, names)
     pieces = local_pieces(view, names)
     coord = groups.coord
-    fname = shard_file_name(coord.pp, coord.tp, coord.dp)
+    # the file's data index is the rank's place in the grad role (dp, or cp x dp under context
+    # parallelism, whose ranks each own a ZeRO shard): equal to the dp rank without CP
+    fname = shard_file_name(coord.pp, coord.tp, groups.role(Role.GRAD).rank)
     tensors: Tensors = []
     scalar_state: dict[str, dict[str, Any]] = {}
     param_groups: dict[str, dict[str, Any]] = {}

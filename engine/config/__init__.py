@@ -14,6 +14,7 @@ from engine.config.schema import (
     BF16Config,
     CheckpointConfig,
     Config,
+    ContextParallelConfig,
     CosineParams,
     CSVMonitorConfig,
     DataConfig,
@@ -37,7 +38,7 @@ from engine.config.schema import (
 from engine.errors import ConfigError
 
 __all__ = [
-    "load_config", "resolve_batch_sizes", "Config", "ConfigError",
+    "load_config", "resolve_batch_sizes", "Config", "ConfigError", "ContextParallelConfig",
     "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "CheckpointConfig", "CosineParams", "DataConfig",
     "FP8Config", "FP16Config", "LionParams", "MuonParams", "OptimizerConfig", "PipelineConfig", "SchedulerConfig",
     "TensorParallelConfig", "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "WSDParams",

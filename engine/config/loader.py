@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Union
 
+from engine.config.context_parallel import check_context_parallel, parse_context_parallel
 from engine.config.ignored import IGNORED_KEYS, ignored_keys_in
 from engine.config.limits import check_batch_limits
 from engine.config.monitor import parse_monitor
@@ -42,15 +43,13 @@ _TOP_LEVEL = (
     "optimizer", "scheduler", "fp16", "bf16", "fp8", "data_types", "gradient_clipping", "zero_optimization",
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "communication_data_type",
-    "zero_force_ds_cpu_optimizer", "max_consecutive_nonfinite_steps",
+    "zero_force_ds_cpu_optimizer", "max_consecutive_nonfinite_steps", "context_parallel", "sequence_parallel_size",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
     "amp": "NVIDIA Apex AMP is replaced by the bf16 / fp16 sections: use those instead",
     "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
     "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
-    "sequence_parallel_size": ("DeepSpeed-Ulysses sequence parallelism is not implemented; use "
-                               "tensor_parallel.sequence_parallel (Megatron-style) instead"),
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
     "autotuning": "the autotuner is " + _NOT_IMPLEMENTED,
     "flops_profiler": "the flops profiler is " + _NOT_IMPLEMENTED + " (the engine logs tokens/s and MFU)",
@@ -100,9 +99,11 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     model = parse_model(top)
     tensor_parallel = parse_tensor_parallel(top)
     pipeline = parse_pipeline(top)
-    topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages)
+    context_parallel = parse_context_parallel(top)
+    topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages, context_parallel.size)
     if model is not None:
         model.check_parallel(topology.tp, topology.pp)
+    check_context_parallel(context_parallel, model, topology.tp, tensor_parallel.sequence_parallel)
     micro, gas, total = resolve_batch_sizes(top.raw("train_batch_size"), top.raw("train_micro_batch_size_per_gpu"),
                                             top.raw("gradient_accumulation_steps"), topology)
     optimizer = parse_optimizer(top)
@@ -123,6 +124,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         activation_checkpointing=parse_activation_checkpointing(top),
         pipeline=pipeline,
         tensor_parallel=tensor_parallel,
+        context_parallel=context_parallel,
         checkpoint=parse_checkpoint(top),
         monitor=parse_monitor(top),
         gradient_clipping=top.number("gradient_clipping", 1.0, min=0.0,
@@ -151,12 +153,13 @@ def _communication_data_type(top: Section) -> str:
     return top.choice("communication_data_type", COMMUNICATION_DATA_TYPES, case_insensitive=True)
 
 
-def _topology(world_size: int, tp: int, pp: int) -> Topology:
-    if world_size % (tp * pp):
+def _topology(world_size: int, tp: int, pp: int, cp: int) -> Topology:
+    if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_parallel.autotp_size ({tp}) * pipeline.stages "
-            f"({pp}) = {tp * pp}: launch a multiple of {tp * pp} ranks, or change the TP/PP degrees")
-    return Topology(dp=world_size // (tp * pp), tp=tp, pp=pp, world_size=world_size)
+            f"({pp}) * context_parallel.size (or sequence_parallel_size) ({cp}) = {tp * pp * cp}: launch a "
+            f"multiple of {tp * pp * cp} ranks, or change the degrees")
+    return Topology(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp, world_size=world_size)
 
 
 def _batch_value(name: str, v: Any) -> Optional[int]:
@@ -176,8 +179,9 @@ def resolve_batch_sizes(train_batch: Any, micro: Any, gas: Any, topology: Topolo
     """
     tb, mb, ga = (_batch_value(k, v) for k, v in zip(_BATCH_KEYS, (train_batch, micro, gas)))
     dp = topology.dp
+    cp = f" * context_parallel.size {topology.cp}" if topology.cp > 1 else ""
     mesh = (f"data-parallel size {dp} = world size {topology.world_size} / (tensor_parallel.autotp_size "
-            f"{topology.tp} * pipeline.stages {topology.pp})")
+            f"{topology.tp} * pipeline.stages {topology.pp}{cp})")
 
     def mismatch(what: str) -> ConfigError:
         return ConfigError(

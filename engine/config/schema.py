@@ -20,7 +20,7 @@ __all__ = [
     "SchedulerParams", "SchedulerConfig",
     "FP16Config", "BF16Config", "FP8Config", "DataTypesConfig", "OffloadConfig", "ZeroConfig", "ActivationCheckpointingConfig",
     "PipelineConfig", "AutoTPLayerSpecConfig", "AutoTPPartitionConfig",
-    "TensorParallelConfig", "CheckpointConfig", "DataConfig", "Config",
+    "TensorParallelConfig", "ContextParallelConfig", "CheckpointConfig", "DataConfig", "Config",
 ]
 
 
@@ -311,6 +311,18 @@ class TensorParallelConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ContextParallelConfig(_Section):
+    """``context_parallel`` (docs/context_parallel.md): the sequence of every micro-batch split
+    over ``size`` ranks. ``mode``: ``"ring"`` (K/V blocks passed around), ``"ulysses"``
+    (all-to-all to heads) or ``"hybrid"`` (Ulysses within groups of ``ulysses_size``, ring
+    across them). ``ulysses_size``: 1 for ring, ``size`` for Ulysses."""
+
+    size: int = 1
+    mode: str = "ring"
+    ulysses_size: int = 1
+
+
+@dataclass(frozen=True)
 class CheckpointConfig(_Section):
     tag_validation: str = "Warn"  # "Ignore" | "Warn" | "Fail"
     save_interval: int = 0  # save every N optimizer steps; 0 = never
@@ -393,6 +405,7 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     pipeline: PipelineConfig = PipelineConfig()
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    context_parallel: ContextParallelConfig = ContextParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     monitor: MonitorConfig = MonitorConfig()
     gradient_clipping: float = 1.0  # max global grad norm; 0 = no clipping
@@ -415,6 +428,11 @@ class Config:
     @property
     def dp(self) -> int:
         return self.topology.dp
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree (``context_parallel.size``)."""
+        return self.topology.cp
 
     @property
     def tp(self) -> int:
@@ -460,6 +478,7 @@ class Config:
             "activation_checkpointing": self.activation_checkpointing.to_dict(),
             "pipeline": self.pipeline.to_dict(),
             "tensor_parallel": self.tensor_parallel.to_dict(),
+            "context_parallel": self.context_parallel.to_dict(),
             "checkpoint": self.checkpoint.to_dict(),
             "data": self.data.to_dict(),
         })

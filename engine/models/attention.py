@@ -13,6 +13,12 @@ Three cases, q (B, nh, S, d), k/v (B, nkv, S, d), ``nh % nkv == 0``:
   exist, and tiles across documents or above the diagonal are skipped (less work than
   causal FlashAttention on a packed row).
 
+Context parallelism (``context_parallel.size`` > 1): the mask is a
+:class:`ContextParallelMask` (the rank's :class:`engine.context_parallel.CPLayout`, the GLOBAL
+positions of its head-tail shard and, with document masking, the shard's document ids), and
+:func:`attend` hands the local q/k/v shards to
+:func:`engine.context_parallel.attention.context_parallel_attention`.
+
 Which one document masking uses is chosen by device (:func:`doc_mask_kernel`): ``flex`` on
 CUDA, ``sdpa`` (the explicit mask) elsewhere. On CPU flex is no option for training:
 torch's flex attention has no backward on CPU (it raises), and its eager forward is the
@@ -39,9 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from engine.context_parallel.attention import context_parallel_attention
+from engine.context_parallel.layout import CPLayout
 from engine.data.packing import document_causal_mask
 
-__all__ = ["DocumentBlockMask", "AttnMask", "DocMaskKernel", "doc_mask_kernel", "document_attention_mask",
+__all__ = ["DocumentBlockMask", "ContextParallelMask", "AttnMask", "DocMaskKernel", "doc_mask_kernel", "document_attention_mask",
            "attend"]
 
 DocMaskKernel = Literal["flex", "sdpa"]
@@ -57,7 +65,19 @@ class DocumentBlockMask:
     doc_ids: torch.Tensor  # (B, S)
 
 
-AttnMask = Union[torch.Tensor, DocumentBlockMask]  # bool (B, 1, S, S), or the flex form
+@dataclass(frozen=True)
+class ContextParallelMask:
+    """Causal (document-causal with ``doc_ids``) attention of this rank's head-tail shard of
+    the sequence against the whole sequence, across ``layout``'s groups. ``positions``
+    (B, S/C) int64: the global position of each local token (what the causal mask
+    compares); ``doc_ids`` (B, S/C): the local tokens' document ids, or None."""
+
+    layout: CPLayout
+    positions: torch.Tensor
+    doc_ids: Optional[torch.Tensor] = None
+
+
+AttnMask = Union[torch.Tensor, DocumentBlockMask, ContextParallelMask]  # bool (B, 1, S, S), flex, or CP
 
 
 def doc_mask_kernel(device: torch.device) -> DocMaskKernel:
@@ -94,6 +114,8 @@ def document_attention_mask(doc_ids: torch.Tensor, kernel: Optional[DocMaskKerne
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[AttnMask] = None) -> torch.Tensor:
     """Softmax attention, scale 1/sqrt(d): q (B, nh, S, d), k/v (B, nkv, S, d) -> (B, nh, S, d).
     ``mask`` None means causal."""
+    if isinstance(mask, ContextParallelMask):  # q/k/v are the rank's (B, heads, S/C, d) shards
+        return context_parallel_attention(q, k, v, mask.layout, positions=mask.positions, doc_ids=mask.doc_ids)
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -28,18 +28,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.context_parallel.layout import CPLayout
 from engine.data.packing import position_ids_from_doc_ids
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.distributed.strict import host_sync_allowed
 from engine.errors import ConfigError
-from engine.models.attention import AttnMask, DocMaskKernel, attend, document_attention_mask
+from engine.models.attention import AttnMask, ContextParallelMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
 from engine.placement import REPLICATED, set_placement
 from engine.precision.fp8 import Fp8Recipe
 from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowParallelLinear
 from engine.tensor_parallel.mappings import copy_to_tp_region, tp_world_size
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "attention_inputs", "forward_layers", "Attention",
+__all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "attention_inputs", "cp_attention_inputs", "forward_layers", "Attention",
            "SwiGLU", "MlpFactory", "MLPS", "mlp_factory", "Block"]
 
 Device = Optional[Union[torch.device, str]]
@@ -157,6 +158,26 @@ def attention_inputs(seq_len: Optional[int], doc_ids: Optional[torch.Tensor] = N
     return attn_mask, position_ids
 
 
+def cp_attention_inputs(layout: CPLayout, positions: Optional[torch.Tensor], doc_ids: Optional[torch.Tensor] = None,
+                        position_ids: Optional[torch.Tensor] = None) -> tuple[ContextParallelMask, torch.Tensor]:
+    """The attention inputs of a context-parallel forward: ``(mask, rotary positions (B, S/C))``.
+
+    ``positions`` (B, S/C): the global positions of this rank's tokens (the causal mask);
+    ``doc_ids`` (B, S/C): their document ids (document masking), which need
+    ``position_ids`` (B, S/C), the per-document positions of the same tokens (computed on the
+    whole row where data enters: a document may start on another rank). Without document
+    masking rotary uses the global positions."""
+    if positions is None:
+        raise ValueError("context parallelism is on (context_parallel.size > 1) but this forward got no positions: "
+                         "micro-batches must enter through the engine (train_batch / eval_batch), which shards "
+                         "them along the sequence (engine.context_parallel.data.shard_microbatch)")
+    if doc_ids is not None and position_ids is None:
+        raise ValueError("context parallel document masking needs position_ids (B, S/C), the per-document "
+                         "positions of the local tokens (shard_microbatch computes them)")
+    rotary = position_ids if position_ids is not None else positions
+    return ContextParallelMask(layout, positions, doc_ids), rotary
+
+
 def forward_layers(layers: Union[Sequence[nn.Module], nn.ModuleList], x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                    position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run ``layers`` in order; blocks (``takes_attention_inputs``) also get the mask and
@@ -205,7 +226,9 @@ class Attention(nn.Module):
         q = q.view(b, s, nh, d).transpose(1, 2)                           # (B, nh/tp, S, d)
         k = k.view(b, s, nkv, d).transpose(1, 2)                          # (B, nkv/tp, S, d)
         v = v.view(b, s, nkv, d).transpose(1, 2)
-        cos, sin = self.rotary(s, position_ids)                           # (S, d) or (B, 1, S, d)
+        # under context parallelism s is this rank's S/C tokens; positions index the whole S
+        full = s * attn_mask.layout.size if isinstance(attn_mask, ContextParallelMask) else s
+        cos, sin = self.rotary(full, position_ids)                        # (S, d) or (B, 1, S, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attend(q, k, v, attn_mask)                                    # (B, nh/tp, S, d); GQA without K/V copies
         o = o.transpose(1, 2).reshape(b, s, nh * d)                       # (B, S, nh d / tp)

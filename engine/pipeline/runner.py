@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from engine.config import Config
+from engine.context_parallel.data import SEQUENCE_KWARGS
 from engine.data.device import move_to_device
 from engine.data.microbatch import split_microbatch, to_microbatch
 from engine.distributed.groups import ParallelGroups
@@ -39,11 +40,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def activation_shape(cfg: Config) -> tuple[int, int, int]:
-    """What crosses a stage boundary: hidden states (micro_batch, S, H), or (micro_batch,
-    S/tp, H) with sequence parallelism."""
+    """What crosses a stage boundary: hidden states (micro_batch, S/cp, H), or (micro_batch,
+    S/(cp*tp), H) with sequence parallelism (the SP shard is within the CP shard)."""
     model = cfg.model
     assert model is not None  # only the reference GPT's pipeline asks (it needs a model section)
-    s = model.seq_len
+    s = model.seq_len // cfg.cp  # context parallelism: this rank's shard of the sequence
     if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
         s //= cfg.tp
     return (cfg.train_micro_batch_size_per_gpu, s, model.hidden_size)
@@ -91,6 +92,9 @@ class PipelineRunner:
         self.loss_stage = loss_stage(cfg.pipeline.schedule, cfg.pp, cfg.pipeline.virtual_stages)
         self.stage_ranks = list(groups.pp_ranks)
         self.document_masking = cfg.data.document_masking
+        # data-side inputs every stage takes from its own copy of the micro-batch: the document ids,
+        # and under context parallelism the shard's positions
+        self.side_inputs = self.document_masking or cfg.cp > 1
         self._executor: Optional[PipelineExecutor] = None
         if not measure_boundary:
             self._build(tuple(boundary_shape) if boundary_shape is not None else activation_shape(cfg), dtype)
@@ -103,7 +107,7 @@ class PipelineRunner:
             loss_fn=self.loss_fn, grads=self.grads,
             schedule=self.cfg.pipeline.schedule, activation_dtype=dtype, device=self.device,
             activation_checkpointing=False,  # the chunks checkpoint per block themselves
-            broadcast_loss=False, record=False, side_inputs=self.document_masking,
+            broadcast_loss=False, record=False, side_inputs=self.side_inputs,
             gather_params=_weight_pass_gather(self.grads))
 
     def prepare(self, microbatches: Sequence[Any]) -> None:
@@ -127,15 +131,16 @@ class PipelineRunner:
         return self.stage == self.loss_stage
 
     def _side(self, mb: Any) -> dict:
-        """Chunk keyword inputs of a micro-batch: ``{"doc_ids": (B, S)}`` with document masking."""
-        doc_ids = microbatch_doc_ids(mb)
-        check_doc_ids(doc_ids, self.document_masking)
-        return {} if doc_ids is None else {"doc_ids": move_to_device(doc_ids, self.device)}
+        """Chunk keyword inputs of a micro-batch: ``{"doc_ids": (B, S)}`` with document masking;
+        under context parallelism also the shard's ``positions`` (and ``position_ids``)."""
+        m = to_microbatch(mb)
+        check_doc_ids(m.doc_ids, self.document_masking)
+        return {k: move_to_device(m.kwargs[k], self.device) for k in SEQUENCE_KWARGS if k in m.kwargs}
 
     def _item(self, mb: Any) -> tuple:
         inputs, targets = self._split(mb)
         side = self._side(mb)
-        return (inputs, targets, side) if self.document_masking else (inputs, targets)
+        return (inputs, targets, side) if self.side_inputs else (inputs, targets)
 
     def train(self, microbatches: Sequence[Any], loss_fn: Optional[LossFn] = None) -> Optional[list[torch.Tensor]]:
         """One step's forward and backward; the mean loss (unscaled) on the last stage.

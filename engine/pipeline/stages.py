@@ -20,20 +20,22 @@ scales once per optimizer step).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
+from engine.context_parallel.layout import CPLayout
 from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
 from engine.models.attention import AttnMask
-from engine.models.blocks import attention_inputs, forward_layers
+from engine.models.blocks import attention_inputs, cp_attention_inputs, forward_layers
 from engine.pipeline.actions import stage_and_chunk
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.pipeline.schedule import placement_of as schedule_placement
@@ -44,7 +46,7 @@ from engine.tensor_parallel.layers import shard_tensor
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["StageChunk", "ReferenceModel", "reference_layer_params", "stage_bounds", "build_reference_chunks",
-           "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids"]
+           "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids", "whole_sequences"]
 
 
 logger = logging.getLogger(__name__)
@@ -62,11 +64,19 @@ class StageChunk(nn.Module):
     block of the chunk; ``doc_ids`` (B, S) is what reaches every pipeline stage (data side).
     ``document_masking`` (``data.document_masking``; None: not checked): every forward must
     give ``doc_ids`` when True and must not when False (config and data must agree).
+
+    ``cp``: context parallelism (``context_parallel.size`` > 1): ``x`` holds this rank's
+    head-tail shard of the sequence (B, S/C) and every forward gets ``positions`` (B, S/C),
+    the shard's global positions (and, with ``doc_ids``, ``position_ids``: its per-document
+    positions); the blocks attend across the CP group
+    (:func:`engine.models.blocks.cp_attention_inputs`). Without ``cp``, ``positions`` is an error.
     """
 
     def __init__(self, layers: Sequence[nn.Module], start: int, num_layers_total: int,
-                 checkpoint_interval: int = 0, document_masking: Optional[bool] = None) -> None:
+                 checkpoint_interval: int = 0, document_masking: Optional[bool] = None,
+                 cp: Optional[CPLayout] = None) -> None:
         super().__init__()
+        self.cp = cp
         self.document_masking = document_masking
         self.layers = nn.ModuleList(layers)
         self.start = start
@@ -79,10 +89,22 @@ class StageChunk(nn.Module):
         return forward_layers(self.layers[lo:hi], x, mask, pos)
 
     def forward(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.document_masking is not None:
             check_doc_ids(doc_ids, self.document_masking)
-        mask, pos = attention_inputs(None, doc_ids, attn_mask, position_ids)  # AttnMask, (B, S)
+        mask: Optional[AttnMask]
+        pos: Optional[torch.Tensor]
+        if self.cp is not None:
+            if attn_mask is not None:
+                raise ValueError("attn_mask cannot be combined with context parallelism: the mask is causal or "
+                                 "document-causal (data.document_masking)")
+            mask, pos = cp_attention_inputs(self.cp, positions, doc_ids, position_ids)  # CP mask, (B, S/C)
+        elif positions is not None:
+            raise ValueError("this forward got sequence-shard positions but context parallelism is off "
+                             "(context_parallel.size 1): feed whole sequences")
+        else:
+            mask, pos = attention_inputs(None, doc_ids, attn_mask, position_ids)  # AttnMask, (B, S)
         n = len(self.layers)
         if self.checkpoint_interval <= 0 or not torch.is_grad_enabled():
             return self._run(0, n, x, mask, pos)
@@ -100,7 +122,8 @@ class ReferenceModel(nn.Module):
     ``forward(ids)`` -> logits (B, S, V_pad/tp); ``forward(ids, targets)`` -> mean
     vocab-parallel cross-entropy (so the DeepSpeed loop works with TP too).
     ``doc_ids`` (B, S): the packed rows' document ids (``data.document_masking``; the chunk
-    checks that config and data agree)."""
+    checks that config and data agree). Under context parallelism ``ids``/``targets`` are the
+    rank's (B, S/C) shards with their ``positions`` (and ``position_ids``; :class:`StageChunk`)."""
 
     def __init__(self, chunk: StageChunk, tp_group: AxisGroup) -> None:
         super().__init__()
@@ -108,11 +131,27 @@ class ReferenceModel(nn.Module):
         self.tp_group = tp_group
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                doc_ids: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
-        logits = self.chunk(ids, doc_ids)
+                doc_ids: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                positions: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = self.chunk(ids, doc_ids, position_ids=position_ids, positions=positions)
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, ignore_index=ignore_index)
+
+
+@contextlib.contextmanager
+def whole_sequences(chunks: Sequence[StageChunk]) -> Iterator[None]:
+    """Run ``chunks`` on whole sequences inside the block although context parallelism is on
+    (the sampler's short prompts: every CP rank computes the same tokens, their parameters
+    being copies). Explicit, never a fallback: outside it a CP chunk without positions raises."""
+    saved = [c.cp for c in chunks]
+    for c in chunks:
+        c.cp = None
+    try:
+        yield
+    finally:
+        for c, cp in zip(chunks, saved):
+            c.cp = cp
 
 
 def reference_layer_params(cfg: ModelConfig) -> list[int]:
@@ -149,9 +188,10 @@ def check_reference_support(cfg: Config) -> None:
 
 
 def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, device: torch.device,
-                           dtype: torch.dtype) -> list[StageChunk]:
+                           dtype: torch.dtype, cp: Optional[CPLayout] = None) -> list[StageChunk]:
     """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded; with
-    ``fp8.enabled`` the blocks' linear layers are FP8 (embedding and LM head stay bf16)."""
+    ``fp8.enabled`` the blocks' linear layers are FP8 (embedding and LM head stay bf16);
+    ``cp``: this rank's context-parallel layout (``context_parallel.size`` > 1)."""
     check_reference_support(cfg)
     model = cfg.model
     assert model is not None  # the reference GPT is built only from a config with a model section
@@ -169,7 +209,7 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
                                     seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype,
                                     fp8_recipe=recipe)
         chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval,
-                                 document_masking=cfg.data.document_masking))
+                                 document_masking=cfg.data.document_masking, cp=cp))
     if model.tie_embeddings and chunks[0].is_first and chunks[-1].is_last and len(chunks) > 1:
         # V placement: the embedding (chunk 0) and the head (chunk 1) are on this rank, so the
         # head uses the embedding's very parameter (as in one process) instead of a copy to sync

@@ -50,6 +50,7 @@ from engine.monitor.jsonl import JsonlMonitor, keep_metrics_up_to
 from engine.topology import Role
 from engine.training.divergence import DivergenceGuard
 from engine.training.lifecycle import clear_failure_records, logs_dir, require_model
+from engine.training.memory_probe import memory_probe
 from engine.training.outputs import Location, agree_on_problems, prepare_locations, warn_if_low_space
 from engine.training.resume import metrics_problem, model_differences
 
@@ -102,6 +103,7 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
         "tokens_per_s": tps,
         "step_time_ms": seconds * 1e3,
         "mfu": mfu(flops_per_token(model), tps, peak_flops_total),
+        "context_parallel": cfg.cp,  # each rank held seq_len / context_parallel tokens of a sequence
         **({"phase_ms": dict(engine.timers.last)} if cfg.wall_clock_breakdown else {}),
     }
 
@@ -131,13 +133,14 @@ def train(engine: Engine, sampler: GlobalBatchSampler, steps: int, *, output_dir
     micro = cfg.train_micro_batch_size_per_gpu
     records = []
     try:
-        for _ in range(steps):
+        for i in range(steps):
             step = engine.global_steps  # the data of step s depends only on s: resumable, layout-free
             mbs = sampler.local_microbatches(step, batch_role.rank, batch_role.size, micro)
             data = iter([mb.to(engine.device) for mb in mbs])
             scale = engine.get_loss_scale()
             timer.start()
-            loss = engine.train_batch(data)
+            with memory_probe(engine, i == min(1, steps - 1)):  # activation_peak_bytes (memory_probe.py)
+                loss = engine.train_batch(data)
             loss_value = float(loss.item())  # the step's one host read of the loss
             rec = step_record(engine, loss_value, timer.stop(), scale, peak_total)
             if run_id is not None:
@@ -169,6 +172,8 @@ def write_memory_report(engine: Engine, output_dir: str) -> Optional[dict[str, A
             "optimizer_state_bytes": int(mem["optimizer_state"]),
             "bucket_buffers_bytes": int(mem.get("buckets", 0)),  # ZeRO-2/3 pooled reduction buffers
             "offloaded_bytes": int(mem.get("offloaded", 0)),  # ZeRO-Offload: host memory
+            # forward + backward of one step, over what the rank held before it (exact, measured)
+            "activation_peak_bytes": engine.activation_peak_bytes,
             "peak_bytes": peak_memory_bytes(engine.device),
             "peak_kind": "max allocated (CUDA)" if engine.device.type == "cuda" else
             "resident set high-water mark since start (CPU, VmHWM; exact for tensors with MALLOC_MMAP_THRESHOLD_ fixed)"}
