@@ -147,6 +147,7 @@ def test_cp2_ring_and_ulysses(corpus, reference):
         dict(cp=2, mode="ring", kv=1, doc=True), dict(cp=2, mode="ulysses", kv=1)])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cp4_and_cp2_composed_with_dp_zero_tp_pp(corpus, reference):
@@ -159,6 +160,7 @@ def test_cp4_and_cp2_composed_with_dp_zero_tp_pp(corpus, reference):
     ], timeout=900)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cp2_pp2_zero_bubble_and_interleaved(corpus):
@@ -268,6 +270,7 @@ def _long_config(cache, files, cp):
     return c
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", [
@@ -352,6 +355,7 @@ def _fp8(c: dict) -> dict:
     return c
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cp2_with_muon_and_fp8(corpus):

@@ -97,6 +97,7 @@ def test_unchanged_script_equals_deepspeed_offload(stage, tmp_path):
     _same(_launch(_ours(tmp_path), stage, tmp_path / "ours", engine=True), _golden(stage), f"ZeRO-{stage} offload")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [2, 3])

@@ -134,6 +134,7 @@ def test_zb_v_trains_like_one_process_at_pp2(cache_dir, reference):
     assert reference["two"][STEPS - 1] < reference["two"][0] - 0.01, f"the tiny model did not learn: {reference}"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_zb_v_with_dp_zero_tp_and_pp4(cache_dir, reference):
@@ -143,6 +144,7 @@ def test_zb_v_with_dp_zero_tp_and_pp4(cache_dir, reference):
                dict(pp=4, layers=6, micro=1, schedule="dualpipe-v")], cache_dir, reference)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_zb_v_on_eight_ranks(cache_dir, reference):
