@@ -108,7 +108,7 @@ def _work(layout, rows: list[torch.Tensor], doc, h: int) -> int:  # type: ignore
         w = token_work(s, None if doc is None else doc[bi])
         total += int(w[own].sum()) * h
     if u > 1:  # Ulysses: the group's rows, H/U heads each: the group's mean
-        t = torch.tensor([float(total)])
+        t = torch.tensor([float(total)], device=torch.device("cpu"))  # gloo ranks
         assert layout.ulysses is not None
         dist.all_reduce(t, group=layout.ulysses.process_group)
         total = int(t.item()) // u

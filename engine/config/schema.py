@@ -255,6 +255,15 @@ class ZeroConfig(_Section):
     offload_optimizer: OffloadConfig = OffloadConfig()  # stages 1-3: master shard and moments on the host
     offload_param: OffloadConfig = OffloadConfig()  # stage 3: parameter shards on the host
 
+    def to_dict(self) -> dict[str, Any]:
+        """The section as DeepSpeed writes it: an offload section that is off is null (its
+        default), not ``{"device": "none", ...}``."""
+        d = super().to_dict()
+        for key in ("offload_optimizer", "offload_param"):
+            if not getattr(self, key).enabled:
+                d[key] = None
+        return d
+
 
 # ------------------------------------------------------------ parallelism
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 from engine.context_parallel import ulysses
 from engine.context_parallel.layout import CPLayout
 from engine.context_parallel.ring import ring_attention
+from engine.distributed.groups import AxisGroup
 
 __all__ = ["context_parallel_attention", "attention_with_lse"]
 
@@ -73,7 +74,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayo
         v = ulysses.seq_to_heads(ulysses.expand_kv_heads(v, u), group)
         meta = ulysses.gather_meta(meta, group)
         pieces *= u
-    o, lse = ring_attention(q, k, v, meta, has_doc, layout.ring, pieces, stats)
+    ring = layout.ring if layout.ring is not None else AxisGroup.single("cp_ring")  # Ulysses alone: no ring
+    o, lse = ring_attention(q, k, v, meta, has_doc, ring, pieces, stats)
     if u > 1:
         assert layout.ulysses is not None
         o = ulysses.heads_to_seq(o, layout.ulysses)

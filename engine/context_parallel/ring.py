@@ -31,8 +31,8 @@ from engine.distributed.groups import AxisGroup
 __all__ = ["ring_attention"]
 
 
-def _ring_size(group: Optional[AxisGroup]) -> int:
-    return 1 if group is None else group.size
+def _ring_size(group: AxisGroup) -> int:
+    return group.size
 
 
 def _exchange(group: AxisGroup, sends: list[torch.Tensor], recvs: list[torch.Tensor]) -> list[Any]:
@@ -45,7 +45,7 @@ def _exchange(group: AxisGroup, sends: list[torch.Tensor], recvs: list[torch.Ten
     return comm.batch_isend_irecv(ops)
 
 
-def _rotation(group: Optional[AxisGroup], kv: torch.Tensor, meta: torch.Tensor
+def _rotation(group: AxisGroup, kv: torch.Tensor, meta: torch.Tensor
               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (t, kv block, its meta) for t = 0..R-1; the transfer of block t+1 is in flight
     while the caller computes on block t."""
@@ -54,7 +54,6 @@ def _rotation(group: Optional[AxisGroup], kv: torch.Tensor, meta: torch.Tensor
     for t in range(r):
         works: list[Any] = []
         if t < r - 1:
-            assert group is not None
             nxt = (torch.empty_like(kv), torch.empty_like(meta))
             works = _exchange(group, list(cur), list(nxt))
         yield t, cur[0], cur[1]
@@ -173,11 +172,11 @@ class _Ring(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor, has_doc: bool,
-                   group: Optional[AxisGroup], pieces: int, stats: Optional[dict] = None
+                   group: AxisGroup, pieces: int, stats: Optional[dict] = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o (B, nh, S_l, d) in q's dtype, lse (B, nh, S_l) in the compute dtype) of the local
-    queries q (B, nh, S_l, d) against the keys of every member of ``group`` (``None`` or size 1:
-    the local keys only). k, v (B, nkv, S_l, d); ``meta`` (B, 2, S_l) long: global positions
+    queries q (B, nh, S_l, d) against the keys of every member of ``group`` (size 1: the local
+    keys only). k, v (B, nkv, S_l, d); ``meta`` (B, 2, S_l) long: global positions
     and document ids of the local tokens; ``pieces``: how many equal pieces of S_l the skip
     plan looks at (2 for a head-tail shard). ``stats``: if given, ``pairs_computed`` counts
     the (batch row, query head, q, k) score entries the forward computed (skipping shows
