@@ -87,7 +87,9 @@ def reference(cache_dir):
     return {2: two, 4: four}
 
 
-def _trajectories(rank, world, configs):
+def _trajectories(rank, world, configs, steps=STEPS):
+    """Per config: the per-step losses of ``steps`` steps plus an eval loss, and the loss of the
+    trained weights gathered into one dense model (rank 0; None elsewhere)."""
     import engine
     from engine.config import load_config
     from engine.generate import gather_reference_model
@@ -98,7 +100,7 @@ def _trajectories(rank, world, configs):
         cfg = load_config(c, world_size=world)
         _, sampler = build_data(cfg)
         eng, *_ = engine.initialize(config=cfg)
-        losses = [r["loss"] for r in train(eng, sampler, STEPS, output_dir=None)]
+        losses = [r["loss"] for r in train(eng, sampler, steps, output_dir=None)]
         # and eval_batch afterwards (forward-only pipeline walk) on another step's batch
         g = eng.groups
         mbs = sampler.local_microbatches(100, g.dp_rank, g.dp_size, cfg.train_micro_batch_size_per_gpu)
@@ -107,6 +109,7 @@ def _trajectories(rank, world, configs):
         dense = gather_reference_model(eng)
         dense_loss = None if dense is None else dense(*_pair(sampler.batch_at(100))).item()
         out.append((losses, dense_loss))
+        eng.destroy()
     return out
 
 

@@ -35,6 +35,7 @@ import _ckpt_common as C
 import pytest
 import torch
 from harness import run_ranks
+from test_train_entry import _trajectories
 
 from engine.distributed.spawn import free_port
 
@@ -78,39 +79,17 @@ def cache_dir(tmp_path_factory):
     return d
 
 
-def _trajectories(rank, world, configs):
-    import engine
-    from engine.config import load_config
-    from engine.generate import gather_reference_model
-    from engine.training.trainer import build_data, train
-
-    out = []
-    for c in configs:
-        cfg = load_config(c, world_size=world)
-        _, sampler = build_data(cfg)
-        eng, *_ = engine.initialize(config=cfg)
-        losses = [r["loss"] for r in train(eng, sampler, STEPS, output_dir=None)]
-        g = eng.groups
-        mbs = sampler.local_microbatches(100, g.dp_rank, g.dp_size, cfg.train_micro_batch_size_per_gpu)
-        losses.append(eng.eval_batch(iter(mbs)).item())
-        dense = gather_reference_model(eng)
-        batch = sampler.batch_at(100)
-        dense_loss = None if dense is None else dense(batch.inputs, batch.targets).item()
-        out.append((losses, dense_loss))
-        eng.destroy()
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(cache_dir):
     """One process: the 2-layer model (tied and untied) and the 6-layer one (pp 4: 8 pieces)."""
     cfgs = [tiny_config(cache_dir), tiny_config(cache_dir, tie=False), tiny_config(cache_dir, layers=6)]
-    two, untied, six = (r[0] for r in run_ranks(_trajectories, 1, cfgs, timeout=120)[0])
+    two, untied, six = (r[0] for r in run_ranks(_trajectories, 1, cfgs, STEPS, timeout=120)[0])
     return {"two": two, "untied": untied, "six": six}
 
 
 def _check(world, layouts, cache_dir, reference):
-    per_rank = run_ranks(_trajectories, world, [tiny_config(cache_dir, **k) for k in layouts], timeout=400)
+    per_rank = run_ranks(_trajectories, world, [tiny_config(cache_dir, **k) for k in layouts], STEPS,
+                         timeout=400)
     for r in per_rank[1:]:  # every rank reports the same (global-batch) loss
         assert [x[0] for x in r] == [x[0] for x in per_rank[0]]
     runs = {}
