@@ -320,6 +320,24 @@ class Engine(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    # DeepSpeed's manual-accumulation methods: the engine owns the step arithmetic
+    # (engine/zero/step.py), so each is refused with the way to do it here
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("engine.scale(loss) + loss.backward() is not supported: call engine.backward(loss), "
+                                  "which applies the loss scale and 1/gradient_accumulation_steps")
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        raise NotImplementedError("set_gradient_accumulation_boundary is not supported: the boundary is every "
+                                  "gradient_accumulation_steps-th backward (engine.is_gradient_accumulation_boundary())")
+
+    def no_sync(self) -> Any:
+        raise NotImplementedError("engine.no_sync() is not needed: gradients are reduced only on the accumulation "
+                                  "boundary (every gradient_accumulation_steps-th backward)")
+
+    def coalesce_grad_reduction(self) -> Any:
+        raise NotImplementedError("engine.coalesce_grad_reduction() is not supported: call backward exactly "
+                                  "gradient_accumulation_steps times per step; the reduction runs once, on the last")
+
     def _optimizer_step(self) -> None:
         with self.timers.phase("reduce"), comm.no_host_sync("the gradient reduction"):
             self.optimizer.reduce_gradients()

@@ -95,13 +95,19 @@ UNSUPPORTED_MODULES: Mapping[str, str] = {
     "ops.lamb": "the LAMB optimizer is " + _NI + ": use Adam / AdamW / Lion / Muon",
     "ops.lion": "DeepSpeed's Lion op is " + _NI + " as a client optimizer: use optimizer.type \"Lion\" in the config",
     "ops.adagrad": "Adagrad is " + _NI,
-    "runtime.fp16.onebit": "1-bit Adam / LAMB / 0/1 Adam (compressed communication) are " + _NI,
+    "runtime.fp16": "DeepSpeed's fp16 module (FP16_Optimizer, its loss scalers; 1-bit Adam / LAMB / 0/1 Adam with "
+                    "compressed communication in runtime.fp16.onebit) is " + _NI + ": mixed precision is the bf16 / "
+                    "fp16 config sections (engine.precision)",
     "runtime.data_pipeline": "DeepSpeed's data-efficiency pipeline (curriculum learning) is " + _NI,
     "runtime.torch_autocast": "torch autocast mode is " + _NI + ": use the bf16 / fp16 config sections",
     "runtime.pipe.schedule": "DeepSpeed's pipeline instruction classes are " + _NI + ": the engine's schedules are "
                              "engine.pipeline.schedule, chosen by the config's pipeline.schedule",
     "runtime.hybrid_engine": "the RLHF hybrid engine is " + _NI,
     "runtime.zero.offload_states": "offload_states / reload_states are " + _NI,
+    "runtime.activation_checkpointing.offload_activations": "offloading checkpointed activations to the host is "
+                                                            + _NI,
+    "runtime.zero.config": "DeepSpeed's pydantic config models are not reproduced: the engine's typed config is "
+                           "engine.config (Config.zero for zero_optimization)",
     "runtime.zero.tiling": "TiledLinear is " + _NI,
     "checkpoint": "DeepSpeed's universal-checkpoint tools are " + _NI + ": the engine's checkpoints reshape "
                   "across layouts themselves (engine.checkpoint); zero_to_fp32 is deepspeed.utils.zero_to_fp32",
