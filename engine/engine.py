@@ -36,7 +36,7 @@ from engine.config import Config
 from engine.context_parallel.data import SEQUENCE_KWARGS, shard_microbatch
 from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
 from engine.distributed import comm
-from engine.distributed.env import DistEnv, current_launch
+from engine.distributed.env import DistEnv, launcher_local_rank
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Event, Monitor
@@ -258,7 +258,15 @@ class Engine(nn.Module):
         """This process's rank on its node as the launcher gave it (``LOCAL_RANK``, or
         ``--local_rank`` from the deepspeed launcher), also when the script initialised
         ``torch.distributed`` itself (DeepSpeed reads ``LOCAL_RANK`` the same way)."""
-        return self.dist_env.local_rank if self.dist_env is not None else current_launch().local_rank
+        if self.dist_env is not None:
+            return self.dist_env.local_rank
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        local = launcher_local_rank(world)
+        if local is None:
+            raise RuntimeError(f"engine.local_rank: torch.distributed has {world} ranks but no launcher's environment "
+                               "describes them: start the job with torchrun / deepspeed / srun / mpirun (which set "
+                               "LOCAL_RANK), as DeepSpeed requires")
+        return local
 
     def is_first_stage(self) -> bool:
         return self.groups is None or self.groups.is_first_stage
