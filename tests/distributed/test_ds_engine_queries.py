@@ -20,9 +20,8 @@ import torch
 import torch.nn as nn
 from harness import scaled
 
-from engine.distributed.spawn import spawn
-
 import engine.compat.deepspeed as deepspeed
+from engine.distributed.spawn import spawn
 
 
 class _Net(nn.Module):

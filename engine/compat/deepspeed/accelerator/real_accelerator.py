@@ -19,7 +19,7 @@ have: those methods raise :class:`~engine.compat.deepspeed._unsupported.Unsuppor
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import torch
 
@@ -289,7 +289,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801 (DeepSpeed's class n
     _communication_backend_name = "nccl"
 
     def device(self, device_index: Index = None) -> torch.device:
-        return torch.device("cuda", device_index)
+        return torch.device("cuda") if device_index is None else torch.device("cuda", device_index)
 
     def set_device(self, device_index: Any) -> None:
         torch.cuda.set_device(device_index)
@@ -316,7 +316,7 @@ class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801 (DeepSpeed's class n
         return torch.cuda.get_device_capability()[0] >= 7  # DeepSpeed's rule: fp16 from Volta on
 
     def lazy_call(self, callback: Callable[[], Any]) -> Any:
-        return torch.cuda._lazy_call(callback)  # type: ignore[attr-defined]  # torch's own helper
+        return torch.cuda._lazy_call(callback)  # torch's own helper, as DeepSpeed's
 
     def manual_seed_all(self, seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
@@ -388,10 +388,11 @@ class CUDA_Accelerator(DeepSpeedAccelerator):  # noqa: N801 (DeepSpeed's class n
         return tensor.is_pinned()
 
 
-_ACCELERATOR: Optional[DeepSpeedAccelerator] = None
+Accelerator = Union["CPU_Accelerator", "CUDA_Accelerator"]
+_ACCELERATOR: Optional[Accelerator] = None
 
 
-def get_accelerator() -> DeepSpeedAccelerator:
+def get_accelerator() -> Accelerator:
     """The CUDA accelerator when torch sees a GPU, else the CPU one (the engine's own choice of
     device, engine.distributed.env); made once per process."""
     global _ACCELERATOR
@@ -400,7 +401,7 @@ def get_accelerator() -> DeepSpeedAccelerator:
     return _ACCELERATOR
 
 
-def set_accelerator(accel_obj: DeepSpeedAccelerator) -> None:
+def set_accelerator(accel_obj: Any) -> None:
     """DeepSpeed's: choose the accelerator. Only the engine's own CPU / CUDA accelerators are
     accepted (the engine runs on nothing else); CUDA only where torch sees a GPU."""
     global _ACCELERATOR

@@ -33,7 +33,7 @@ class ProcessTopology:
             raise ValueError(f"dims {list(dims)} must be positive integers")
         self.axes = list(axes)
         self.dims = list(dims)
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]  # DeepSpeed's per-topology tuple
+        self.ProcessCoord: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]  # per topology, as DeepSpeed
         self._strides = [math.prod(self.dims[i + 1:]) for i in range(len(self.dims))]
 
     def world_size(self) -> int:
@@ -58,7 +58,7 @@ class ProcessTopology:
     def get_coord(self, rank: int) -> Any:
         if not 0 <= rank < self.world_size():
             raise ValueError(f"rank {rank} not found in topology.")
-        return self.ProcessCoord(*((rank // s) % d for s, d in zip(self._strides, self.dims)))
+        return self.ProcessCoord(*[(rank // s) % d for s, d in zip(self._strides, self.dims)])
 
     def _coords(self) -> list[Any]:
         return [self.get_coord(r) for r in range(self.world_size())]
