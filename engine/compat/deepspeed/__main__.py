@@ -38,6 +38,9 @@ def split_launcher_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: Sequence[str]) -> None:
     launcher_args, rest = split_launcher_args(argv)
+    if rest[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(USAGE + "\n\n" + (__doc__ or ""))
+        return
     if not rest or (rest[0] == "-m" and len(rest) < 2):
         raise SystemExit(USAGE)
     from engine.compat.deepspeed import alias
