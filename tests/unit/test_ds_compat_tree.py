@@ -157,3 +157,36 @@ def test_launcher_entry_moves_the_deepspeed_launchers_local_rank_behind_the_scri
                                                                               ["train.py", "--x", "2"])
     assert split_launcher_args(["--local_rank", "0", "-m", "pkg.mod"]) == (["--local_rank", "0"], ["-m", "pkg.mod"])
     assert split_launcher_args(["train.py", "--local_rank=1"]) == ([], ["train.py", "--local_rank=1"])
+
+
+def test_cuda_accelerator_calls_torch_cuda(monkeypatch):
+    """No GPU here: each torch.cuda function the CUDA accelerator uses is replaced by a recorder
+    (monkeypatch fails on a name torch.cuda does not have), and each method must reach its own."""
+    from engine.compat.deepspeed.accelerator.real_accelerator import CUDA_Accelerator
+
+    calls: list[str] = []
+    names = ["set_device", "current_device", "device_count", "synchronize", "is_available", "is_bf16_supported",
+             "get_device_capability", "manual_seed_all", "get_rng_state", "set_rng_state", "current_stream",
+             "default_stream", "stream", "empty_cache", "memory_allocated", "max_memory_allocated",
+             "reset_peak_memory_stats", "memory_reserved", "max_memory_reserved", "memory_stats",
+             "mem_get_info", "_lazy_call"]
+    def recorder(name):
+        def record(*args, **kwargs):
+            calls.append(name)
+            return (8, 0) if name in ("get_device_capability", "mem_get_info") else 0
+        return record
+
+    for name in names:
+        monkeypatch.setattr(torch.cuda, name, recorder(name))
+    acc = CUDA_Accelerator()
+    assert acc.device_name() == "cuda" and acc.device_name(1) == "cuda:1" and acc.current_device_name() == "cuda:0"
+    assert acc.communication_backend_name() == "nccl" and acc.Stream is torch.cuda.Stream
+    assert acc.Event is torch.cuda.Event and acc.device(1) == torch.device("cuda", 1)
+    assert acc.on_accelerator(torch.empty(0, device="meta")) is False and acc.is_fp16_supported()
+    for method in ("set_device", "synchronize", "manual_seed_all", "get_rng_state", "current_stream",
+                   "default_stream", "stream", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
+                   "memory_reserved", "max_memory_reserved", "memory_stats", "lazy_call"):
+        getattr(acc, method)(*([0] if method in ("set_device", "manual_seed_all", "stream", "lazy_call") else []))
+    acc.set_rng_state(torch.zeros(1))
+    acc.empty_cache(), acc.device_count(), acc.is_available(), acc.is_bf16_supported(), acc.available_memory()
+    assert set(names) - {"_lazy_call"} <= set(calls) and "_lazy_call" in calls
