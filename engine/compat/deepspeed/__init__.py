@@ -76,6 +76,14 @@ DeepSpeedHybridEngine = unsupported("deepspeed.DeepSpeedHybridEngine", "the RLHF
 DualPipeVEngine = unsupported("deepspeed.DualPipeVEngine", "DualPipeV is not implemented: the engine's pipeline "
                               "schedules are the config's pipeline.schedule (1F1B, interleaved, zero-bubble, ...)")
 DualPipeVModule = unsupported("deepspeed.DualPipeVModule", "DualPipeV is not implemented (see DualPipeVEngine)")
+default_inference_config = unsupported("deepspeed.default_inference_config", _INFERENCE)
+_AUTOTP_HELPERS = "DeepSpeed's AutoTP / Muon setup helpers are internals of its initialize; the engine's is engine.initialize"
+load_ds_config = unsupported("deepspeed.load_ds_config", _AUTOTP_HELPERS)
+merge_tp_model_init_into_config = unsupported("deepspeed.merge_tp_model_init_into_config", _AUTOTP_HELPERS)
+record_tp_model_init_args = unsupported("deepspeed.record_tp_model_init_args", _AUTOTP_HELPERS)
+set_optimizer_flags = unsupported("deepspeed.set_optimizer_flags", _AUTOTP_HELPERS)
+resolve_per_head_muon_after_sharding = unsupported("deepspeed.resolve_per_head_muon_after_sharding", _AUTOTP_HELPERS)
+MUON_OPTIMIZER = "muon"  # DeepSpeed's name of the Muon optimizer type
 DeepSpeedDataLoader = unsupported("deepspeed.DeepSpeedDataLoader", "build the loader with "
                                   "deepspeed.initialize(training_data=...) (or your own DataLoader)")
 
@@ -89,12 +97,20 @@ __all__ = ["initialize", "init_distributed", "add_config_arguments", "alias", "i
            "__version__", "version", "TORCH_DISTRIBUTED_DEFAULT_PORT", "init_inference", "InferenceEngine",
            "DeepSpeedInferenceConfig", "replace_transformer_layer", "tp_model_init", "set_autotp_mode",
            "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "DeepSpeedHybridEngine", "DualPipeVEngine",
-           "DualPipeVModule", "DeepSpeedDataLoader", "UnsupportedFeatureError", "UnsupportedModuleError"]
+           "DualPipeVModule", "DeepSpeedDataLoader", "UnsupportedFeatureError", "UnsupportedModuleError",
+           "default_inference_config", "load_ds_config", "merge_tp_model_init_into_config", "record_tp_model_init_args",
+           "set_optimizer_flags", "resolve_per_head_muon_after_sharding", "MUON_OPTIMIZER"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_MODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:  # hasattr(deepspeed, name) must stay an attribute question
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'deepspeed' has no attribute {name!r} (engine.compat.deepspeed.{name} "
+                                 "is not installed)") from e
     reason = unsupported_module_reason(name)
     if reason is not None:
         raise UnsupportedAttributeError(f"deepspeed.{name} is not supported by this engine: {reason}")

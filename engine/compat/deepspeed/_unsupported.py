@@ -86,6 +86,8 @@ UNSUPPORTED_MODULES: Mapping[str, str] = {
     "autotuning": "the autotuner is " + _NI,
     "elasticity": "elastic training is " + _NI,
     "compile": "DeepCompile is " + _NI,
+    "linear": "DeepSpeed's LoRA / quantized linear layers (deepspeed.linear) are " + _NI,
+    "datastates": "DataStates asynchronous checkpointing is " + _NI + " (the engine's own is checkpoint.async)",
     "nvme": _OFFLOAD_ONLY,
     "ops.aio": _OFFLOAD_ONLY,
     "ops.op_builder": "DeepSpeed's op builders are " + _NI + ": the engine builds its own ops (engine.ops)",

@@ -11,5 +11,10 @@ __all__ = ["checkpointing"]
 
 def __getattr__(name: str) -> Any:
     if name == "checkpointing":
-        return importlib.import_module("engine.compat.deepspeed.checkpointing")
+        try:
+            return importlib.import_module("engine.compat.deepspeed.checkpointing")
+        except ModuleNotFoundError as e:  # hasattr() must stay an attribute question
+            if e.name != "engine.compat.deepspeed.checkpointing":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute 'checkpointing' (not installed)") from e
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
