@@ -36,7 +36,7 @@ from engine.config import Config
 from engine.context_parallel.data import SEQUENCE_KWARGS, shard_microbatch
 from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
 from engine.distributed import comm
-from engine.distributed.env import DistEnv
+from engine.distributed.env import DistEnv, launcher_local_rank
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Event, Monitor
@@ -196,6 +196,21 @@ class Engine(nn.Module):
         """The current learning rate of each param group (what the next step uses)."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release the parameters ZeRO-3 holds gathered between uses (those kept
+        for reuse, e.g. after an evaluation forward); a no-op below stage 3. Not inside a
+        forward/backward."""
+        self.optimizer.empty_partition_cache()
+
     def get_loss_scale(self) -> float:
         return float(self.optimizer.loss_scale)
 
@@ -234,8 +249,24 @@ class Engine(nn.Module):
         return self.groups.rank if self.groups is not None else (dist.get_rank() if dist.is_initialized() else 0)
 
     @property
+    def world_size(self) -> int:
+        """All ranks of the job (DeepSpeed's ``engine.world_size``; ``dp_world_size`` is the DP part)."""
+        return self.config.world_size
+
+    @property
     def local_rank(self) -> int:
-        return self.dist_env.local_rank if self.dist_env is not None else 0
+        """This process's rank on its node as the launcher gave it (``LOCAL_RANK``, or
+        ``--local_rank`` from the deepspeed launcher), also when the script initialised
+        ``torch.distributed`` itself (DeepSpeed reads ``LOCAL_RANK`` the same way)."""
+        if self.dist_env is not None:
+            return self.dist_env.local_rank
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        local = launcher_local_rank(world)
+        if local is None:
+            raise RuntimeError(f"engine.local_rank: torch.distributed has {world} ranks but no launcher's environment "
+                               "describes them: start the job with torchrun / deepspeed / srun / mpirun (which set "
+                               "LOCAL_RANK), as DeepSpeed requires")
+        return local
 
     def is_first_stage(self) -> bool:
         return self.groups is None or self.groups.is_first_stage
@@ -296,6 +327,24 @@ class Engine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # DeepSpeed's manual-accumulation methods: the engine owns the step arithmetic
+    # (engine/zero/step.py), so each is refused with the way to do it here
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("engine.scale(loss) + loss.backward() is not supported: call engine.backward(loss), "
+                                  "which applies the loss scale and 1/gradient_accumulation_steps")
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        raise NotImplementedError("set_gradient_accumulation_boundary is not supported: the boundary is every "
+                                  "gradient_accumulation_steps-th backward (engine.is_gradient_accumulation_boundary())")
+
+    def no_sync(self) -> Any:
+        raise NotImplementedError("engine.no_sync() is not needed: gradients are reduced only on the accumulation "
+                                  "boundary (every gradient_accumulation_steps-th backward)")
+
+    def coalesce_grad_reduction(self) -> Any:
+        raise NotImplementedError("engine.coalesce_grad_reduction() is not supported: call backward exactly "
+                                  "gradient_accumulation_steps times per step; the reduction runs once, on the last")
 
     def _optimizer_step(self) -> None:
         with self.timers.phase("reduce"), comm.no_host_sync("the gradient reduction"):

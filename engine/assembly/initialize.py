@@ -36,7 +36,7 @@ from engine.config import Config, load_config
 from engine.config.ignored import log_ignored_keys
 from engine.context_parallel.groups import build_cp_layout
 from engine.context_parallel.layout import CPLayout
-from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed
+from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed, launcher_local_rank
 from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine
 from engine.errors import ConfigError
@@ -183,6 +183,10 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     parts, opt_inputs = _build_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn, cp)
     engine = assemble_engine(cfg, parts, opt_inputs, lr_scheduler, groups, device, dist_env=dist_env,
                              monitor=monitor, training_dataloader=loader)
+    if args is not None and hasattr(args, "local_rank"):  # as DeepSpeed: the launcher's, whatever argparse defaulted to
+        local = dist_env.local_rank if dist_env is not None else launcher_local_rank(world)
+        if local is not None:  # None: a group made by hand, no launcher; the script's own value stays
+            args.local_rank = local
     logger.info("engine: %s, ZeRO-%d, %s, %s", cfg.topology, cfg.zero.stage, cfg.precision,
                 f"pipeline {cfg.pipeline.schedule}" if cfg.pp > 1 else "no pipeline")
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -44,12 +44,12 @@ _TOP_LEVEL = (
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "communication_data_type",
     "zero_force_ds_cpu_optimizer", "max_consecutive_nonfinite_steps", "context_parallel", "sequence_parallel_size",
+    "data_parallel_size", "torch_autocast",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
     "amp": "NVIDIA Apex AMP is replaced by the bf16 / fp16 sections: use those instead",
     "bfloat16": "DeepSpeed renamed this section: use \"bf16\"",
-    "torch_autocast": "mixed precision is configured by the bf16 / fp16 sections",
     "elasticity": "elastic training is " + _NOT_IMPLEMENTED,
     "autotuning": "the autotuner is " + _NOT_IMPLEMENTED,
     "flops_profiler": "the flops profiler is " + _NOT_IMPLEMENTED + " (the engine logs tokens/s and MFU)",
@@ -101,6 +101,8 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     pipeline = parse_pipeline(top)
     context_parallel = parse_context_parallel(top)
     topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages, context_parallel.size)
+    _check_data_parallel_size(top, topology)
+    _check_torch_autocast(top)
     if model is not None:
         model.check_parallel(topology.tp, topology.pp)
     check_context_parallel(context_parallel, model, topology.tp, tensor_parallel.sequence_parallel)
@@ -160,6 +162,28 @@ def _topology(world_size: int, tp: int, pp: int, cp: int) -> Topology:
             f"({pp}) * context_parallel.size (or sequence_parallel_size) ({cp}) = {tp * pp * cp}: launch a "
             f"multiple of {tp * pp * cp} ranks, or change the degrees")
     return Topology(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, cp=cp, world_size=world_size)
+
+
+def _check_data_parallel_size(top: Section, topology: Topology) -> None:
+    """DeepSpeed's ``data_parallel_size`` (the data-parallel axis of its (dp, sp) mesh): the
+    engine derives that size from the world and the other degrees, so the key, when given,
+    must agree with it."""
+    dp = top.int("data_parallel_size", None, min=1, nullable=True)
+    if dp is not None and dp != topology.dp:
+        cp = f" / context_parallel.size (or sequence_parallel_size) {topology.cp}" if topology.cp > 1 else ""
+        raise ConfigError(f"data_parallel_size = {dp} but the data-parallel size is {topology.dp} = world size "
+                          f"{topology.world_size} / (tensor_parallel.autotp_size {topology.tp} * pipeline.stages "
+                          f"{topology.pp}){cp}: set it to {topology.dp}, or remove it (it is derived)")
+
+
+def _check_torch_autocast(top: Section) -> None:
+    """DeepSpeed's ``torch_autocast`` section: accepted disabled (its default: nothing to
+    do); enabled is refused, mixed precision here being the bf16 / fp16 sections."""
+    s = top.sub("torch_autocast", ("enabled", "dtype", "lower_precision_safe_modules"), fixed={
+        "enabled": (False, "torch.autocast mixed precision is not implemented; use the bf16 or fp16 section, "
+                           "which keeps fp32 master weights and runs the model in that dtype")})
+    s.optional_str("dtype")
+    s.str_list("lower_precision_safe_modules")
 
 
 def _batch_value(name: str, v: Any) -> Optional[int]:

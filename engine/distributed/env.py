@@ -32,7 +32,7 @@ from engine.distributed.watch import FailureWatch, WatchSettings, abort_all_grou
 
 __all__ = [
     "LaunchError", "LaunchInfo", "detect_launch", "current_launch", "expand_hostlist",
-    "DistEnv", "init_distributed", "launched_by_torch_style_launcher", "shutdown", "gloo_worker_threads",
+    "DistEnv", "init_distributed", "launched_by_torch_style_launcher", "launcher_local_rank", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
     "strict_comm_from_env", "failure_watch_from_env", "free_bytes_override", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
@@ -622,3 +622,11 @@ def launched_by_torch_style_launcher(environ: Optional[Mapping[str, str]] = None
 def current_launch() -> LaunchInfo:
     """This process's :class:`LaunchInfo` from the real environment and argv."""
     return detect_launch(os.environ, sys.argv)
+
+
+def launcher_local_rank(world_size: int) -> Optional[int]:
+    """The launcher's local rank of this process (``LOCAL_RANK``, ``--local_rank``, Open MPI's
+    or Slurm's), or None when the environment does not describe a job of ``world_size``
+    ranks (a process group made by hand, without a launcher)."""
+    info = current_launch()
+    return info.local_rank if info.world_size == world_size else None

@@ -683,6 +683,10 @@ class ZeroOptimizer:
         self._publish()
 
     # ------------------------------------------------------------------ memory
+    def empty_partition_cache(self) -> None:
+        """Release parameters held gathered between uses (ZeRO-3 overrides it); nothing to
+        release below stage 3."""
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, counted from its own tensors (each storage once):
         ``params`` (compute-dtype parameter storage), ``grads`` (gradient buffers, fp32

@@ -567,6 +567,12 @@ class Zero3Optimizer(Zero2Optimizer):
         finally:
             self._release_all()
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: release every gathered unit (those kept for reuse after a forward
+        without backward, e.g. an evaluation); the next use gathers again. Between steps only:
+        inside a forward or backward the units in use would be released under it."""
+        self._release_all()
+
     def _param_tensors(self) -> list[Optional[torch.Tensor]]:
         return ([b.full for b in self.buckets] + [b.gather_buf for b in self.buckets]
                 + [b.compute_shard for b in self.buckets])

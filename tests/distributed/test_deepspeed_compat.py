@@ -61,7 +61,10 @@ def _env(engine: bool) -> dict:
     return env
 
 
-def _launch(launcher: str, script: Path, world: int, workdir: Path, engine: bool, timeout: int = 280) -> dict:
+def _launch(launcher: str, script: Path, world: int, workdir: Path, engine: bool, timeout: int = 280,
+            via_alias: bool = False) -> dict:
+    """``via_alias``: the unmodified script, every rank started through ``-m engine.compat.deepspeed``
+    (torchrun's ``-m``, the deepspeed launcher's ``--module``), which aliases ``deepspeed`` to the engine."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "result.json"
     port = str(free_port())
@@ -69,6 +72,8 @@ def _launch(launcher: str, script: Path, world: int, workdir: Path, engine: bool
         cmd = ["torchrun", "--nproc_per_node", str(world), "--master_port", port]
     else:
         cmd = ["deepspeed", "--num_gpus", str(world), "--master_port", port]
+    if via_alias:
+        cmd += ["-m" if launcher == "torchrun" else "--module", "engine.compat.deepspeed"]
     cmd += [str(script), "--deepspeed", "--zero_stages", STAGES, "--workdir", str(workdir), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=str(workdir), env=_env(engine), capture_output=True, text=True, timeout=scaled(timeout))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -159,6 +164,28 @@ def test_unchanged_script_under_the_deepspeed_launcher_4_ranks_zero_0_to_3(tmp_p
     if shutil.which("deepspeed") is None:
         pytest.skip("the deepspeed launcher is not installed")
     res = _launch("deepspeed", _ours(tmp_path), 4, tmp_path / "run", engine=True)
+    _check(res, 4, other=_golden(4))
+    _check_weights(tmp_path / "run", _golden(4))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_unmodified_script_through_the_alias_under_torchrun_2_ranks_zero_0_to_3(tmp_path):
+    """The script as it is (``import deepspeed``) under ``torchrun -m engine.compat.deepspeed``:
+    the engine, not DeepSpeed, trains (the result equals the golden file of real DeepSpeed and
+    one process; the checkpoints are the engine's, read by engine.compat.zero_to_fp32)."""
+    res = _launch("torchrun", SCRIPT, 2, tmp_path / "run", engine=True, via_alias=True)
+    _check(res, 2, other=_golden(2))
+    _check_weights(tmp_path / "run", _golden(2))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_unmodified_script_through_the_alias_under_the_deepspeed_launcher_4_ranks(tmp_path):
+    if shutil.which("deepspeed") is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    res = _launch("deepspeed", SCRIPT, 4, tmp_path / "run", engine=True, via_alias=True)
     _check(res, 4, other=_golden(4))
     _check_weights(tmp_path / "run", _golden(4))
 

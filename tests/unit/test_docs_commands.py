@@ -46,6 +46,8 @@ _LAUNCHER_VALUE_OPTS = {"--nproc_per_node", "--nnodes", "--num_gpus", "--hostfil
                         "--include", "--exclude", "-n", "-N"}
 # documented forms that name a placeholder rather than a file of this repository
 _NOT_OURS = {"train.py", "my_script.py"}
+# modules that run the script named after them (python -m RUNNER SCRIPT ARGS): the script is checked
+_RUNNERS = {"engine.compat.deepspeed"}
 # run by setuptools, not argparse: only checked to exist
 _FILE_ONLY = {"setup.py"}
 
@@ -104,6 +106,9 @@ def _target(toks: list[str]) -> tuple[str, str, list[str], dict[str, str]]:
     if head in ("torchrun", "deepspeed", "srun"):
         i = 1
         while i < len(toks) and toks[i].startswith("-"):
+            if toks[i] in ("-m", "--module") and head != "srun":  # the launcher runs a module
+                kind, name, args, _ = _target(["python", "-m", *toks[i + 1:]])
+                return kind, name, args, opts
             key, _, val = toks[i].partition("=")
             if not val and key in _LAUNCHER_VALUE_OPTS and i + 1 < len(toks):
                 val = toks[i + 1]
@@ -120,6 +125,8 @@ def _target(toks: list[str]) -> tuple[str, str, list[str], dict[str, str]]:
     if i >= len(toks):
         return "none", "", [], opts
     if toks[i] == "-m":
+        if toks[i + 1] in _RUNNERS:  # runs the script (or -m module) after it: check that one
+            return _target(["python", *toks[i + 2:]])[:3] + (opts,)
         return "module", toks[i + 1], toks[i + 2:], opts
     return "script", toks[i], toks[i + 1:], opts
 

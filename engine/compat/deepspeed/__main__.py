@@ -1,0 +1,65 @@
+"""Run an unmodified DeepSpeed script on the engine: ``python -m engine.compat.deepspeed
+SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``) installs :func:`engine.compat.deepspeed.alias`
+(``import deepspeed`` gives this engine) and then runs the script as ``python SCRIPT ARGS``
+would: ``__name__ == "__main__"``, ``sys.argv = [SCRIPT, ARGS...]``, the script's folder first
+on ``sys.path``. Under a launcher every rank does this before the script starts:
+
+    torchrun --nproc_per_node 2 -m engine.compat.deepspeed train.py ARGS
+    deepspeed --num_gpus 2 --module engine.compat.deepspeed train.py ARGS
+
+The deepspeed launcher puts ``--local_rank=N`` right after the module; it is moved behind
+the script's name, where the script's own argument parser sees it as it would without the
+alias.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import Sequence
+
+USAGE = "usage: python -m engine.compat.deepspeed [--local_rank=N] (SCRIPT | -m MODULE) [ARGS...]"
+_LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+
+
+def split_launcher_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(launcher_args, rest)``: the leading ``--local_rank=N`` / ``--local_rank N`` options
+    the deepspeed launcher inserts, and the script (or ``-m MODULE``) with its arguments."""
+    argv = list(argv)
+    taken: list[str] = []
+    while argv and argv[0].split("=", 1)[0] in _LOCAL_RANK_FLAGS:
+        flag = argv.pop(0)
+        taken.append(flag)
+        if "=" not in flag and argv:
+            taken.append(argv.pop(0))
+    return taken, argv
+
+
+def main(argv: Sequence[str]) -> None:
+    launcher_args, rest = split_launcher_args(argv)
+    if rest[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(USAGE + "\n\n" + (__doc__ or ""))
+        return
+    if not rest or (rest[0] == "-m" and len(rest) < 2):
+        raise SystemExit(USAGE)
+    from engine.compat.deepspeed import alias
+
+    alias()
+    if rest[0] == "-m":
+        module = rest[1]
+        sys.argv = [module, *launcher_args, *rest[2:]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script = rest[0]
+    if not os.path.isfile(script):
+        raise SystemExit(f"engine.compat.deepspeed: no such script {script!r}\n{USAGE}")
+    sys.argv = [script, *launcher_args, *rest[1:]]
+    # first on the path, as `python SCRIPT` puts it; the launcher's entry (the cwd, where
+    # `engine` may have been found) stays behind it
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
