@@ -61,13 +61,12 @@ def check_against_deepspeed(rank, world):
         ds, ours = _pair(DSMoE, MoE, case)
         x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(2))
         a, b = _run(ds, x), _run(ours, x)
-        torch.testing.assert_close(b[0], a[0], **tol, msg=lambda m: f"{case} output: {m}")
-        torch.testing.assert_close(b[1], a[1], **tol, msg=lambda m: f"{case} l_aux: {m}")
-        assert torch.equal(b[2].long(), a[2].long()), (case, b[2], a[2])
-        torch.testing.assert_close(b[3], a[3], **tol, msg=lambda m: f"{case} input grad: {m}")
+        named = [("output", b[0], a[0]), ("l_aux", b[1], a[1]), ("input grad", b[3], a[3])]
         assert set(a[4]) == set(b[4])
-        for n in a[4]:
-            torch.testing.assert_close(b[4][n], a[4][n], **tol, msg=lambda m: f"{case} {n} grad: {m}")
+        named += [(f"{n} grad", b[4][n], a[4][n]) for n in a[4]]
+        for what, got, want in named:
+            torch.testing.assert_close(got, want, **tol, msg=f"{case} {what}")
+        assert torch.equal(b[2].long(), a[2].long()), (case, b[2], a[2])
     # optimizer groups: the same split, group by group
     for m in (ds, ours):
         for p in m.parameters():

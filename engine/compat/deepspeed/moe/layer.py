@@ -116,7 +116,7 @@ class _Gate(nn.Module):
             second = second_logits.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1)
             mask2 = F.one_hot(second, e)
             experts, masks = torch.stack([first, second], 1), [mask1, mask2]
-        exp_counts = sum(m for m in masks).sum(0).detach()
+        exp_counts = torch.stack(masks).sum((0, 1)).detach()               # (E,) before dropping
         keep = self._keep(gates, masks) if self.drop_tokens else torch.ones(experts.shape, device=x.device)
         if self.k == 1:
             weights = (gates * mask1).sum(1, keepdim=True) * keep
@@ -168,7 +168,7 @@ class _MOELayer(nn.Module):
 class MoE(nn.Module):
     """See the module docstring."""
 
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,  # noqa: PLR0913 (DeepSpeed's signature)
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True,
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
