@@ -130,3 +130,13 @@ def test_moe_config_round_trips_and_fp16_is_refused():
             "fp16": {"enabled": True}}
     with pytest.raises(ConfigError, match="model.moe with fp16"):
         load_config(base, world_size=1)
+
+
+def test_resuming_aux_free_is_refused():
+    from engine.checkpoint.load import _refuse_aux_free
+    from engine.config import load_config
+
+    base = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
+    _refuse_aux_free(load_config({**base, "model": _cfg().to_dict()}, world_size=1))  # aux_loss: fine
+    with pytest.raises(ConfigError, match="aux_free"):
+        _refuse_aux_free(load_config({**base, "model": _cfg(load_balancing="aux_free").to_dict()}, world_size=1))
