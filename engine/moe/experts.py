@@ -22,9 +22,12 @@ from engine.distributed.strict import host_sync_allowed
 __all__ = ["grouped_mm", "GroupedSwiGLU", "has_grouped_mm"]
 
 
-def has_grouped_mm(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` serves ``x``: CUDA, bf16, and present in this torch."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+def has_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` serves ``x`` (N, A) @ ``w`` (G, A, C): CUDA, bf16 both, present
+    in this torch, and rows of 16-byte multiples (its alignment rule). Not yet run on a GPU here:
+    the per-expert loop is the path the CPU tests check."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == x.dtype and hasattr(torch, "_grouped_mm")
+            and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
 
 
 def _host_counts(counts: torch.Tensor) -> list[int]:
@@ -37,7 +40,7 @@ def _host_counts(counts: torch.Tensor) -> list[int]:
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``x`` (N, A) rows sorted by group, ``w`` (G, A, C), ``counts`` (G,) int with sum N ->
     (N, C): rows of group g times ``w[g]``."""
-    if has_grouped_mm(x) and w.dtype == x.dtype:
+    if has_grouped_mm(x, w):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
     sizes = _host_counts(counts)
