@@ -25,6 +25,7 @@ from engine.context_parallel.layout import CPLayout
 from engine.distributed.groups import NO_TP, ParallelGroups
 from engine.errors import ConfigError
 from engine.models import GPT
+from engine.moe.wiring import moe_context
 from engine.optim.build import (
     OptimizerInputs,
     optimizer_factory,
@@ -72,7 +73,10 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     tp_group = groups.tp_group
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
     with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None):
-        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp)
+        # the MoE layers' groups (model.moe): every expert local (EP 1) until expert parallelism
+        # passes its EP group here (moe_context's ep_group)
+        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp,
+                                        moe=moe_context(cfg, groups))
     if model is not None:
         load_full_weights(chunks, model, tp_group)
     loss: Optional[LossFn] = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets,
