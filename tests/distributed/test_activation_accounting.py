@@ -42,7 +42,7 @@ def _check(rows):
     assert by["full uniform 1"]["recompute_flops"] > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.extended)])
 def test_formula_without_sequence_parallelism(dtype):
     from engine.distributed.groups import NO_TP
 
@@ -57,6 +57,7 @@ def _sp_rank(rank, world, dtype):
     return _rows(AxisGroup.of(dist.group.WORLD, "tp"), True, dtype)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_formula_with_sequence_parallelism():
     rows = run_ranks(_sp_rank, 2, "float32", timeout=240)

@@ -48,8 +48,11 @@ def _run(rank, world, out_dir, partition, cpu):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world,partition,cpu", [(1, False, False), (2, True, False), (2, True, True)],
-                         ids=["1rank", "2ranks-partitioned", "2ranks-partitioned-cpu"])
+@pytest.mark.parametrize("world,partition,cpu", [
+    (1, False, False),
+    pytest.param(2, True, False, marks=pytest.mark.extended),
+    pytest.param(2, True, True, marks=pytest.mark.extended)],
+    ids=["1rank", "2ranks-partitioned", "2ranks-partitioned-cpu"])
 def test_script_equals_deepspeed(tmp_path, world, partition, cpu):
     import torch
 

@@ -96,34 +96,78 @@ def _check(cache_dir, world, layout, names):
         assert torch.equal(norm, ref_norm), f"{layout} {name}: grad norms {norm.tolist()} != {ref_norm.tolist()}"
 
 
+PARTITIONED = {"full-partitioned": {"granularity": "full", "partition_activations": True},
+               "full-partitioned-cpu": {"granularity": "full", "partition_activations": True,
+                                        "cpu_checkpointing": True}}
+
+
+# the default suite: representative policies on one process and on TP 2 with SP
 @pytest.mark.timeout(300)
 def test_policies_one_process(cache_dir):
-    _check(cache_dir, 1, {}, list(POLICIES))
+    _check(cache_dir, 1, {}, ["full-uniform-2", "full-block-1", "selective-all"])
 
 
 @pytest.mark.timeout(300)
 def test_policies_tp2_sequence_parallel(cache_dir):
-    _check(cache_dir, 2, {"tp": 2, "sp": True}, ["full-uniform-1", "selective-all"])
+    _check(cache_dir, 2, {"tp": 2, "sp": True}, ["full-uniform-1", "selective-default"])
 
 
-@pytest.mark.timeout(300)
-def test_partition_activations_tp2(cache_dir):
-    """Block inputs saved as 1/tp slices, all-gathered before recomputation."""
-    POLICIES["full-partitioned"] = {"granularity": "full", "partition_activations": True}
-    POLICIES["full-partitioned-cpu"] = {"granularity": "full", "partition_activations": True,
-                                        "cpu_checkpointing": True}
-    _check(cache_dir, 2, {"tp": 2}, ["full-partitioned", "full-partitioned-cpu"])
+# the whole matrix (ENGINE_EXTENDED_TESTS=1)
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+def test_every_policy_one_process(cache_dir):
+    _check(cache_dir, 1, {}, list(POLICIES))
 
 
 @pytest.mark.extended
 @pytest.mark.timeout(600)
+def test_partition_activations_tp2(cache_dir):
+    """Block inputs saved as 1/tp slices, all-gathered before recomputation."""
+    POLICIES.update(PARTITIONED)
+    _check(cache_dir, 2, {"tp": 2}, list(PARTITIONED))
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", [{"tp": 2, "sp": True}, {"pp": 2}, {"dp": 2, "zero": 3}],
                          ids=["tp2-sp", "pp2", "zero3"])
 def test_every_policy_every_layout(cache_dir, layout):
     _check(cache_dir, 2, layout, list(POLICIES))
 
 
+# ------------------------------------------------------------------ activation peak (memory.json)
+def _peak(rank, world, configs, out_dir):
+    import engine
+    from engine.config import load_config
+    from engine.training.trainer import build_data, train, write_memory_report
+
+    peaks = []
+    for i, c in enumerate(configs):
+        cfg = load_config(c, world_size=world)
+        _, sampler = build_data(cfg)
+        eng, *_ = engine.initialize(config=cfg)
+        train(eng, sampler, 2, output_dir=None)
+        os.makedirs(f"{out_dir}/{i}", exist_ok=True)
+        report = write_memory_report(eng, f"{out_dir}/{i}")
+        peaks.append(report["ranks"][0]["activation_peak_bytes"])
+        eng.destroy()
+    return peaks
+
+
 @pytest.mark.timeout(300)
-def test_policies_pp2_and_zero3(cache_dir):
-    _check(cache_dir, 2, {"pp": 2}, ["full-block-1", "selective-default"])
-    _check(cache_dir, 2, {"dp": 2, "zero": 3}, ["full-uniform-2", "selective-all"])
+def test_full_recompute_keeps_at_most_half_the_activation_peak(cache_dir, tmp_path):
+    """memory.json's activation_peak_bytes (exact live-tensor high-water mark of one step's
+    forward + backward) of a 4-layer model at sequence 512: full recompute (one block per
+    unit) at most half of no recompute; the default selective policy in between."""
+    def long(policy):
+        c = tiny_config(cache_dir, policy)
+        c["model"] = dict(c["model"], seq_len=512, hidden_size=64, num_layers=4)
+        c.update(train_batch_size=1, train_micro_batch_size_per_gpu=1)
+        return c
+
+    none, selective, full = run_ranks(_peak, 1, [long(None), long(POLICIES["selective-default"]), long(FULL1)],
+                                      str(tmp_path), timeout=240)[0]
+    print(f"activation peak: none {none}, selective {selective} ({selective / none:.3f}), "
+          f"full {full} ({full / none:.3f})")
+    assert 0 < full <= 0.5 * none, (none, full)
+    assert full < selective < none
