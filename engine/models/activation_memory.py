@@ -17,9 +17,8 @@ F = ffn_size, nh = heads; norms compute in fp32, 4 bytes):
   projection's input), all /t.
 
 Policies: ``norm`` recomputed keeps only its input (e H / s) and the linear's input;
-``mlp_act`` drops silu(gate) and the product's... (the product stays: it is the down
-projection's input) i.e. drops F e / t; ``core_attn`` drops the rotated q, k and the
-log-sum-exp; ``attn`` / ``mlp`` keep only their (local) input e H / s; ``full`` keeps the
+``mlp_act`` drops silu(gate), F e / t (gate/up stay as the recompute's input, the product
+as the down projection's input); ``core_attn`` drops the rotated q, k and the log-sum-exp; ``attn`` / ``mlp`` keep only their (local) input e H / s; ``full`` keeps the
 unit's input e H / s per ``num_layers`` blocks.
 """
 
@@ -28,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["BlockDims", "block_saved_bytes", "policy_saved_bytes"]
+__all__ = ["BlockDims", "block_saved_bytes", "block_bytes_per_token", "policy_saved_bytes"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,13 @@ def block_saved_bytes(dims: BlockDims, tokens: int, *, elem: int, tp: int = 1, s
                       modules: Sequence[str] = ()) -> int:
     """Bytes one block keeps for backward with the selective parts ``modules`` recomputed
     (none: ``()``). ``tokens``: B * S (/ cp) of this rank, before any TP split."""
+    per_tok, const = block_bytes_per_token(dims, elem=elem, tp=tp, sp=sp, modules=modules)
+    return int(round(tokens * per_tok)) + const
+
+
+def block_bytes_per_token(dims: BlockDims, *, elem: float, tp: int = 1, sp: bool = False,
+                          modules: Sequence[str] = ()) -> tuple[float, int]:
+    """``(bytes per token, constant bytes per block)`` of :func:`block_saved_bytes`."""
     h, t = dims.hidden, tp
     s = t if sp and t > 1 else 1
     a, g, f, nh = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.ffn, dims.heads
@@ -66,7 +72,7 @@ def block_saved_bytes(dims: BlockDims, tokens: int, *, elem: int, tp: int = 1, s
             per_tok += elem * h / s  # the norm's input, kept by the recompute
         else:
             per_tok += (4 * h + 4 + 4 * h) / s
-            const += 0 if elem == 4 else 4 * h
+            const += 0 if elem == 4 else int(4 * h)
     if "attn" not in parts:
         per_tok += elem * (a + 2 * g) / t + elem * a / t  # q/k/v output; kernel output
         if "core_attn" not in parts:
@@ -75,7 +81,7 @@ def block_saved_bytes(dims: BlockDims, tokens: int, *, elem: int, tp: int = 1, s
         per_tok += elem * (2 * f + f) / t  # gate/up output; the product (down's input)
         if "mlp_act" not in parts:
             per_tok += elem * f / t  # silu(gate)
-    return int(round(tokens * per_tok)) + const
+    return per_tok, const
 
 
 def policy_saved_bytes(dims: BlockDims, tokens: int, *, elem: int, granularity: str, modules: Sequence[str] = (),
