@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from engine.distributed.groups import NO_TP, AxisGroup  # noqa: E402
-from engine.models.activation_memory import BlockDims, block_saved_bytes, policy_saved_bytes  # noqa: E402
+from engine.models.activation_memory import BlockDims, policy_saved_bytes  # noqa: E402
 from engine.models.blocks import Block, RotaryEmbedding  # noqa: E402
 from engine.models.config import DEFAULT_SELECTIVE, ModelConfig  # noqa: E402
 from engine.models.recompute import RecomputePolicy, apply_selective, observe_held  # noqa: E402
@@ -234,8 +234,9 @@ def measure_rows(cfg: ModelConfig, batch: int, tp_group: AxisGroup, sp: bool, dt
 
 
 def _rank_rows(rank: int, world: int, hidden: int, layers: int, seq: int, batch: int, dtype: str) -> list[dict]:
-    from engine.distributed.groups import AxisGroup as G
     import torch.distributed as dist
+
+    from engine.distributed.groups import AxisGroup as G
 
     group = G.of(dist.group.WORLD, "tp")
     return measure_rows(tiny_model(hidden, layers, seq), batch, group, True, getattr(torch, dtype), torchtitan=False)

@@ -259,15 +259,17 @@ def parse_activation_checkpointing(top: Section) -> ActivationCheckpointingConfi
     if modules is not None and granularity != "selective":
         raise ConfigError(f"activation_checkpointing.modules names the parts \"selective\" recomputes, but "
                           f"granularity is \"{granularity}\": set granularity to \"selective\" or remove modules")
-    for key in ("method", "num_layers"):
-        if s.has(key) and granularity != "full":
+    method = s.choice("method", RECOMPUTE_METHODS, d.method)
+    num_layers = s.int("num_layers", d.num_layers, min=1)
+    for key, value, default in (("method", method, d.method), ("num_layers", num_layers, d.num_layers)):
+        if value != default and granularity != "full":  # (the defaults round-trip through to_dict)
             raise ConfigError(f"activation_checkpointing.{key} applies to granularity \"full\" only (got "
                               f"\"{granularity}\"): set granularity to \"full\" or remove {key}")
     return ActivationCheckpointingConfig(
         granularity=granularity,
         modules=modules,
-        method=s.choice("method", RECOMPUTE_METHODS, d.method),
-        num_layers=s.int("num_layers", d.num_layers, min=1),
+        method=method,
+        num_layers=num_layers,
         cpu_checkpointing=s.bool("cpu_checkpointing", d.cpu_checkpointing),
         partition_activations=s.bool("partition_activations", d.partition_activations),
         contiguous_memory_optimization=s.bool("contiguous_memory_optimization", d.contiguous_memory_optimization),

@@ -11,12 +11,15 @@ block keeps for backward:
 - ``"selective"``: the named parts of every block (:data:`RECOMPUTE_MODULES`) are recomputed,
   keeping only their inputs.
 
-:class:`Recompute` (the autograd function behind every unit and part) runs the forward
-without a graph, saves the unit's tensor inputs with ``save_for_backward`` (so saved-tensor
+:class:`Recompute` (the autograd function behind full units and the parts ``core_attn``,
+``mlp_act``, ``attn``, ``mlp``, whose inputs feed nothing else) runs the forward without a graph, saves the unit's tensor inputs with ``save_for_backward`` (so saved-tensor
 hooks, host offload and measurement see them) and, in backward, restores the RNG state of
 the forward, runs it again with a graph and backpropagates through it: the recomputed
 forward is the same sequence of kernels on the same inputs, so outputs and gradients are
-bit-identical to no recomputation. FP8 scaling state is safe too: within a step a cast only
+bit-identical to no recomputation. A norm's input also feeds the residual: its gradient
+sums contributions from inside and outside the part, and a separate backward would change
+the order of that sum, so ``norm`` uses torch's non-reentrant checkpoint instead, which keeps
+the plain forward's graph and only drops and recomputes its saved tensors. FP8 scaling state is safe too: within a step a cast only
 records ``max(amax_history[0], amax)`` (idempotent on a repeated input) and the scales change
 after the step (engine.precision.fp8).
 
@@ -129,7 +132,7 @@ class Recompute(torch.autograd.Function):
     ``args`` (masks, None) are passed through as they are."""
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[..., Any], options: RecomputeOptions, *args: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, run: Callable[..., Any], options: RecomputeOptions, *args: Any) -> Any:
         ctx.run, ctx.options = run, options
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
@@ -225,7 +228,7 @@ def _wrap_forward(module: nn.Module, keep_graph: bool) -> None:
             return recompute(lambda *a: inner(*a, **kwargs), *args)
         return recompute(inner, *args)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
 
 def apply_selective(block: nn.Module, modules: Sequence[str]) -> None:
@@ -236,7 +239,7 @@ def apply_selective(block: nn.Module, modules: Sequence[str]) -> None:
             for child in children:
                 _wrap_forward(getattr(block, child), keep_graph=name == "norm")
     for m in block.modules():
-        m.recompute_parts = parts  # read by recomputed() inside Attention / SwiGLU forwards
+        object.__setattr__(m, "recompute_parts", parts)  # read by recomputed() in Attention / SwiGLU forwards
 
 
 def full_units(policy: RecomputePolicy, lo: int, hi: int) -> list[tuple[int, int, bool]]:

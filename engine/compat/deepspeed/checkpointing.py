@@ -15,8 +15,9 @@ so dropout masks and results are those of the forward. It runs on any device (CP
 
 Accepted and without effect: ``contiguous_checkpointing`` / ``num_checkpoints`` (DeepSpeed's
 pre-allocated checkpoint buffer; the caching allocator serves this), ``synchronize`` and
-``profile`` (DeepSpeed's timers). As in DeepSpeed, contiguous checkpointing requires
-partitioned activations and ``num_checkpoints``.
+``profile`` (DeepSpeed's timers), and the config's matching keys (engine/config/ignored.py).
+As in DeepSpeed, the argument ``contiguous_checkpointing`` requires partitioned activations
+and ``num_checkpoints``.
 """
 
 from __future__ import annotations
@@ -167,7 +168,6 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
         ac = parse_activation_checkpointing(Section({"activation_checkpointing": raw.get("activation_checkpointing")},
                                                     "", ("activation_checkpointing",)))
         s.partition, s.cpu = ac.partition_activations, ac.cpu_checkpointing
-        s.contiguous, s.num_checkpoints = ac.contiguous_memory_optimization, ac.number_checkpoints
     if partition_activations is not None:
         s.partition = bool(partition_activations)
     if contiguous_checkpointing is not None:
