@@ -318,6 +318,10 @@ def _check_layers(layers: list[nn.Module], cfg: Config) -> None:
     """The layer list is usable with this config (document masking and FP8 need layers that support them)."""
     if not layers or not all(isinstance(m, nn.Module) for m in layers):
         raise TypeError("model must be a non-empty list of nn.Module layers")
+    if cfg.activation_checkpointing.granularity == "selective":
+        raise ConfigError("activation_checkpointing.granularity \"selective\" names parts of the reference model's "
+                          "blocks (activation_checkpointing.modules); a model given as a list of layers has none: use "
+                          "\"full\" (whole layers recomputed), or deepspeed.checkpointing.checkpoint inside them")
     if cfg.data.document_masking and not any(getattr(m, "takes_attention_inputs", False) for m in layers):
         raise ConfigError("data.document_masking: none of the given layers takes an attention mask (layers with "
                           "takes_attention_inputs = True get attn_mask= and position_ids=, like "
