@@ -260,14 +260,15 @@ def host_offload(device: torch.device) -> Iterator[None]:
 
     CUDA: each is copied into a pinned host buffer on a side stream (waiting for the
     producing stream, recorded on the copy event) and copied back (non-blocking) when
-    backward unpacks it. Any other device: the tensor already is in host memory, kept as is."""
+    backward unpacks it; parameters (and views of them) saved by a matmul stay where they are. Any other device: the tensor already is in host memory, kept as is."""
     if device.type != "cuda":
         yield
         return
     side = torch.cuda.Stream(device)
 
     def pack(t: torch.Tensor) -> Any:
-        if t.device.type != "cuda":
+        base = t if t._base is None else t._base
+        if t.device.type != "cuda" or (base.is_leaf and base.requires_grad):  # parameters (and views) stay
             return t
         host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
         side.wait_stream(torch.cuda.current_stream(device))
