@@ -34,6 +34,10 @@ POLICIES = {
     "selective-cpu": {"granularity": "selective", "cpu_checkpointing": True},
     "interval-1": "interval",  # pipeline.activation_checkpoint_interval 1
 }
+# TP without sequence parallelism only (with it: a config error)
+PARTITIONED = {"full-partitioned": {"granularity": "full", "partition_activations": True},
+               "full-partitioned-cpu": {"granularity": "full", "partition_activations": True,
+                                        "cpu_checkpointing": True}}
 
 
 def tiny_config(cache_dir: str, policy=None, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -85,7 +89,8 @@ def _train(rank, world, configs):
 
 
 def _check(cache_dir, world, layout, names):
-    configs = [tiny_config(cache_dir, **layout)] + [tiny_config(cache_dir, POLICIES[n], **layout) for n in names]
+    known = {**POLICIES, **PARTITIONED}
+    configs = [tiny_config(cache_dir, **layout)] + [tiny_config(cache_dir, known[n], **layout) for n in names]
     per_rank = run_ranks(_train, world, configs, timeout=300)
     import torch
 
@@ -94,11 +99,6 @@ def _check(cache_dir, world, layout, names):
     for name, (loss, norm) in zip(names, runs):
         assert torch.equal(loss, ref_loss), f"{layout} {name}: losses {loss.tolist()} != {ref_loss.tolist()}"
         assert torch.equal(norm, ref_norm), f"{layout} {name}: grad norms {norm.tolist()} != {ref_norm.tolist()}"
-
-
-PARTITIONED = {"full-partitioned": {"granularity": "full", "partition_activations": True},
-               "full-partitioned-cpu": {"granularity": "full", "partition_activations": True,
-                                        "cpu_checkpointing": True}}
 
 
 # the default suite: representative policies on one process and on TP 2 with SP
@@ -123,7 +123,6 @@ def test_every_policy_one_process(cache_dir):
 @pytest.mark.timeout(600)
 def test_partition_activations_tp2(cache_dir):
     """Block inputs saved as 1/tp slices, all-gathered before recomputation."""
-    POLICIES.update(PARTITIONED)
     _check(cache_dir, 2, {"tp": 2}, list(PARTITIONED))
 
 
