@@ -263,10 +263,29 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.model.moe is not None and cfg.fp16.enabled:
         raise ConfigError("model.moe with fp16.enabled: the MoE balancing loss is injected in backward scaled "
                           "like the loss without fp16's dynamic loss scale; train MoE models in bf16 or fp32")
+    _check_recompute(cfg)
     if cfg.tensor_parallel.sequence_parallel and cfg.model.seq_len % cfg.tp:
         raise ConfigError(f"tensor_parallel.sequence_parallel splits the sequence over the {cfg.tp} TP ranks, "
                           f"but model.seq_len = {cfg.model.seq_len} is not divisible by {cfg.tp}: change seq_len "
                           "or turn sequence_parallel off")
+
+
+def _check_recompute(cfg: Config) -> None:
+    ac = cfg.activation_checkpointing
+    if cfg.pipeline.activation_checkpoint_interval and ac.granularity != "none":
+        raise ConfigError(f"pipeline.activation_checkpoint_interval ({cfg.pipeline.activation_checkpoint_interval}) "
+                          f"and activation_checkpointing.granularity (\"{ac.granularity}\") both choose what to "
+                          "recompute: keep one (the interval N equals granularity \"full\", method \"uniform\", "
+                          "num_layers N)")
+    full = ac.granularity == "full" or cfg.pipeline.activation_checkpoint_interval > 0
+    if ac.partition_activations and not full:
+        raise ConfigError("activation_checkpointing.partition_activations shards the inputs of fully recomputed "
+                          "blocks over TP, but nothing is fully recomputed: set granularity \"full\" (or "
+                          "pipeline.activation_checkpoint_interval), or partition_activations false")
+    if ac.partition_activations and cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
+        raise ConfigError("activation_checkpointing.partition_activations with tensor_parallel.sequence_parallel: "
+                          "the block inputs are already split over the TP ranks (B, S/tp, H), each rank's "
+                          "different; set partition_activations false (sequence parallelism saves the same bytes)")
 
 
 def _check_pipeline_schedule(p: PipelineConfig, model: ModelConfig, microbatches: int) -> None:

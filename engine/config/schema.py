@@ -268,6 +268,11 @@ class ZeroConfig(_Section):
 # ------------------------------------------------------------ parallelism
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig(_Section):
+    granularity: str = "none"  # "none" | "selective" | "full" (engine.models.recompute)
+    modules: Optional[tuple[str, ...]] = None  # selective: parts recomputed; None = DEFAULT_SELECTIVE
+    method: str = "uniform"  # full: "uniform" (runs of num_layers) | "block" (first num_layers per stage)
+    num_layers: int = 1
+    cpu_checkpointing: bool = False
     partition_activations: bool = False
     contiguous_memory_optimization: bool = False
     number_checkpoints: Optional[int] = None

@@ -28,7 +28,7 @@ from engine.config.schema import (
     ZeroConfig,
 )
 from engine.errors import ConfigError
-from engine.models.config import ModelConfig
+from engine.models.config import RECOMPUTE_MODULES, ModelConfig
 
 __all__ = [
     "parse_fp16", "parse_bf16", "parse_fp8", "parse_data_types", "parse_zero", "parse_activation_checkpointing",
@@ -243,13 +243,34 @@ def _check_leaf_module(s: Section) -> None:
 
 
 # ------------------------------------------------------------ parallelism
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
 def parse_activation_checkpointing(top: Section) -> ActivationCheckpointingConfig:
-    s = top.sub("activation_checkpointing", _names(ActivationCheckpointingConfig), fixed={
-        "cpu_checkpointing": (False, "activation checkpoints stay on the accelerator; CPU offload of "
-                                     "checkpoints is not implemented"),
-    })
+    s = top.sub("activation_checkpointing", _names(ActivationCheckpointingConfig))
     d = ActivationCheckpointingConfig()
+    granularity = s.choice("granularity", RECOMPUTE_GRANULARITIES, d.granularity)
+    modules = s.str_list("modules")
+    for m in modules or ():
+        if m not in RECOMPUTE_MODULES:
+            raise ConfigError(f"activation_checkpointing.modules: {m!r} is not a part of the block; choose from "
+                              f"{sorted(RECOMPUTE_MODULES)}")
+    if modules is not None and granularity != "selective":
+        raise ConfigError(f"activation_checkpointing.modules names the parts \"selective\" recomputes, but "
+                          f"granularity is \"{granularity}\": set granularity to \"selective\" or remove modules")
+    method = s.choice("method", RECOMPUTE_METHODS, d.method)
+    num_layers = s.int("num_layers", d.num_layers, min=1)
+    for key, value, default in (("method", method, d.method), ("num_layers", num_layers, d.num_layers)):
+        if value != default and granularity != "full":  # (the defaults round-trip through to_dict)
+            raise ConfigError(f"activation_checkpointing.{key} applies to granularity \"full\" only (got "
+                              f"\"{granularity}\"): set granularity to \"full\" or remove {key}")
     return ActivationCheckpointingConfig(
+        granularity=granularity,
+        modules=modules,
+        method=method,
+        num_layers=num_layers,
+        cpu_checkpointing=s.bool("cpu_checkpointing", d.cpu_checkpointing),
         partition_activations=s.bool("partition_activations", d.partition_activations),
         contiguous_memory_optimization=s.bool("contiguous_memory_optimization", d.contiguous_memory_optimization),
         number_checkpoints=s.int("number_checkpoints", None, min=1, nullable=True),

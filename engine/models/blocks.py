@@ -35,6 +35,7 @@ from engine.distributed.strict import host_sync_allowed
 from engine.errors import ConfigError
 from engine.models.attention import AttnMask, ContextParallelMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
+from engine.models.recompute import recomputed
 from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.placement import REPLICATED, set_placement
 from engine.precision.fp8 import Fp8Recipe
@@ -230,10 +231,18 @@ class Attention(nn.Module):
         # under context parallelism s is this rank's S/C tokens; positions index the whole S
         full = s * attn_mask.layout.size if isinstance(attn_mask, ContextParallelMask) else s
         cos, sin = self.rotary(full, position_ids)                        # (S, d) or (B, 1, S, d)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = attend(q, k, v, attn_mask)                                    # (B, nh/tp, S, d); GQA without K/V copies
-        o = o.transpose(1, 2).reshape(b, s, nh * d)                       # (B, S, nh d / tp)
+        # "core_attn" (selective recompute, engine.models.recompute): rotary + kernel
+        o = recomputed(self, "core_attn", _core_attention, q, k, v, cos, sin, attn_mask)  # (B, S, nh d / tp)
         return self.proj(o)                                               # (B, S, H) or (B, S/tp, H)
+
+
+def _core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    attn_mask: Optional[AttnMask]) -> torch.Tensor:
+    """Rotary, attention, heads merged: q (B, nh, S, d), k/v (B, nkv, S, d) -> (B, S, nh d)."""
+    b, nh, s, d = q.shape
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    o = attend(q, k, v, attn_mask)                                        # (B, nh/tp, S, d); GQA without K/V copies
+    return o.transpose(1, 2).reshape(b, s, nh * d)
 
 
 class SwiGLU(nn.Module):
@@ -255,7 +264,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)                       # (B, S, F/tp) each
-        return self.down(F.silu(gate) * up)
+        return self.down(recomputed(self, "mlp_act", _swiglu_act, gate, up))  # "mlp_act": engine.models.recompute
+
+
+def _swiglu_act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class MlpFactory(Protocol):

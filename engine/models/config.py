@@ -13,11 +13,25 @@ from engine.errors import ConfigError
 from engine.moe.config import MoEConfig
 from engine.validate import check_int
 
-__all__ = ["ModelConfig", "MLP_KINDS", "DEFAULT_MLP"]
+__all__ = ["ModelConfig", "MLP_KINDS", "DEFAULT_MLP", "RECOMPUTE_MODULES", "DEFAULT_SELECTIVE"]
 
 # The block MLPs a config may name (``model.mlp``); engine.models.blocks.MLPS builds each.
 DEFAULT_MLP = "swiglu"
 MLP_KINDS: tuple[str, ...] = (DEFAULT_MLP,)
+
+# Parts of a block that activation_checkpointing.granularity "selective" recomputes (names in
+# activation_checkpointing.modules; engine.models.recompute, docs/activation_memory.md):
+RECOMPUTE_MODULES: dict[str, str] = {
+    "norm": "the two RMSNorms (keeps their inputs, drops their normalised outputs; no GEMM to redo)",
+    "mlp_act": "the SwiGLU activation silu(gate) * up (drops silu(gate) and the product; no GEMM to redo)",
+    "core_attn": "rotary embedding and the attention kernel (drops rotated q/k, the attention output and "
+                 "its log-sum-exp; redoes the attention kernel)",
+    "attn": "the whole attention sublayer (keeps its normalised input only; redoes q/k/v, attention, output)",
+    "mlp": "the whole MLP (keeps its normalised input only; redoes gate/up, activation, down)",
+}
+# The default selective set: the parts whose recomputation needs no GEMM and no attention
+# kernel (zero counted FLOPs) and frees the most bytes per token (docs/activation_memory.md).
+DEFAULT_SELECTIVE: tuple[str, ...] = ("norm", "mlp_act")
 
 
 def _round_up(x: int, multiple: int) -> int:

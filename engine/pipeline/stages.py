@@ -27,16 +27,24 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
 from engine.context_parallel.layout import CPLayout
-from engine.distributed.groups import AxisGroup
+from engine.distributed.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers
 from engine.models.attention import AttnMask
 from engine.models.blocks import attention_inputs, cp_attention_inputs, forward_layers
 from engine.models.gpt import block_param_count
+from engine.models.recompute import (
+    RecomputeOptions,
+    RecomputePolicy,
+    apply_selective,
+    full_units,
+    maybe_offload,
+    policy_from_config,
+    recompute,
+)
 from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.pipeline.actions import stage_and_chunk
 from engine.pipeline.partition import layers_of, partition_layers
@@ -57,9 +65,13 @@ logger = logging.getLogger(__name__)
 class StageChunk(nn.Module):
     """Layers ``[start, start + len(layers))`` of the model's layer list, run in order.
 
-    ``checkpoint_interval > 0``: the blocks (layers that are neither the embedding nor the
-    head) are recomputed in backward in runs of that many (activation checkpointing);
-    the reference model has no dropout, so the recomputation is exact.
+    ``recompute``: the activation-checkpointing policy of the blocks (layers that are
+    neither the embedding nor the head; :mod:`engine.models.recompute`): full recompute
+    units, offload of saved tensors to the host (selective parts are marked on the blocks
+    themselves by :func:`build_reference_chunks`); ``tp_group``: where ``partition_activations``
+    shards a unit's input. ``checkpoint_interval > 0`` (``pipeline.activation_checkpoint_interval``)
+    without a policy is full recompute in runs of that many blocks. Recomputation is exact
+    (bit-identical outputs and gradients).
 
     ``forward(x, doc_ids=None, attn_mask=None, position_ids=None)``: the optional attention
     inputs (``engine.models.blocks.attention_inputs``) are built once and given to every
@@ -76,15 +88,22 @@ class StageChunk(nn.Module):
 
     def __init__(self, layers: Sequence[nn.Module], start: int, num_layers_total: int,
                  checkpoint_interval: int = 0, document_masking: Optional[bool] = None,
-                 cp: Optional[CPLayout] = None) -> None:
+                 cp: Optional[CPLayout] = None, recompute: Optional[RecomputePolicy] = None,
+                 tp_group: AxisGroup = NO_TP) -> None:
         super().__init__()
+        if recompute is None and checkpoint_interval > 0:
+            recompute = RecomputePolicy("full", num_layers=checkpoint_interval)
+        self.recompute = recompute
+        part = recompute is not None and recompute.partition_activations
+        self.recompute_options = RecomputeOptions(partition=tp_group if part else NO_TP)
         self.cp = cp
         self.document_masking = document_masking
         self.layers = nn.ModuleList(layers)
         self.start = start
         self.is_first = start == 0
         self.is_last = start + len(layers) == num_layers_total
-        self.checkpoint_interval = checkpoint_interval
+        uniform = recompute is not None and recompute.granularity == "full" and recompute.method == "uniform"
+        self.checkpoint_interval = recompute.num_layers if recompute is not None and uniform else 0
 
     def _run(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[AttnMask] = None,
              pos: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -108,14 +127,18 @@ class StageChunk(nn.Module):
         else:
             mask, pos = attention_inputs(None, doc_ids, attn_mask, position_ids)  # AttnMask, (B, S)
         n = len(self.layers)
-        if self.checkpoint_interval <= 0 or not torch.is_grad_enabled():
+        policy = self.recompute
+        if policy is None or not policy.active or not torch.is_grad_enabled():
             return self._run(0, n, x, mask, pos)
         lo = 1 if self.is_first else 0                 # the embedding takes integer ids: not checkpointed
         hi = n - 1 if self.is_last else n              # nor the head (its logits are needed anyway)
         x = self._run(0, lo, x)
-        for a in range(lo, hi, self.checkpoint_interval):
-            b = min(a + self.checkpoint_interval, hi)
-            x = checkpoint(self._run, a, b, x, mask, pos, use_reentrant=False)
+        with maybe_offload(policy, x.device):          # cpu_checkpointing: saved tensors to the host
+            for a, b, unit in full_units(policy, lo, hi):
+                if unit:  # x: (B, S, H) ((B, S/tp, H) under SP), the one tensor the unit keeps
+                    x = recompute(self._run, a, b, x, mask, pos, options=self.recompute_options)
+                else:
+                    x = self._run(a, b, x, mask, pos)
         return self._run(hi, n, x)
 
 
@@ -180,11 +203,8 @@ def check_doc_ids(doc_ids: Optional[torch.Tensor], document_masking: bool) -> No
 
 
 def check_reference_support(cfg: Config) -> None:
-    """Config features the reference model cannot honour: an error or a warning, never a silent no-op."""
-    if cfg.activation_checkpointing.partition_activations:
-        # a memory saving only (results are identical): say so rather than pretend
-        logger.warning("activation_checkpointing.partition_activations is not implemented: checkpointed "
-                       "activations are kept whole on every TP rank (same results, more memory)")
+    """Config features the reference model cannot honour: an error, never a silent no-op
+    (none left: activation_checkpointing is honoured in full, engine.models.recompute)."""
 
 
 def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, device: torch.device,
@@ -210,8 +230,13 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
         layers = build_stage_layers(model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                                     seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype,
                                     fp8_recipe=recipe, moe=moe)
-        chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval,
-                                 document_masking=cfg.data.document_masking, cp=cp))
+        policy = policy_from_config(cfg)
+        if policy.granularity == "selective":
+            for block in layers:
+                if getattr(block, "takes_attention_inputs", False):
+                    apply_selective(block, policy.modules)
+        chunks.append(StageChunk(layers, rng.start, total, document_masking=cfg.data.document_masking, cp=cp,
+                                 recompute=policy, tp_group=tp_group))
     if model.tie_embeddings and chunks[0].is_first and chunks[-1].is_last and len(chunks) > 1:
         # V placement: the embedding (chunk 0) and the head (chunk 1) are on this rank, so the
         # head uses the embedding's very parameter (as in one process) instead of a copy to sync
@@ -279,7 +304,8 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
         mine = layers[rng.start:rng.stop]
         if shared and pp_rank == cfg.pp - 1 and cfg.pp > 1:  # (V placement: nothing shared across ranks)
             _swap_in_tied_copies(mine, shared, copies)
-        chunks.append(StageChunk(mine, rng.start, len(layers), interval, document_masking=cfg.data.document_masking))
+        chunks.append(StageChunk(mine, rng.start, len(layers), document_masking=cfg.data.document_masking,
+                                 recompute=policy_from_config(cfg, interval)))
     if cfg.pp > 1:
         local = {id(p): p for ch in chunks for p in ch.parameters()}
         order = sorted(shared, key=lambda pid: first_use[pid])
@@ -294,6 +320,10 @@ def _check_layers(layers: list[nn.Module], cfg: Config) -> None:
     """The layer list is usable with this config (document masking and FP8 need layers that support them)."""
     if not layers or not all(isinstance(m, nn.Module) for m in layers):
         raise TypeError("model must be a non-empty list of nn.Module layers")
+    if cfg.activation_checkpointing.granularity == "selective":
+        raise ConfigError("activation_checkpointing.granularity \"selective\" names parts of the reference model's "
+                          "blocks (activation_checkpointing.modules); a model given as a list of layers has none: use "
+                          "\"full\" (whole layers recomputed), or deepspeed.checkpointing.checkpoint inside them")
     if cfg.data.document_masking and not any(getattr(m, "takes_attention_inputs", False) for m in layers):
         raise ConfigError("data.document_masking: none of the given layers takes an attention mask (layers with "
                           "takes_attention_inputs = True get attn_mask= and position_ids=, like "

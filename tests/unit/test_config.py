@@ -139,7 +139,7 @@ MALFORMED = [
     ("zero-alias-twice", [("zero_optimization.prefetch_bucket_size", 10),
                           ("zero_optimization.stage3_prefetch_bucket_size", 10)], 2,
      ["zero_optimization.prefetch_bucket_size", "zero_optimization.stage3_prefetch_bucket_size"]),
-    ("cpu-checkpointing", [("activation_checkpointing.cpu_checkpointing", True)], 2,
+    ("cpu-checkpointing-type", [("activation_checkpointing.cpu_checkpointing", "yes")], 2,
      ["activation_checkpointing.cpu_checkpointing"]),
     ("number-checkpoints", [("activation_checkpointing.number_checkpoints", 0)], 2,
      ["activation_checkpointing.number_checkpoints"]),
@@ -302,12 +302,12 @@ def test_zero_section():
 
 def test_parallel_sections():
     cfg = load_config(make(*INTERLEAVED, ("pipeline.partition", "uniform"), ("pipeline.activation_checkpoint_interval", 1),
-                           ("tensor_parallel.autotp_size", 2), ("tensor_parallel.sequence_parallel", True),
+                           ("tensor_parallel.autotp_size", 2), ("tensor_parallel.sequence_parallel", False),
                            ("gradient_accumulation_steps", 4), ("activation_checkpointing.partition_activations", True),
                            ("activation_checkpointing.number_checkpoints", 4)), world_size=8)
     assert (cfg.dp, cfg.tp, cfg.pp) == (2, 2, 2)
     assert cfg.pipeline.schedule == "interleaved-1f1b" and cfg.pipeline.virtual_stages == 2
-    assert cfg.tensor_parallel.sequence_parallel and cfg.activation_checkpointing.partition_activations
+    assert cfg.activation_checkpointing.partition_activations  # (with sequence_parallel: an error)
     for schedule in ("gpipe", "zb-h1", "1F1B"):
         assert load_config(make(*PP2, ("pipeline.schedule", schedule)), world_size=2).pipeline.schedule == schedule.lower()
     assert load_config(make(("tensor_parallel.autotp_size", 0)), world_size=2).tp == 1  # DeepSpeed: 0 = off

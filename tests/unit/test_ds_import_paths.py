@@ -61,6 +61,13 @@ WORKING = [
     "deepspeed.DeepSpeedEngine.is_gradient_accumulation_boundary", "deepspeed.DeepSpeedEngine.save_checkpoint",
     "deepspeed.DeepSpeedEngine.load_checkpoint", "deepspeed.DeepSpeedEngine.save_16bit_model",
     "deepspeed.DeepSpeedEngine.empty_partition_cache",
+    # the MoE layer and activation checkpointing (engine/compat/deepspeed/moe/, checkpointing.py)
+    "deepspeed.moe.layer.MoE", "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer",
+    "deepspeed.checkpointing", "deepspeed.checkpointing.configure", "deepspeed.checkpointing.is_configured",
+    "deepspeed.checkpointing.checkpoint", "deepspeed.checkpointing.get_cuda_rng_tracker",
+    "deepspeed.checkpointing.model_parallel_cuda_manual_seed", "deepspeed.checkpointing.reset",
+    "deepspeed.checkpointing.CudaRNGStatesTracker", "deepspeed.checkpointing.CheckpointFunction",
+    "deepspeed.runtime.activation_checkpointing.checkpointing",
 ]
 
 # importable names that raise UnsupportedFeatureError (with the reason) when used, and modules
@@ -113,16 +120,6 @@ REFUSED_ENGINE_METHODS = ["scale", "set_gradient_accumulation_boundary", "no_syn
 # branch); refused with the reason until then
 WORKING_WHEN_IMPLEMENTED = ["deepspeed.zero.register_external_parameter"]
 
-# created by other branches of issue 31 (moe-layer: engine/compat/deepspeed/moe/; actmem:
-# engine/compat/deepspeed/checkpointing.py); the lead folds them into WORKING at merge
-_OWNED_BY_OTHER_BRANCHES = [
-    "deepspeed.moe.layer.MoE", "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer",
-    "deepspeed.checkpointing", "deepspeed.checkpointing.configure", "deepspeed.checkpointing.is_configured",
-    "deepspeed.checkpointing.checkpoint", "deepspeed.checkpointing.get_cuda_rng_tracker",
-    "deepspeed.checkpointing.model_parallel_cuda_manual_seed", "deepspeed.checkpointing.reset",
-    "deepspeed.checkpointing.CudaRNGStatesTracker", "deepspeed.checkpointing.CheckpointFunction",
-    "deepspeed.runtime.activation_checkpointing.checkpointing",
-]
 
 
 def resolve(path: str, root: str = PACKAGE) -> Any:
@@ -195,13 +192,6 @@ def test_path_owned_by_the_zero3_work_works_or_says_why(path):
     assert got == "working" or _refusal_is_explained(got), got
 
 
-@pytest.mark.parametrize("path", _OWNED_BY_OTHER_BRANCHES)
-def test_path_owned_by_another_branch_works_or_its_module_is_not_merged_yet(path):
-    got = status(path)
-    absent = (f"{PACKAGE}.moe", f"{PACKAGE}.checkpointing", "'checkpointing' (not installed)")
-    assert got == "working" or (got.startswith("missing: ") and any(a in got for a in absent)), got
-
-
 _ALIAS_PROBE = """
 import json, sys
 sys.path[:0] = [{tests!r}, {tests_root!r}]
@@ -259,7 +249,7 @@ def real(p):
         return "ok"
     except Exception as e:
         return f"{{type(e).__name__}}: {{e}}"
-paths = t.WORKING + t.REFUSED + t.WORKING_WHEN_IMPLEMENTED + t._OWNED_BY_OTHER_BRANCHES
+paths = t.WORKING + t.REFUSED + t.WORKING_WHEN_IMPLEMENTED
 import deepspeed
 top = [n for n in dir(deepspeed) if not n.startswith("_")]
 print(json.dumps({{"paths": {{p: real(p) for p in paths}}, "top": top}}))
@@ -281,8 +271,6 @@ def test_every_listed_path_exists_in_real_deepspeed():
     bad = {p: r for p, r in res["paths"].items() if r != "ok"}
     assert not bad, bad
     # and every public name of DeepSpeed's top level is here, working or refused with the reason
-    pending = {p.split(".")[1] for p in _OWNED_BY_OTHER_BRANCHES}
     for name in sorted(set(res["top"]) - _NOT_API):
         got = status(f"deepspeed.{name}")
-        assert got == "working" or _refusal_is_explained(got) or (name in pending and got.startswith("missing")), \
-            (name, got)
+        assert got == "working" or _refusal_is_explained(got), (name, got)
