@@ -35,7 +35,7 @@ from engine.distributed.groups import NO_TP, AxisGroup
 from engine.models.recompute import Recompute, RecomputeOptions, host_offload
 
 __all__ = ["configure", "checkpoint", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "is_configured",
-           "reset", "CudaRNGStatesTracker"]
+           "reset", "CudaRNGStatesTracker", "CheckpointFunction"]
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"  # DeepSpeed's name of the TP state
 
@@ -227,3 +227,15 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     offload = host_offload(device) if s.cpu else contextlib.nullcontext()
     with offload:
         return Recompute.apply(run, options, *args)
+
+
+class CheckpointFunction:
+    """DeepSpeed's ``CheckpointFunction.apply(function, all_outputs, *args)``, the autograd
+    function behind its ``checkpoint``: runs :func:`checkpoint` and appends the function's
+    outputs to ``all_outputs`` (DeepSpeed's channel for outputs that are not tensors)."""
+
+    @staticmethod
+    def apply(function: Callable[..., Any], all_outputs: list, *args: Any) -> Any:
+        out = checkpoint(function, *args)
+        all_outputs.extend(out if isinstance(out, tuple) else [out])
+        return out
