@@ -1,7 +1,7 @@
 """Run a function on N ranks in subprocesses over gloo: the tests' face of the one launcher.
 
 ``run_ranks(fn, world_size, *args)`` is :func:`engine.distributed.spawn.spawn` in its ``"gloo"``
-mode: ``world_size`` fresh interpreters join a gloo group through a ``TCPStore`` the parent
+mode: ``world_size`` new rank processes join a gloo group through a ``TCPStore`` the parent
 owns, each calls ``fn(rank, world_size, *args, **kwargs)``, and the per-rank return values
 come back as a list (picklable; tensors are fine). Failures (see the module docstring of
 engine/distributed/spawn.py): a raising rank gives :class:`RankFailure` with its traceback, a
@@ -12,6 +12,12 @@ Strict NCCL-rules mode (``engine.distributed.strict``) is on in every rank when
 ``ENGINE_STRICT_COMM`` is set (tests/conftest.py sets it for the whole suite).
 
 ``fn`` must be importable by the child (module level in a test file).
+
+Start-up cost: the ranks are forked by a fork server that has imported torch once per pytest
+process (spawn's ``"forkserver"`` start method; ``engine`` and the test module are still
+imported fresh in every rank), instead of each rank spending 2-3 s of CPU importing torch.
+``ENGINE_TEST_START_METHOD=spawn`` runs every rank as a fresh interpreter instead (slower; its
+interpreter finalisation is where a leaked gloo group can abort a rank at exit).
 
 Time under load: every wall-clock limit a test sets goes through :func:`scaled`, which
 multiplies it by ``ENGINE_TEST_TIME_SCALE`` (default 1; CI or a busy machine sets e.g. 3).
@@ -31,9 +37,18 @@ from typing import Any, Callable, Optional
 from engine.distributed.spawn import RankFailure, RankTimeout, spawn
 
 __all__ = ["run_ranks", "dense_adamw_run", "RankFailure", "RankTimeout", "time_scale", "scaled", "wait_for",
-           "TIME_SCALE_ENV"]
+           "TIME_SCALE_ENV", "START_METHOD_ENV", "start_method"]
 
 TIME_SCALE_ENV = "ENGINE_TEST_TIME_SCALE"
+START_METHOD_ENV = "ENGINE_TEST_START_METHOD"
+
+
+def start_method() -> Optional[str]:
+    """``ENGINE_TEST_START_METHOD`` (``forkserver`` or ``spawn``), or None: spawn's default."""
+    raw = os.environ.get(START_METHOD_ENV, "").strip()
+    if raw and raw not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={raw!r}: give 'forkserver' (the default) or 'spawn'")
+    return raw or None
 
 
 def time_scale() -> float:
@@ -74,7 +89,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               **kwargs: Any) -> list[Any]:
     """``timeout`` and ``collective_timeout`` are as written for a quiet machine: both are scaled."""
     return spawn(fn, world_size, args, kwargs, rendezvous="gloo", timeout=scaled(timeout),
-                 collective_timeout=None if collective_timeout is None else scaled(collective_timeout), env=env)
+                 collective_timeout=None if collective_timeout is None else scaled(collective_timeout), env=env,
+                 start_method=start_method())  # type: ignore[arg-type]
 
 
 def dense_adamw_run(model: Any, batches: Callable[[int], list], steps: int, lr: float = 1e-2

@@ -1,7 +1,7 @@
 """The one process launcher of the tests and the benchmarks (single host, no torchrun).
 
-:func:`spawn` runs ``fn`` on ``nprocs`` fresh interpreters (``multiprocessing`` spawn) and
-returns the per-rank return values (picklable; tensors are fine). The parent owns the
+:func:`spawn` runs ``fn`` on ``nprocs`` fresh rank processes and returns the per-rank return
+values (picklable; tensors are fine). The parent owns the
 rendezvous ``TCPStore`` on a port the OS chose, so there is no free-port race, and every
 rank connects to it as a client. Two ways to bring a rank up (``rendezvous``):
 
@@ -16,6 +16,25 @@ rank connects to it as a client. Two ways to bring a rank up (``rendezvous``):
   (:func:`engine.distributed.env.init_distributed`). Once its result has left, the child ends
   with ``os._exit(0)``: DeepSpeed's ZeRO-3 occasionally aborts in its own atexit teardown
   on CPU, which must not fail a measurement that has finished.
+
+How a rank process starts (``start_method``):
+
+- ``"forkserver"`` (the default in ``"gloo"`` mode, the tests): ``multiprocessing``'s fork server,
+  started once per parent process with torch, torch.distributed and torch._dynamo imported
+  (:data:`PRELOAD`; no process group, no thread pool, nothing of ``engine``), forks each rank.
+  A fresh interpreter spends 2-3 s of CPU importing exactly these modules (the first optimizer
+  step imports torch._dynamo), once per rank per call: most of a short test's time on two cores.
+  Everything else is as in a spawned rank: ``engine`` and ``fn``'s module are imported fresh in
+  every rank, the rank gets the parent's environment and working directory as they are at the
+  call, and its stdout/stderr are the parent's at the call (pytest's capture of the running
+  test), not the fork server's. A forked rank ends with ``os._exit`` after its result has left
+  (non-daemon threads joined, ``atexit`` handlers not run), so the interpreter-finalisation
+  abort that :func:`engine.distributed.env.shutdown` prevents cannot show here; shutdown's
+  warning about gloo threads that outlive it still does, and ``start_method="spawn"``
+  (tests/harness.py: ``ENGINE_TEST_START_METHOD=spawn``) runs ranks as fresh interpreters
+  that finalise normally.
+- ``"spawn"`` (the default in ``"env"`` mode, the benchmarks, whose memory figures must not
+  share pages with a fork server): a fresh interpreter per rank.
 
 Failure behaviour (what a caller sees):
 
@@ -53,10 +72,16 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from engine.validate import check_int
 
-__all__ = ["spawn", "start_script", "free_port", "SpawnError", "RankFailure", "RankTimeout", "Rendezvous"]
+__all__ = ["spawn", "start_script", "free_port", "SpawnError", "RankFailure", "RankTimeout", "Rendezvous",
+           "StartMethod", "PRELOAD"]
 
 Rendezvous = Literal["gloo", "env"]
+StartMethod = Literal["forkserver", "spawn"]
 _HOST = "127.0.0.1"
+# What the fork server imports before it forks ranks: torch only (engine stays fresh per rank).
+# torch.distributed.nn.functional before any process group exists, as
+# engine.distributed.teardown.bind_world_defaults_early wants it.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.nn.functional", "torch._dynamo")
 
 
 class SpawnError(RuntimeError):
@@ -88,6 +113,33 @@ class _Child:
     collective_timeout_s: float
     threads: Optional[int]
     env: Mapping[str, str] = field(default_factory=dict)
+    # the parent's whole environment at the call (a forked rank has the fork server's); None: inherited
+    parent_env: Optional[Mapping[str, str]] = None
+
+
+def _adopt_stdio(out: Any, err: Any) -> bool:
+    """In a forked rank: make fds 1 and 2 the parent's at the call (``out``/``err``: the
+    fork server's handles of the descriptors the parent sent)."""
+    import sys
+
+    for stream, handle, fd in ((sys.stdout, out, 1), (sys.stderr, err, 2)):
+        if stream is not None:
+            stream.flush()
+        received = handle.detach()
+        os.dup2(received, fd)
+        os.close(received)
+    return True
+
+
+class _ParentStdio:
+    """Pickled while a forkserver rank starts: sends the parent's current fds 1 and 2 along,
+    and on unpickling in the rank (the first of its arguments, before ``fn``'s module is
+    imported) installs them as the rank's own."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2)))
 
 
 def _join_gloo(rank: int, c: _Child) -> None:
@@ -106,7 +158,12 @@ def _join_gloo(rank: int, c: _Child) -> None:
         strict.enable("cpu")
 
 
-def _child_main(fn: Callable[..., Any], rank: int, results: Any, args: tuple, kwargs: dict, c: _Child) -> None:
+def _child_main(stdio: Any, fn: Callable[..., Any], rank: int, results: Any, args: tuple, kwargs: dict,
+                c: _Child) -> None:
+    del stdio  # installed while unpickling (_ParentStdio); None for a spawned rank
+    if c.parent_env is not None:
+        os.environ.clear()
+        os.environ.update(c.parent_env)
     os.environ.update(c.env)
     if c.rendezvous == "env":
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(c.nprocs), LOCAL_RANK=str(rank),
@@ -187,28 +244,39 @@ def _collect(procs: Sequence[Any], results: Any, nprocs: int, timeout: float) ->
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None,
           *, rendezvous: Rendezvous = "gloo", timeout: float = 120.0, collective_timeout: Optional[float] = None,
-          threads: Optional[int] = 1, env: Optional[Mapping[str, str]] = None) -> list[Any]:
-    """Run ``fn`` on ``nprocs`` spawned ranks and return their results in rank order.
+          threads: Optional[int] = 1, env: Optional[Mapping[str, str]] = None,
+          start_method: Optional[StartMethod] = None) -> list[Any]:
+    """Run ``fn`` on ``nprocs`` new rank processes and return their results in rank order.
 
     ``timeout``: seconds for the whole run; ``collective_timeout`` (default ``timeout``):
     the store's and the gloo group's timeout in ``"gloo"`` mode; ``threads``: the ranks'
     ``OMP_NUM_THREADS`` and torch intra-op threads (``None``: inherited); ``env``: extra
-    variables set in each rank before anything else runs.
+    variables set in each rank before ``fn`` runs; ``start_method``: ``"forkserver"`` or
+    ``"spawn"`` (default: ``"forkserver"`` in ``"gloo"`` mode, ``"spawn"`` in ``"env"`` mode;
+    see the module docstring).
     """
     import torch.distributed as dist
 
     check_int("nprocs", nprocs, minimum=1, fix="spawn at least one rank", error=ValueError)
     if rendezvous not in ("gloo", "env"):
         raise ValueError(f"rendezvous must be 'gloo' or 'env', got {rendezvous!r}")
+    method = start_method or ("forkserver" if rendezvous == "gloo" else "spawn")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     collective_timeout = collective_timeout if collective_timeout is not None else timeout
     # the parent hosts the store: its port is bound before any child starts (no race)
     store = dist.TCPStore(_HOST, 0, nprocs + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=collective_timeout))
-    child = _Child(rendezvous, nprocs, store.port, collective_timeout, threads, dict(env or {}))
-    ctx = mp.get_context("spawn")
+    forked = method == "forkserver"
+    child = _Child(rendezvous, nprocs, store.port, collective_timeout, threads, dict(env or {}),
+                   dict(os.environ) if forked else None)
+    ctx: Any = mp.get_context(method)  # a ForkServerContext or a SpawnContext
+    if forked:
+        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
     results = ctx.Queue()
     procs = [ctx.Process(target=_child_main, name=f"rank{r}", daemon=True,
-                         args=(fn, r, results, tuple(args), dict(kwargs or {}), child))
+                         args=(_ParentStdio() if forked else None, fn, r, results, tuple(args),
+                               dict(kwargs or {}), child))
              for r in range(nprocs)]
     deadline = time.monotonic() + timeout
     try:

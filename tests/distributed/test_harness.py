@@ -59,6 +59,39 @@ def test_tensors_come_back():
     assert torch.equal(out[1]["t"], torch.full((3,), 1.0))
 
 
+# ------------------------------------------------------------------ forked ranks (the fork server)
+def _env_and_output(rank, world_size, tag):
+    import sys
+
+    print(f"rank-stdout {tag} {rank}", flush=True)
+    sys.stderr.write(f"rank-stderr {tag} {rank}\n")
+    return os.environ.get("ENGINE_HARNESS_PROBE"), os.getcwd()
+
+
+def test_forked_ranks_get_the_parents_environment_cwd_and_output_at_the_call(monkeypatch, capfd, tmp_path):
+    """The fork server is started once (by an earlier test or here) with the environment of
+    that moment; each rank still sees the parent's environment, working directory and
+    stdout/stderr (pytest's capture of this test) as they are at the call."""
+    run_ranks(_allreduce_rank, 2)  # the fork server exists before the environment changes
+    monkeypatch.setenv("ENGINE_HARNESS_PROBE", "set-after-start")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    out = run_ranks(_env_and_output, 2, "probe")
+    assert out == [("set-after-start", str(tmp_path))] * 2
+    captured = capfd.readouterr()
+    assert all(f"rank-stdout probe {r}" in captured.out for r in range(2)), captured
+    assert all(f"rank-stderr probe {r}" in captured.err for r in range(2)), captured
+    monkeypatch.delenv("ENGINE_HARNESS_PROBE")
+    assert run_ranks(_env_and_output, 2, "unset") == [(None, str(tmp_path))] * 2
+
+
+def test_unknown_start_method_is_refused():
+    from engine.distributed.spawn import spawn
+
+    with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn'"):
+        spawn(_allreduce_rank, 2, start_method="fork")  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------ the benchmarks' "env" mode
 def _env_rank(scale):
     """A benchmark-style rank: brings its group up from the torchrun-style environment."""
