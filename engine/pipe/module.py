@@ -234,6 +234,10 @@ class PipelineModule(nn.Module):
         old_local = self._local or frozenset()
         n = len(self._specs)
         needed = {s.key for i, s in enumerate(self._specs) if i in local and isinstance(s, TiedLayerSpec)}
+        for i in old_local - local:  # a layer no longer local is freed before anything is built
+            self.layers[i] = old_layers[i] = _Elsewhere()
+        old_tied = {k: m for k, m in old_tied.items() if k in needed}
+        self._tied = {}
         first_use = {}
         for i, s in enumerate(self._specs):
             if isinstance(s, TiedLayerSpec):
@@ -243,13 +247,16 @@ class PipelineModule(nn.Module):
         tied: dict[str, nn.Module] = {}
         try:
             for i, spec in enumerate(self._specs):
-                if not isinstance(spec, LayerSpec) or (isinstance(spec, TiedLayerSpec) and first_use[spec.key] != i):
-                    continue  # nothing to build (a later use of a tied module builds nothing either)
-                keep = spec.key in needed if isinstance(spec, TiedLayerSpec) else i in local
-                if self.seed_layers:
+                # nothing to build for a module, a callable or a later use of a tied module
+                buildable = isinstance(spec, LayerSpec) and not (isinstance(spec, TiedLayerSpec)
+                                                                 and first_use[spec.key] != i)
+                keep = buildable and (spec.key in needed if isinstance(spec, TiedLayerSpec) else i in local)
+                if self.seed_layers:  # (the whole build seeds at every index, the last one included)
                     if not keep and i != n - 1:
                         continue
                     torch.manual_seed(self.base_seed + i)
+                if not buildable:
+                    continue
                 built = spec.build()
                 if not keep:
                     del built  # a foreign layer: only its random draws mattered

@@ -384,12 +384,22 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ compute
     def _run_chunk(self, chunk: int, x: Any, kwargs: dict) -> torch.Tensor:
         module = self.chunks[chunk]
+
+        def run(inp: Any, **kw: Any) -> torch.Tensor:
+            return module(_copy(inp), **kw)
+
         if self.activation_checkpointing and not self._eval:
-            return checkpoint(module, x, use_reentrant=False, **kwargs)
-        return module(x, **kwargs)
+            return checkpoint(run, x, use_reentrant=False, **kwargs)
+        return run(x, **kwargs)
 
     def _forward(self, mb: int, chunk: int) -> None:
         key, st = (mb, chunk), self._state
+        # The chunk runs on a copy of its input, as DeepSpeed's pipeline engine: a first layer
+        # that works in place (nn.ReLU(inplace=True), x.add_) must neither change the user's
+        # micro-batch nor hit the received leaf that collects d(loss)/d(input) (autograd
+        # refuses an in-place op on a leaf that requires grad), nor a V turn's input, which
+        # shares storage with the previous chunk's output its backward may need.
+        # (_run_chunk copies the input inside the recomputed function: a checkpoint keeps the original.)
         if self._is_first(chunk):
             x = self._take(mb, 0)
         elif self._eval:
@@ -398,6 +408,11 @@ class PipelineExecutor:
             x = self._arrived.pop((K.RECV_ACT, mb, chunk)).requires_grad_()
             st["input"][key] = x
         out = self._run_chunk(chunk, x, self._side_kwargs(mb))
+        if (not self._is_first(chunk) and not self._eval and not self.activation_checkpointing
+                and not is_local_hop(self.stage, self._prev(chunk))):
+            # a received buffer of its own, which nothing saved (the copy holds the values): only
+            # its grad is read from now on, so the storage goes and the copy costs no memory
+            x.untyped_storage().resize_(0)
         if self._is_last(chunk):
             loss = self._step_loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
             if loss.dim() != 0:
@@ -541,3 +556,8 @@ class _Posted:
     index: int
     works: list = field(default_factory=list)
     sends: list = field(default_factory=list)  # (action, tensor kept alive until sent)
+
+
+def _copy(x: Any) -> Any:
+    """A tensor micro-batch input cloned (other inputs as they are): see ``_forward``."""
+    return x.clone() if isinstance(x, torch.Tensor) else x

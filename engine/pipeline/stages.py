@@ -74,8 +74,9 @@ class StageChunk(nn.Module):
 
     def __init__(self, layers: Sequence[nn.Module], start: int, num_layers_total: int,
                  checkpoint_interval: int = 0, document_masking: Optional[bool] = None,
-                 cp: Optional[CPLayout] = None) -> None:
+                 cp: Optional[CPLayout] = None, copy_checkpoint_inputs: bool = False) -> None:
         super().__init__()
+        self.copy_checkpoint_inputs = copy_checkpoint_inputs
         self.cp = cp
         self.document_masking = document_masking
         self.layers = nn.ModuleList(layers)
@@ -87,6 +88,13 @@ class StageChunk(nn.Module):
     def _run(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[AttnMask] = None,
              pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         return forward_layers(self.layers[lo:hi], x, mask, pos)
+
+    def _run_segment(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[AttnMask] = None,
+                     pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A checkpointed run of layers. ``copy_checkpoint_inputs`` (a user's layers, which may
+        work in place on their input): the run starts from a copy, so the input the checkpoint
+        keeps for the recomputation is not changed (a transient copy, not saved)."""
+        return self._run(lo, hi, x.clone() if self.copy_checkpoint_inputs else x, mask, pos)
 
     def forward(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
@@ -113,7 +121,7 @@ class StageChunk(nn.Module):
         x = self._run(0, lo, x)
         for a in range(lo, hi, self.checkpoint_interval):
             b = min(a + self.checkpoint_interval, hi)
-            x = checkpoint(self._run, a, b, x, mask, pos, use_reentrant=False)
+            x = checkpoint(self._run_segment, a, b, x, mask, pos, use_reentrant=False)
         return self._run(hi, n, x)
 
 
@@ -277,7 +285,8 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
         mine = layers[rng.start:rng.stop]
         if shared and pp_rank == cfg.pp - 1 and cfg.pp > 1:  # (V placement: nothing shared across ranks)
             _swap_in_tied_copies(mine, shared, copies)
-        chunks.append(StageChunk(mine, rng.start, len(layers), interval, document_masking=cfg.data.document_masking))
+        chunks.append(StageChunk(mine, rng.start, len(layers), interval, document_masking=cfg.data.document_masking,
+                                 copy_checkpoint_inputs=True))
     if cfg.pp > 1:
         local = {id(p): p for ch in chunks for p in ch.parameters()}
         order = sorted(shared, key=lambda pid: first_use[pid])
