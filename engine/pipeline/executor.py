@@ -382,13 +382,19 @@ class PipelineExecutor:
         return value
 
     # ------------------------------------------------------------------ compute
-    def _run_chunk(self, chunk: int, x: Any, kwargs: dict) -> torch.Tensor:
+    def _run_chunk(self, chunk: int, x: Any, kwargs: dict, free_input: bool = False) -> torch.Tensor:
+        """The chunk on a copy of ``x`` (see ``_forward``); ``free_input``: ``x``'s storage is
+        released once copied, unless a checkpoint keeps ``x`` for the recomputation."""
         module = self.chunks[chunk]
+        checkpointed = self.activation_checkpointing and not self._eval
 
         def run(inp: Any, **kw: Any) -> torch.Tensor:
-            return module(_copy(inp), **kw)
+            copy = _copy(inp)
+            if free_input and not checkpointed and copy is not inp:
+                inp.untyped_storage().resize_(0)
+            return module(copy, **kw)
 
-        if self.activation_checkpointing and not self._eval:
+        if checkpointed:
             return checkpoint(run, x, use_reentrant=False, **kwargs)
         return run(x, **kwargs)
 
@@ -407,12 +413,10 @@ class PipelineExecutor:
         else:
             x = self._arrived.pop((K.RECV_ACT, mb, chunk)).requires_grad_()
             st["input"][key] = x
-        out = self._run_chunk(chunk, x, self._side_kwargs(mb))
-        if (not self._is_first(chunk) and not self._eval and not self.activation_checkpointing
-                and not is_local_hop(self.stage, self._prev(chunk))):
-            # a received buffer of its own, which nothing saved (the copy holds the values): only
-            # its grad is read from now on, so the storage goes and the copy costs no memory
-            x.untyped_storage().resize_(0)
+        # a received buffer of its own (not the user's batch, not a V turn's output) is not read
+        # again once copied (only its grad is), so its storage goes and the copy costs no memory
+        own = not self._is_first(chunk) and not is_local_hop(self.stage, self._prev(chunk))
+        out = self._run_chunk(chunk, x, self._side_kwargs(mb), free_input=own)
         if self._is_last(chunk):
             loss = self._step_loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
             if loss.dim() != 0:
