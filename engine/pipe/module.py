@@ -227,49 +227,58 @@ class PipelineModule(nn.Module):
         every rank's weights equal the all-layers build's and at most one foreign layer is
         alive. ``seed_layers``: layer i is built after ``manual_seed(base_seed + i)``
         (DeepSpeed's), so foreign layers are skipped (the last one still runs, to leave the
-        stream where the whole build leaves it). The caller's RNG state is kept when this is
+        stream where the whole build leaves it). The caller's RNG state is kept when this is a
         later build (``fork``: the stream is replayed in a fork); the construction's build
         leaves the stream where the whole model's build leaves it."""
-        old_layers, old_tied = list(self.layers), dict(self._tied)
         old_local = self._local or frozenset()
-        n = len(self._specs)
         needed = {s.key for i, s in enumerate(self._specs) if i in local and isinstance(s, TiedLayerSpec)}
         for i in old_local - local:  # a layer no longer local is freed before anything is built
-            self.layers[i] = old_layers[i] = _Elsewhere()
-        old_tied = {k: m for k, m in old_tied.items() if k in needed}
+            self.layers[i] = _Elsewhere()
+        old_tied = {k: m for k, m in self._tied.items() if k in needed}
         self._tied = {}
-        first_use = {}
-        for i, s in enumerate(self._specs):
-            if isinstance(s, TiedLayerSpec):
-                first_use.setdefault(s.key, i)
         resume = _rng_state() if fork else None
         _set_rng_state(self._rng_start)
-        tied: dict[str, nn.Module] = {}
         try:
-            for i, spec in enumerate(self._specs):
-                # nothing to build for a module, a callable or a later use of a tied module
-                buildable = isinstance(spec, LayerSpec) and not (isinstance(spec, TiedLayerSpec)
-                                                                 and first_use[spec.key] != i)
-                keep = buildable and (spec.key in needed if isinstance(spec, TiedLayerSpec) else i in local)
-                if self.seed_layers:  # (the whole build seeds at every index, the last one included)
-                    if not keep and i != n - 1:
-                        continue
-                    torch.manual_seed(self.base_seed + i)
-                if not buildable:
-                    continue
-                built = spec.build()
-                if not keep:
-                    del built  # a foreign layer: only its random draws mattered
-                    continue
-                # a layer built before (the placement changed at initialize) keeps its object and values
-                if isinstance(spec, TiedLayerSpec):
-                    tied[spec.key] = old_tied.get(spec.key, built)
-                else:
-                    self.layers[i] = old_layers[i] if i in old_local else built
-                del built
+            tied = self._replay(local & old_local, local, needed, old_tied)
         finally:
             if resume is not None:
                 _set_rng_state(resume)
+        self._register(local, tied)
+        self._local = local
+        self._built_params |= {id(p) for p in self.parameters()}
+
+    def _replay(self, kept: frozenset[int], local: frozenset[int], needed: set[str],
+                old_tied: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """Build every LayerSpec in order from the construction's RNG state: ``local`` ones (and
+        the tied modules ``needed``) are set into ``self.layers``, the others freed at once;
+        a layer in ``kept`` (built before) keeps its old object. Returns the tied modules."""
+        n = len(self._specs)
+        first_use: dict[str, int] = {}
+        for i, s in enumerate(self._specs):
+            if isinstance(s, TiedLayerSpec):
+                first_use.setdefault(s.key, i)
+        tied: dict[str, nn.Module] = {}
+        for i, spec in enumerate(self._specs):
+            # nothing to build for a module, a callable or a later use of a tied module
+            key = spec.key if isinstance(spec, TiedLayerSpec) else None
+            buildable = isinstance(spec, LayerSpec) and (key is None or first_use[key] == i)
+            keep = buildable and (key in needed if key is not None else i in local)
+            if self.seed_layers:  # (the whole build seeds at every index, the last one included)
+                if not keep and i != n - 1:
+                    continue
+                torch.manual_seed(self.base_seed + i)
+            if not buildable:
+                continue
+            built = spec.build()
+            if keep and key is not None:  # a layer built before (the placement changed) keeps its object and values
+                tied[key] = old_tied.get(key, built)
+            elif keep:
+                self.layers[i] = self.layers[i] if i in kept else built
+            del built  # a foreign layer: only its random draws mattered
+        return tied
+
+    def _register(self, local: frozenset[int], tied: dict[str, nn.Module]) -> None:
+        """``self.layers``: the local positions' modules (tied ones through their module), placeholders elsewhere."""
         self._tied = tied
         for i, spec in enumerate(self._specs):
             if i not in local:
@@ -281,8 +290,6 @@ class PipelineModule(nn.Module):
                 self.layers[i] = spec
             elif i in self._callables:
                 self.layers[i] = self._callables[i]
-        self._local = local
-        self._built_params |= {id(p) for p in self.parameters()}
 
     @staticmethod
     def _check_method(method: str) -> None:
