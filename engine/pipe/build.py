@@ -26,7 +26,7 @@ from engine.optim.build import (
 from engine.parts import LossFn, ModelParts
 from engine.pipe.module import PipelineModule
 from engine.pipeline.schedule import placement_of as schedule_placement
-from engine.pipeline.stages import chunks_from_layers
+from engine.pipeline.stages import check_layer_support, chunks_from_layers
 
 __all__ = ["pipeline_config", "pipeline_module_parts"]
 
@@ -84,8 +84,9 @@ def pipeline_module_parts(cfg: Config, module: PipelineModule, client_opt: Any, 
                              "[p for p in net.parameters() if p.requires_grad] or None")
     dtype = precision_policy(cfg).compute_dtype
     before = _param_slots(module)
+    check_layer_support(cfg, module.any_layer)  # the whole model's layers (this rank holds its stage's only)
     chunks, tied = chunks_from_layers(module.layer_list(), cfg, groups.pp_rank, bounds=bounds,
-                                      checkpoint_interval=module.activation_checkpoint_interval)
+                                      checkpoint_interval=module.activation_checkpoint_interval, checked=True)
     # the last stage's copies of tied weights stand for the originals in a client optimizer's groups
     replaced = {id(old): new for slot, new in _param_slots(module).items()
                 if (old := before[slot]) is not new}

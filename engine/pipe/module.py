@@ -136,18 +136,22 @@ def _trainable_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def _count_params(spec: LayerSpec) -> int:
-    """Trainable parameters of ``spec``'s layer, built on the meta device (no storage); the
-    host's generator is restored, so counting draws nothing from the model's RNG stream. A
-    constructor that cannot run on the meta device (it reads its weights' values) is built
-    on the host, alone, and freed: at most one layer, as DeepSpeed's own count."""
+def _probe(spec: LayerSpec, fn: Callable[[nn.Module], Any]) -> Any:
+    """``fn`` of ``spec``'s layer built on the meta device (no storage); the host's generator
+    is restored, so this draws nothing from the model's RNG stream. A constructor that cannot
+    run on the meta device (it reads its weights' values) is built on the host, alone, and
+    freed: at most one layer, as DeepSpeed's own parameter count."""
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
-                return _trainable_numel(spec.build())
+                return fn(spec.build())
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             pass
-        return _trainable_numel(spec.build())
+        return fn(spec.build())
+
+
+def _count_params(spec: LayerSpec) -> int:
+    return int(_probe(spec, _trainable_numel))
 
 
 class PipelineModule(nn.Module):
@@ -341,6 +345,18 @@ class PipelineModule(nn.Module):
             if len(ranks) > 1 and ranks != {0, num_stages - 1}:
                 raise ConfigError(f"TiedLayerSpec {key!r} is used by layers on pipeline stages {sorted(ranks)}: only "
                                   "the first and the last stage may share one (a tied embedding and head)")
+
+    def any_layer(self, test: Callable[[nn.Module], Any]) -> bool:
+        """Whether ``test`` holds for some layer of the whole model (a LayerSpec's built on the
+        meta device): the same answer on every rank, whichever layers it holds (the config
+        checks of ``engine.initialize`` must raise on all ranks together)."""
+        for spec in self._specs:
+            if isinstance(spec, LayerSpec):
+                if _probe(spec, lambda m: bool(test(m))):
+                    return True
+            elif isinstance(spec, nn.Module) and test(spec):
+                return True
+        return False
 
     def layer_list(self) -> list[nn.Module]:
         """Every position's layer as this rank sees it: its own built layers; a tied module it

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import replace
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -46,6 +46,7 @@ from engine.tensor_parallel.layers import shard_tensor
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["StageChunk", "ReferenceModel", "reference_layer_params", "stage_bounds", "build_reference_chunks",
+           "check_layer_support",
            "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids", "whole_sequences"]
 
 
@@ -251,9 +252,9 @@ def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: AxisGro
                 p.copy_(src)
 
 
-def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *,
-                       bounds: Optional[Sequence[int]] = None,
-                       checkpoint_interval: Optional[int] = None) -> tuple[list[StageChunk], list[nn.Parameter]]:
+def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *,  # noqa: PLR0913
+                       bounds: Optional[Sequence[int]] = None, checkpoint_interval: Optional[int] = None,
+                       checked: bool = False) -> tuple[list[StageChunk], list[nn.Parameter]]:
     """A user's layer list (``tp == 1``) cut into this rank's chunk(s).
 
     ``bounds``: the cut (``pp * virtual_stages`` pieces; default: ``pipeline.partition`` over
@@ -265,7 +266,8 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
     the embedding group). Sharing between any other stages is an error.
     """
     layers = list(layers)
-    _check_layers(layers, cfg)
+    if not checked:  # (``checked``: the caller ran the checks on the whole model, e.g. a PipelineModule's specs)
+        _check_layers(layers, cfg)
     if bounds is None:
         bounds = stage_bounds([sum(p.numel() for p in m.parameters()) for m in layers], cfg)
     elif len(bounds) != cfg.pp * cfg.pipeline.virtual_stages + 1:
@@ -301,11 +303,17 @@ def _check_layers(layers: list[nn.Module], cfg: Config) -> None:
     """The layer list is usable with this config (document masking and FP8 need layers that support them)."""
     if not layers or not all(isinstance(m, nn.Module) for m in layers):
         raise TypeError("model must be a non-empty list of nn.Module layers")
-    if cfg.data.document_masking and not any(getattr(m, "takes_attention_inputs", False) for m in layers):
+    check_layer_support(cfg, lambda test: any(test(m) for m in layers))
+
+
+def check_layer_support(cfg: Config, any_layer: Callable[[Callable[[nn.Module], object]], bool]) -> None:
+    """Document masking and FP8 need some layer that supports them; ``any_layer(test)``
+    answers for the whole model (every rank the same answer)."""
+    if cfg.data.document_masking and not any_layer(lambda m: getattr(m, "takes_attention_inputs", False)):
         raise ConfigError("data.document_masking: none of the given layers takes an attention mask (layers with "
                           "takes_attention_inputs = True get attn_mask= and position_ids=, like "
                           "engine.models' blocks); set data.document_masking to false")
-    if cfg.fp8.enabled and not any(fp8_states(m) for m in layers):
+    if cfg.fp8.enabled and not any_layer(fp8_states):
         raise ConfigError("fp8.enabled: the given layers hold no FP8 layer (only the reference model's blocks "
                           "are made FP8 from the config; use engine.precision.fp8.Fp8Linear in your layers), "
                           "or set fp8.enabled to false")

@@ -274,6 +274,7 @@ def results():
 SLACK = 16 * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_construction_holds_the_stage_plus_one_layer_with_the_whole_builds_weights(results):
     for rank, r in enumerate(results):
@@ -285,6 +286,7 @@ def test_construction_holds_the_stage_plus_one_layer_with_the_whole_builds_weigh
             assert c["peak"] <= c["stage"] + c["largest"] + SLACK, (rank, seed_layers, c)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_v_placement_rebuild_keeps_weights_and_bounds_memory(results):
     for rank, r in enumerate(results):
@@ -296,6 +298,7 @@ def test_v_placement_rebuild_keeps_weights_and_bounds_memory(results):
         assert v["peak"] <= max(v["before"], v["stage"]) + v["largest"] + SLACK, (rank, v)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_in_place_first_layers_train_equal_to_one_process(results):
     ref = _reference()
@@ -305,6 +308,7 @@ def test_in_place_first_layers_train_equal_to_one_process(results):
             assert t["unchanged"], name  # the user's micro-batches are not modified
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpointed_stages_equal_deepspeeds_pipeline_engine(results):
     golden = json.loads(DS_GOLDEN.read_text())["losses"]
