@@ -259,10 +259,26 @@ def _ds_reference(method):
     return out
 
 
+def _client_object_refused():
+    """A client optimizer object made over the construction's stage cannot follow a rebuild
+    for a V schedule: refused on every rank, naming the way out."""
+    import engine
+    from engine.pipe import PipelineModule
+
+    net = PipelineModule(_inplace_specs(), num_stages=2, loss_fn=_mse, partition_method="uniform")
+    try:
+        engine.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters()), config={
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GA,
+            "pipeline": {"schedule": "zb-v", "virtual_stages": 2}})
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def _all(rank, world):
     return {"construct": {s: _construct(s) for s in (False, True)}, "rebuild_v": _rebuild_v(rank),
             "train": {f"{s}/{i}": _train(s, i) for s, i in (("1f1b", 0), ("1f1b", 1), ("zb-v", 0))},
-            "ds": _ds_runs()}
+            "ds": _ds_runs(), "client_object": _client_object_refused()}
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +312,7 @@ def test_v_placement_rebuild_keeps_weights_and_bounds_memory(results):
         assert set(v["built"]) == ({0, 1, 6, 7} if rank == 0 else {3, 4, 5}), v
         assert v["same"], v
         assert v["peak"] <= max(v["before"], v["stage"]) + v["largest"] + SLACK, (rank, v)
+        assert "callable" in r["client_object"], r["client_object"]
 
 
 @pytest.mark.slow
