@@ -95,6 +95,11 @@ def _check_fp8_model(cfg: Config, model: Any) -> None:
     stage holding only the embedding or the head and leave its peers in a collective."""
     if not cfg.fp8.enabled or model is None or isinstance(model, GPT):
         return  # the reference model's blocks get FP8 layers from the config
+    if isinstance(model, PipelineModule):  # it holds one stage's layers: ask its whole list
+        if not model.any_layer(fp8_states):
+            raise ConfigError("fp8.enabled but no layer of the PipelineModule is an FP8 layer (use "
+                              "engine.precision.fp8.Fp8Linear in your layers)")
+        return
     whole = nn.ModuleList(list(model)) if _is_layer_list(model) else model
     if isinstance(whole, nn.Module) and not fp8_states(whole):
         raise ConfigError("fp8.enabled but the model has no FP8 layer (the reference model's blocks get them "

@@ -288,8 +288,9 @@ V_PIPELINE_SCHEDULES = ("zb-v", "dualpipe-v")
 # the loader can check the key; engine.pipeline.partition implements each). "uniform" is
 # DeepSpeed's (equal layer counts); Megatron's even split of the blocks is "blocks".
 PARTITION_METHODS: dict[str, str] = {
-    "parameters": "balance the trainable parameter counts (the largest piece as small as possible)",
-    "uniform": "balance the number of layers, each layer counting one (DeepSpeed's)",
+    "parameters": "balance the trainable parameter counts (the config's: the largest piece as small as possible; "
+                  "a PipelineModule's: DeepSpeed's partition_balanced, the least spread)",
+    "uniform": "equal numbers of layers, the first pieces one more (DeepSpeed's partition_uniform)",
     "blocks": "the blocks between the embedding and the head split evenly, the embedding joining the first "
               "piece and the head the last (Megatron's)",
     "type:<regex>": "balance the layers whose class name matches the regex, case-insensitive (DeepSpeed's; "

@@ -25,7 +25,8 @@ from engine.optim.build import (
 )
 from engine.parts import LossFn, ModelParts
 from engine.pipe.module import PipelineModule
-from engine.pipeline.stages import chunks_from_layers
+from engine.pipeline.schedule import placement_of as schedule_placement
+from engine.pipeline.stages import check_layer_support, chunks_from_layers
 
 __all__ = ["pipeline_config", "pipeline_module_parts"]
 
@@ -66,17 +67,26 @@ def pipeline_module_parts(cfg: Config, module: PipelineModule, client_opt: Any, 
     if cfg.tp > 1:
         raise ConfigError("a PipelineModule is trained with pipeline and data parallelism only: set "
                           "tensor_parallel.autotp_size to 1")
+    placement = schedule_placement(cfg.pipeline.schedule)
+    v = cfg.pipeline.virtual_stages
+    if module.rebuilt_for(v) and isinstance(client_opt, torch.optim.Optimizer):  # the same answer on every rank
+        raise ValueError(f"the PipelineModule was built at construction for one piece per stage, and "
+                         f"pipeline.schedule {cfg.pipeline.schedule!r} with virtual_stages = {v} cuts it anew at "
+                         f"engine.initialize: an optimizer object made before lacks the new layers' parameters; "
+                         f"pass optimizer as a callable (params -> optimizer) or use the config's optimizer section")
+    bounds = module.build_stage(groups.pp_rank, cfg.pp, v, placement)  # this rank's layers only
+    module.check_tied(bounds, cfg.pp, placement)  # on every rank, from the specs
     if model_parameters is not None:
-        mine = {id(p) for p in module.parameters()}
+        mine = {id(p) for p in module.parameters()} | module.built_parameter_ids()
         given = [q for x in model_parameters for q in (x["params"] if isinstance(x, dict) else [x])]
         if any(id(p) not in mine for p in given):
             raise ValueError("model_parameters holds parameters that are not the PipelineModule's: pass "
                              "[p for p in net.parameters() if p.requires_grad] or None")
     dtype = precision_policy(cfg).compute_dtype
-    bounds = module.partition(cfg.pp * cfg.pipeline.virtual_stages)
     before = _param_slots(module)
+    check_layer_support(cfg, module.any_layer)  # the whole model's layers (this rank holds its stage's only)
     chunks, tied = chunks_from_layers(module.layer_list(), cfg, groups.pp_rank, bounds=bounds,
-                                      checkpoint_interval=module.activation_checkpoint_interval)
+                                      checkpoint_interval=module.activation_checkpoint_interval, checked=True)
     # the last stage's copies of tied weights stand for the originals in a client optimizer's groups
     replaced = {id(old): new for slot, new in _param_slots(module).items()
                 if (old := before[slot]) is not new}

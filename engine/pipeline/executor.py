@@ -382,14 +382,30 @@ class PipelineExecutor:
         return value
 
     # ------------------------------------------------------------------ compute
-    def _run_chunk(self, chunk: int, x: Any, kwargs: dict) -> torch.Tensor:
+    def _run_chunk(self, chunk: int, x: Any, kwargs: dict, free_input: bool = False) -> torch.Tensor:
+        """The chunk on a copy of ``x`` (see ``_forward``); ``free_input``: ``x``'s storage is
+        released once copied, unless a checkpoint keeps ``x`` for the recomputation."""
         module = self.chunks[chunk]
-        if self.activation_checkpointing and not self._eval:
-            return checkpoint(module, x, use_reentrant=False, **kwargs)
-        return module(x, **kwargs)
+        checkpointed = self.activation_checkpointing and not self._eval
+
+        def run(inp: Any, **kw: Any) -> torch.Tensor:
+            copy = _copy(inp)
+            if free_input and not checkpointed and copy is not inp:
+                inp.untyped_storage().resize_(0)
+            return module(copy, **kw)
+
+        if checkpointed:
+            return checkpoint(run, x, use_reentrant=False, **kwargs)
+        return run(x, **kwargs)
 
     def _forward(self, mb: int, chunk: int) -> None:
         key, st = (mb, chunk), self._state
+        # The chunk runs on a copy of its input, as DeepSpeed's pipeline engine: a first layer
+        # that works in place (nn.ReLU(inplace=True), x.add_) must neither change the user's
+        # micro-batch nor hit the received leaf that collects d(loss)/d(input) (autograd
+        # refuses an in-place op on a leaf that requires grad), nor a V turn's input, which
+        # shares storage with the previous chunk's output its backward may need.
+        # (_run_chunk copies the input inside the recomputed function: a checkpoint keeps the original.)
         if self._is_first(chunk):
             x = self._take(mb, 0)
         elif self._eval:
@@ -397,7 +413,10 @@ class PipelineExecutor:
         else:
             x = self._arrived.pop((K.RECV_ACT, mb, chunk)).requires_grad_()
             st["input"][key] = x
-        out = self._run_chunk(chunk, x, self._side_kwargs(mb))
+        # a received buffer of its own (not the user's batch, not a V turn's output) is not read
+        # again once copied (only its grad is), so its storage goes and the copy costs no memory
+        own = not self._is_first(chunk) and not is_local_hop(self.stage, self._prev(chunk))
+        out = self._run_chunk(chunk, x, self._side_kwargs(mb), free_input=own)
         if self._is_last(chunk):
             loss = self._step_loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
             if loss.dim() != 0:
@@ -541,3 +560,8 @@ class _Posted:
     index: int
     works: list = field(default_factory=list)
     sends: list = field(default_factory=list)  # (action, tensor kept alive until sent)
+
+
+def _copy(x: Any) -> Any:
+    """A tensor micro-batch input cloned (other inputs as they are): see ``_forward``."""
+    return x.clone() if isinstance(x, torch.Tensor) else x

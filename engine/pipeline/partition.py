@@ -12,13 +12,16 @@ their meanings are one table, :data:`engine.config.sections.PARTITION_METHODS`):
 
 - ``parameters``: balance the parameter counts - the partition whose largest piece is
   smallest, and among those the most even one (least sum of squares);
-- ``uniform``: DeepSpeed's: balance the number of layers (``parameters`` with every layer
-  weighing one; the embedding and the head count as layers);
+- ``uniform``: DeepSpeed's ``partition_uniform``: equal numbers of layers, the first
+  ``n % parts`` pieces one more (the embedding and the head count as layers);
 - ``blocks``: Megatron's: the N blocks split as evenly as possible (the first pieces take
   the remainder); the embedding joins the first piece and the head the last.
 
-(``type:<regex>`` weighs the layers by class name: :class:`engine.pipe.PipelineModule`
-computes those weights and balances them as ``parameters``.)
+A :class:`engine.pipe.PipelineModule` cuts as DeepSpeed's does: ``uniform`` as above, and
+``parameters`` / ``type:<regex>`` (layers weighed by class name) with
+:func:`partition_balanced`, DeepSpeed's ``partition_balanced`` (the least spread between the
+heaviest and the lightest piece, by its dynamic programme and tie rule), so a zero-parameter
+layer lands where DeepSpeed puts it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from engine.errors import ConfigError
 from engine.pipeline.actions import virtual_stage
 from engine.validate import check_int
 
-__all__ = ["PARTITION_METHODS", "partition_layers", "part_sizes", "layers_of"]
+__all__ = ["PARTITION_METHODS", "partition_layers", "partition_balanced", "partition_uniform", "part_sizes", "layers_of"]
 
 
 def _check(layer_params: Sequence[int], num_parts: int) -> None:
@@ -58,6 +61,50 @@ def _blocks(num_layers: int, num_parts: int) -> list[int]:
     bounds[0] = 0  # ... which joins the first piece
     bounds[-1] = num_layers  # and the head joins the last
     return bounds
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's ``partition_uniform``: ``num_parts`` pieces of ``num_items // num_parts``
+    items, the first ``num_items % num_parts`` pieces one more (fewer items than pieces: the
+    last pieces are empty, as DeepSpeed's; :func:`partition_layers` refuses that case)."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    base, extra = divmod(num_items, num_parts)
+    return [p * base + min(p, extra) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: Sequence[int], num_parts: int) -> list[int]:
+    """DeepSpeed's ``partition_balanced`` (deepspeed/runtime/utils.py), the same boundaries:
+    a dynamic programme over prefixes keeping, for ``i`` layers in ``j`` pieces, the split
+    with the least spread (heaviest minus lightest piece) and on a tie the latest last cut.
+    Its spread is not decomposable, so this is DeepSpeed's heuristic, not an optimum; it is
+    what a DeepSpeed script's ``partition_method="parameters"`` gets. ``len(weights) <=
+    num_parts``: :func:`partition_uniform`. Sums are float64, as DeepSpeed's numpy arrays."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    # hi/lo/cost[i][j]: heaviest, lightest piece and spread of the kept split of i layers in j pieces
+    hi = [[inf] * (m + 1) for _ in range(n + 1)]
+    lo = [[inf] * (m + 1) for _ in range(n + 1)]
+    cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    cut = [[0] * (m + 1) for _ in range(n + 1)]
+    hi[0][0] = cost[0][0] = 0.0  # (lo[0][0] stays inf, as in DeepSpeed)
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                piece = prefix[i] - prefix[k]
+                top, bottom = max(hi[k][j - 1], piece), min(lo[k][j - 1], piece)
+                c = top - bottom
+                if cost[i][j] >= c:  # ">=": a tie moves the cut later, as DeepSpeed's
+                    cost[i][j], hi[i][j], lo[i][j], cut[i][j] = c, top, bottom, k
+    bounds = [n]
+    for j in range(m, 0, -1):
+        bounds.append(cut[bounds[-1]][j])
+    return bounds[::-1]
 
 
 def _balanced(layer_params: Sequence[int], num_parts: int) -> list[int]:
@@ -101,7 +148,9 @@ def partition_layers(layer_params: Sequence[int], num_parts: int, method: str = 
                           f"virtual stages): every piece needs a layer; use fewer stages or more layers")
     if method == "blocks":
         return _blocks(n, num_parts)
-    return _balanced([1] * n if method == "uniform" else layer_params, num_parts)
+    if method == "uniform":
+        return partition_uniform(n, num_parts)
+    return _balanced(layer_params, num_parts)
 
 
 def part_sizes(layer_params: Sequence[int], bounds: Sequence[int]) -> list[int]:

@@ -63,7 +63,7 @@ def probe_boundary(chunks: Sequence[nn.Module], inputs: torch.Tensor, groups: Pa
         for c in range(v):
             prev = prev_hop(stage, c, num_stages, placement)
             if prev is None:
-                x = inputs.to(device)
+                x = inputs.to(device, copy=True)  # a first layer working in place must not change the batch
             elif prev[0] == stage:
                 x = torch.zeros_like(local)
             else:

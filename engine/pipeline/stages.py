@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import replace
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,7 @@ from engine.tensor_parallel.layers import shard_tensor
 from engine.tensor_parallel.mappings import tp_rank, tp_world_size
 
 __all__ = ["StageChunk", "ReferenceModel", "reference_layer_params", "stage_bounds", "build_reference_chunks",
+           "check_layer_support",
            "load_full_weights", "chunks_from_layers", "check_reference_support", "check_doc_ids", "whole_sequences"]
 
 
@@ -89,8 +90,9 @@ class StageChunk(nn.Module):
     def __init__(self, layers: Sequence[nn.Module], start: int, num_layers_total: int,
                  checkpoint_interval: int = 0, document_masking: Optional[bool] = None,
                  cp: Optional[CPLayout] = None, recompute: Optional[RecomputePolicy] = None,
-                 tp_group: AxisGroup = NO_TP) -> None:
+                 tp_group: AxisGroup = NO_TP, copy_checkpoint_inputs: bool = False) -> None:
         super().__init__()
+        self.copy_checkpoint_inputs = copy_checkpoint_inputs
         if recompute is None and checkpoint_interval > 0:
             recompute = RecomputePolicy("full", num_layers=checkpoint_interval)
         self.recompute = recompute
@@ -108,6 +110,13 @@ class StageChunk(nn.Module):
     def _run(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[AttnMask] = None,
              pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         return forward_layers(self.layers[lo:hi], x, mask, pos)
+
+    def _run_segment(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[AttnMask] = None,
+                     pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A checkpointed run of layers. ``copy_checkpoint_inputs`` (a user's layers, which may
+        work in place on their input): the run starts from a copy, so the input the checkpoint
+        keeps for the recomputation is not changed (a transient copy, not saved)."""
+        return self._run(lo, hi, x.clone() if self.copy_checkpoint_inputs else x, mask, pos)
 
     def forward(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
@@ -136,7 +145,7 @@ class StageChunk(nn.Module):
         with maybe_offload(policy, x.device):          # cpu_checkpointing: saved tensors to the host
             for a, b, unit in full_units(policy, lo, hi):
                 if unit:  # x: (B, S, H) ((B, S/tp, H) under SP), the one tensor the unit keeps
-                    x = recompute(self._run, a, b, x, mask, pos, options=self.recompute_options)
+                    x = recompute(self._run_segment, a, b, x, mask, pos, options=self.recompute_options)
                 else:
                     x = self._run(a, b, x, mask, pos)
         return self._run(hi, n, x)
@@ -270,9 +279,9 @@ def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: AxisGro
                 p.copy_(src)
 
 
-def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *,
-                       bounds: Optional[Sequence[int]] = None,
-                       checkpoint_interval: Optional[int] = None) -> tuple[list[StageChunk], list[nn.Parameter]]:
+def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *,  # noqa: PLR0913
+                       bounds: Optional[Sequence[int]] = None, checkpoint_interval: Optional[int] = None,
+                       checked: bool = False) -> tuple[list[StageChunk], list[nn.Parameter]]:
     """A user's layer list (``tp == 1``) cut into this rank's chunk(s).
 
     ``bounds``: the cut (``pp * virtual_stages`` pieces; default: ``pipeline.partition`` over
@@ -284,7 +293,8 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
     the embedding group). Sharing between any other stages is an error.
     """
     layers = list(layers)
-    _check_layers(layers, cfg)
+    if not checked:  # (``checked``: the caller ran the checks on the whole model, e.g. a PipelineModule's specs)
+        _check_layers(layers, cfg)
     if bounds is None:
         bounds = stage_bounds([sum(p.numel() for p in m.parameters()) for m in layers], cfg)
     elif len(bounds) != cfg.pp * cfg.pipeline.virtual_stages + 1:
@@ -305,7 +315,7 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
         if shared and pp_rank == cfg.pp - 1 and cfg.pp > 1:  # (V placement: nothing shared across ranks)
             _swap_in_tied_copies(mine, shared, copies)
         chunks.append(StageChunk(mine, rng.start, len(layers), document_masking=cfg.data.document_masking,
-                                 recompute=policy_from_config(cfg, interval)))
+                                 recompute=policy_from_config(cfg, interval), copy_checkpoint_inputs=True))
     if cfg.pp > 1:
         local = {id(p): p for ch in chunks for p in ch.parameters()}
         order = sorted(shared, key=lambda pid: first_use[pid])
@@ -320,15 +330,22 @@ def _check_layers(layers: list[nn.Module], cfg: Config) -> None:
     """The layer list is usable with this config (document masking and FP8 need layers that support them)."""
     if not layers or not all(isinstance(m, nn.Module) for m in layers):
         raise TypeError("model must be a non-empty list of nn.Module layers")
+    check_layer_support(cfg, lambda test: any(test(m) for m in layers))
+
+
+def check_layer_support(cfg: Config, any_layer: Callable[[Callable[[nn.Module], object]], bool]) -> None:
+    """Document masking and FP8 need some layer that supports them; ``any_layer(test)``
+    answers for the whole model (every rank the same answer). Selective recompute names parts
+    of the reference model's blocks, which a user's layers do not have."""
     if cfg.activation_checkpointing.granularity == "selective":
         raise ConfigError("activation_checkpointing.granularity \"selective\" names parts of the reference model's "
                           "blocks (activation_checkpointing.modules); a model given as a list of layers has none: use "
                           "\"full\" (whole layers recomputed), or deepspeed.checkpointing.checkpoint inside them")
-    if cfg.data.document_masking and not any(getattr(m, "takes_attention_inputs", False) for m in layers):
+    if cfg.data.document_masking and not any_layer(lambda m: getattr(m, "takes_attention_inputs", False)):
         raise ConfigError("data.document_masking: none of the given layers takes an attention mask (layers with "
                           "takes_attention_inputs = True get attn_mask= and position_ids=, like "
                           "engine.models' blocks); set data.document_masking to false")
-    if cfg.fp8.enabled and not any(fp8_states(m) for m in layers):
+    if cfg.fp8.enabled and not any_layer(fp8_states):
         raise ConfigError("fp8.enabled: the given layers hold no FP8 layer (only the reference model's blocks "
                           "are made FP8 from the config; use engine.precision.fp8.Fp8Linear in your layers), "
                           "or set fp8.enabled to false")

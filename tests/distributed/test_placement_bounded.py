@@ -231,27 +231,32 @@ def test_autotp_moves_only_the_shards_to_the_device():
 
 
 # ---------------------------------------------------------------------- PipelineModule (2 ranks)
-def _pipe(rank, world):
-    """After engine.initialize a PipelineModule holds this rank's stage only: the other
-    stage's layers are released (their parameters freed), and the module refuses a second
-    whole-model use with a clear error."""
-    import weakref
+PIPE_WIDTH, PIPE_LAYERS = 64, 8
 
+
+def _pipe(rank, world):
+    """A PipelineModule builds only this rank's stage (DeepSpeed's: LayerSpecs are built on
+    the rank that owns them): while it is constructed the live tensor bytes never exceed the
+    stage plus one layer (the other stage's layers are built one at a time and freed, for
+    their random draws); engine.initialize keeps that stage, and the module refuses a
+    whole-model forward with a clear error."""
     import engine
     from engine.pipe import LayerSpec, PipelineModule
+    from engine.zero.peak import LiveMemoryTracker
 
+    layer = (PIPE_WIDTH * PIPE_WIDTH + PIPE_WIDTH) * 4  # fp32 bytes of one Linear
     torch.manual_seed(0)
-    net = PipelineModule([LayerSpec(nn.Linear, 16, 16) for _ in range(4)], num_stages=2,
-                         loss_fn=lambda out, y: ((out - y) ** 2).mean(), partition_method="uniform")
-    refs = [weakref.ref(p) for p in net.parameters()]
-    whole = sum(p.numel() for p in net.parameters())
+    gc.collect()
+    with LiveMemoryTracker() as t:
+        net = PipelineModule([LayerSpec(nn.Linear, PIPE_WIDTH, PIPE_WIDTH) for _ in range(PIPE_LAYERS)], num_stages=2,
+                             loss_fn=lambda out, y: ((out - y) ** 2).mean(), partition_method="uniform")
+    built = sum(p.numel() * 4 for p in net.parameters())
     eng, *_ = engine.initialize(model=net, model_parameters=[p for p in net.parameters()], config={
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "seed": 0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}})
     gc.collect()
-    kept = sum(p.numel() for p in net.parameters())
-    alive = sum(1 for r in refs if r() is not None)
-    x = torch.randn(1, 16)
+    kept = sum(p.numel() * 4 for p in net.parameters())
+    x = torch.randn(1, PIPE_WIDTH)
     loss = eng.train_batch(iter([(x, x), (x, x)]))
     try:
         net(x)
@@ -259,12 +264,14 @@ def _pipe(rank, world):
     except RuntimeError as e:
         err = str(e)
     eng.destroy()
-    return {"whole": whole, "kept": kept, "alive": alive, "params": len(refs), "err": err,
+    return {"peak": t.peak, "built": built, "kept": kept, "layer": layer, "whole": PIPE_LAYERS * layer, "err": err,
             "trained": loss is None or bool(torch.isfinite(loss))}
 
 
-def test_pipeline_module_keeps_only_its_stage():
+def test_pipeline_module_builds_and_keeps_only_its_stage():
     for r in run_ranks(_pipe, 2, timeout=180):
-        assert r["kept"] * 2 == r["whole"], r  # two of the four equal layers
-        assert r["alive"] * 2 == r["params"], r  # the other stage's parameters are gone
-        assert r["trained"] and "build a new PipelineModule" in r["err"]
+        assert r["built"] == r["kept"] == r["whole"] // 2, r  # four of the eight equal layers
+        # exact storage bytes (no slack needed: nothing else is allocated while building); before
+        # the lazy build the peak was the whole model (8 layers) on every rank
+        assert r["peak"] <= r["built"] + r["layer"] < r["whole"], r
+        assert r["trained"] and "build a new PipelineModule" in r["err"], r

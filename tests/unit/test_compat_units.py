@@ -109,8 +109,11 @@ def test_pipeline_module_partition_methods_and_ties():
     assert pm.layer_weights() == [1] * 7
     pm = PipelineModule(_layers(), num_stages=2)  # parameters: the tied module counts where it appears
     assert pm.layer_weights() == [40, 20, 20, 0, 20, 20, 40]
+    # the whole model's layers are asked on the meta device (initialize's config checks: every rank the same)
+    assert pm.any_layer(lambda m: isinstance(m, Block)) and not pm.any_layer(lambda m: isinstance(m, nn.Conv1d))
+    assert list(pm.parameters()) == []  # no process group: nothing is built until a stage is known ...
+    assert pm(torch.tensor([[1, 2]])).shape == (1, 2, 10)  # ... or a one-process forward builds it all
     assert pm.layers[0] is pm.layers[-1].tied  # one module per key
-    assert pm(torch.tensor([[1, 2]])).shape == (1, 2, 10)
     with pytest.raises(ConfigError, match="matches no layer"):
         PipelineModule(_layers(), num_stages=2, partition_method="type:attention").layer_weights()
     with pytest.raises(ValueError, match="partition_method 'profile'"):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine.errors import ConfigError
-from engine.pipeline.partition import layers_of, part_sizes, partition_layers
+from engine.pipeline.partition import layers_of, part_sizes, partition_balanced, partition_layers
 
 
 def _valid(bounds, n, parts):
@@ -93,7 +93,8 @@ def test_bad_inputs(counts, parts, method, match):
 def test_uniform_is_deepspeeds_layer_count_and_agrees_with_pipeline_module():
     """One meaning per name: ``uniform`` balances the number of layers (the embedding and the
     head count as layers), for the config and for PipelineModule alike; Megatron's even split
-    of the blocks is ``blocks``."""
+    of the blocks is ``blocks``. (PipelineModule's ``parameters`` is DeepSpeed's
+    ``partition_balanced``, tests/unit/test_pipe_partition_ds.py.)"""
     import torch.nn as nn
 
     from engine.config.sections import PARTITION_METHODS
@@ -106,6 +107,7 @@ def test_uniform_is_deepspeeds_layer_count_and_agrees_with_pipeline_module():
     assert max(part_sizes([1] * 11, partition_layers([1] * 11, 4, "uniform"))) == 3  # ceil(11 / 4)
     for method in ("uniform", "parameters", "blocks"):
         pm = PipelineModule([nn.Linear(2, 2) for _ in range(11)], num_stages=4, partition_method=method)
-        assert pm.partition(4) == partition_layers(pm.layer_weights() if method != "parameters"
-                                                   else [6] * 11, 4, method), method
+        want = partition_balanced([6] * 11, 4) if method == "parameters" else \
+            partition_layers(pm.layer_weights(), 4, method)  # "parameters": DeepSpeed's partition_balanced
+        assert pm.partition(4) == want, method
     assert set(PARTITION_METHODS) == {"parameters", "uniform", "blocks", "type:<regex>"}
