@@ -263,7 +263,13 @@ class Zero3Optimizer(Zero2Optimizer):
         b.pending = None
         b.bind(full)
 
-    def _release_bucket(self, b: FlatBucket) -> None:
+    def _release_bucket(self, b: FlatBucket, keep_aliases: bool = False) -> None:
+        """Unbind ``b``'s parameters and free its gathered buffer. Within training the
+        storage is resized to 0 in place (autograd's saved views of the parameters see the
+        re-gathered values in backward). ``keep_aliases`` (GatheredParameters' exit, as
+        DeepSpeed's ``param.data = empty``): the bucket takes a fresh empty buffer and drops
+        its reference to the old one, which is freed at once unless the user holds a view of
+        it (a ``state_dict()`` tensor), which then keeps its values."""
         if b.pending is not None:
             work = b.pending[1]
             if work is not None:
@@ -273,7 +279,10 @@ class Zero3Optimizer(Zero2Optimizer):
             return
         b.unbind()
         assert b.gather_buf is not None  # set for every ZeRO-3 bucket (_init_bucket)
-        _resize_storage(b.gather_buf, 0)
+        if keep_aliases:
+            b.gather_buf = _empty_storage_buffer(b)
+        else:
+            _resize_storage(b.gather_buf, 0)
         self._live_numel -= b.layout.padded_numel
 
     def _fetch_unit(self, unit: torch.nn.Module) -> None:
@@ -542,7 +551,7 @@ class Zero3Optimizer(Zero2Optimizer):
                 b.compute_shard.copy_(shard)
                 if b.compute_shard is not b.shard_master:
                     b.shard_master.copy_(shard)
-            self._release_bucket(b)
+            self._release_bucket(b, keep_aliases=True)
 
     def gather_groups(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """``params`` (in order) grouped by the bucket one gather makes whole: a
