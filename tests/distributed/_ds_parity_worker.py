@@ -91,7 +91,64 @@ def _schedule_run(ds: Any, sched: str, drop_last: bool, steps: int = STEPS) -> d
     return {"rows": rows, "lrs": lrs, "losses": losses}
 
 
-def scenario(rank: int, world: int, which: str) -> dict:
+class ScaledSGD(torch.optim.SGD):
+    """A client optimizer whose constructor sets attributes the update reads (``scale``,
+    a per-instance ``history`` list): they must survive the engine taking the object over."""
+
+    def __init__(self, params: Any, lr: float, scale: float) -> None:
+        super().__init__(params, lr=lr, momentum=0.9)
+        self.scale = scale
+        self.history: list[int] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self.history.append(len(self.history))
+        for g in self.param_groups:
+            g["lr"] = g["initial_lr"] * self.scale ** len(self.history)
+        return super().step(closure)
+
+
+def _client_optimizer(which: str, kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "scaled_sgd":
+        opt = ScaledSGD(params, lr=LR, scale=0.5)
+        for g in opt.param_groups:
+            g["initial_lr"] = LR
+        return opt
+    if which == "ds":  # DeepSpeed's FusedAdam needs CUDA: its CPU Adam (the same update) stands for both
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(params, lr=LR, weight_decay=0.01)
+    from engine.optim.ds_adam import DeepSpeedCPUAdam, FusedAdam
+    cls = FusedAdam if kind == "fused_adam" else DeepSpeedCPUAdam
+    return cls(params, lr=LR, weight_decay=0.01)
+
+
+CLIENT_KINDS = ("cpu_adam", "fused_adam", "scaled_sgd")
+
+
+def _client_run(ds: Any, which: str, kind: str, stage: int) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = _client_optimizer(which, kind, model.parameters())
+    cfg = {"train_batch_size": MICRO * WORLD, "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+           "zero_allow_untested_optimizer": True}
+    if which != "ds":
+        cfg.pop("zero_allow_untested_optimizer")  # DeepSpeed's guard; every optimizer is allowed here
+    eng, *_ = ds.initialize(model=model, optimizer=opt, config=cfg)
+    data, losses = Rows(ROWS), []
+    for s in range(STEPS):
+        rows = [data[(s * WORLD * MICRO + eng.global_rank * MICRO + i) % ROWS] for i in range(MICRO)]
+        x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+        loss = nn.functional.mse_loss(eng(x), y)
+        eng.backward(loss)
+        eng.step()
+        losses.append(float(loss))
+    if hasattr(eng, "destroy"):
+        eng.destroy()
+    return losses
+
+
+def scenario(rank: int, world: int, which: str, stages: tuple[int, ...] = (0, 1, 2, 3)) -> dict:
     """Every schedule, and the loader with and without dataloader_drop_last."""
     os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed asserts the launcher's variables
     os.environ.setdefault("RANK", str(rank))
@@ -99,12 +156,14 @@ def scenario(rank: int, world: int, which: str) -> dict:
     ds = _deepspeed(which)
     out = {f"sched_{s}": _schedule_run(ds, s, drop_last=False) for s in SCHEDULES}
     out["drop_last"] = _schedule_run(ds, "WarmupLR", drop_last=True, steps=0)["rows"]
+    out["client"] = {f"{kind}_z{stage}": _client_run(ds, which, kind, stage)
+                     for kind in CLIENT_KINDS if not (which == "ds" and kind == "fused_adam") for stage in stages}
     return out
 
 
-def run(which: str, timeout: float = 300.0) -> list[dict]:
+def run(which: str, timeout: float = 300.0, stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[dict]:
     from harness import run_ranks
-    return run_ranks(scenario, WORLD, which, timeout=timeout)
+    return run_ranks(scenario, WORLD, which, stages, timeout=timeout)
 
 
 if __name__ == "__main__":
