@@ -41,15 +41,17 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     owns. Call it before ``initialize`` (typically in ``module.__init__``); afterwards the
     automatic detection covers the use (module docstring)."""
     _check_parameter(parameter)
-    if not hasattr(module, "_external_params"):
-        module._external_params = {}
-    module._external_params[id(parameter)] = parameter
+    ext: Optional[dict[int, nn.Parameter]] = module.__dict__.get("_external_params")
+    if ext is None:
+        ext = {}
+        object.__setattr__(module, "_external_params", ext)  # a plain attribute, as DeepSpeed's
+    ext[id(parameter)] = parameter
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """DeepSpeed's: undo :func:`register_external_parameter`."""
     _check_parameter(parameter)
-    ext = getattr(module, "_external_params", None)
+    ext: Optional[dict[int, nn.Parameter]] = module.__dict__.get("_external_params")
     if not ext or id(parameter) not in ext:
         raise RuntimeError("Parameter is not a registered external parameter of module.")
     del ext[id(parameter)]
@@ -57,7 +59,8 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters registered as external to ``module`` (registration order)."""
-    return list(getattr(module, "_external_params", {}).values())
+    ext: dict[int, nn.Parameter] = module.__dict__.get("_external_params") or {}
+    return list(ext.values())
 
 
 class ExternalGatherer(Protocol):
