@@ -8,7 +8,9 @@
   engine.zero.peak.LiveMemoryTracker) and when the last alias goes;
 - consolidated checkpoints (``zero_to_fp32``) hold the frozen parameters
   (``requires_grad=False``) at ZeRO 2 and 3, as DeepSpeed's ``_zero{2,3}_merge_frozen_params``
-  do, unless ``exclude_frozen_parameters``; the trained ones equal the engine's.
+  do, unless ``exclude_frozen_parameters``; the trained ones equal the engine's. Real
+  DeepSpeed 0.19.8 on the same model and steps gives the same names and the initial
+  embedding (the extended test runs it live: ``_deepspeed_frozen``).
 
 Exact comparisons: values are copied, never computed differently.
 """
@@ -158,3 +160,46 @@ def test_consolidated_checkpoint_holds_frozen_parameters(results, stage):
     assert got["emb_equal_init"] and got["all_equal_live"]
     assert got["excluded"] == ["head.bias", "head.weight"]
     assert got["file_names"] == got["names"] and got["file_equal"]
+
+
+def _deepspeed_frozen(rank: int, world: int, tmp: str) -> dict:
+    """Real DeepSpeed on the same model and steps: its zero_to_fp32's names, with and without
+    the frozen ones, and whether its frozen embedding is the initial one."""
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed asserts the launcher's variables
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    import deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out: dict = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = _Frozen()
+        emb0 = model.emb.weight.detach().clone()
+        cfg = {**_cfg(stage), "zero_allow_untested_optimizer": True}
+        eng, *_ = deepspeed.initialize(model=model, config=cfg,
+                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
+        for step in range(2):
+            ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+            eng.backward(eng(ids))
+            eng.step()
+        save = os.path.join(tmp, f"ds{stage}")
+        eng.save_checkpoint(save)
+        torch.distributed.barrier()
+        if rank == 0:
+            sd = get_fp32_state_dict_from_zero_checkpoint(save)
+            out[stage] = {"names": sorted(sd), "emb_equal_init": torch.equal(sd["emb.weight"].float(), emb0),
+                          "excluded": sorted(get_fp32_state_dict_from_zero_checkpoint(save,
+                                                                                      exclude_frozen_parameters=True))}
+    return out
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_deepspeed_consolidates_frozen_parameters_the_same_way(results, tmp_path):
+    pytest.importorskip("deepspeed")
+    theirs = run_ranks(_deepspeed_frozen, 2, str(tmp_path), timeout=600)[0]
+    for stage in (2, 3):
+        ours = results[0]["frozen"][stage]
+        assert theirs[stage]["names"] == ours["names"] and theirs[stage]["excluded"] == ours["excluded"]
+        assert theirs[stage]["emb_equal_init"]
