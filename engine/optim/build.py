@@ -107,12 +107,15 @@ def _clone_client(client: torch.optim.Optimizer) -> torch.optim.Optimizer:
     loses what a subclass's constructor set: a kernel handle, a scale, a step counter).
     Attributes are shared, as DeepSpeed steps the client's object itself (a list the update
     appends to is the client's list); the hook tables and ``defaults`` are copies, so hooks
-    registered on one object do not fire on the other."""
-    opt = object.__new__(type(client))
-    opt.__dict__.update(client.__dict__)
+    registered on one object do not fire on the other. Methods patched onto the instance are
+    not taken: a torch LR scheduler built on the client wraps its ``step`` there, bound to the
+    client (the clone would step the client's object over the model's parameters)."""
+    cls = type(client)
+    opt = object.__new__(cls)
     for k, v in client.__dict__.items():
-        if k.startswith("_optimizer_") and k.endswith("_hooks"):
-            opt.__dict__[k] = copy.copy(v)
+        if callable(v) and callable(getattr(cls, k, None)):
+            continue  # an instance override of a method (step, zero_grad): the class's own
+        opt.__dict__[k] = copy.copy(v) if k.startswith("_optimizer_") and k.endswith("_hooks") else v
     opt.defaults = dict(client.defaults)
     return opt
 
