@@ -22,13 +22,13 @@ own forward and backward. A parameter read by another module's forward (a tied
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Set
 
 import torch
 import torch.nn as nn
 
 __all__ = ["register_external_parameter", "unregister_external_parameter", "external_parameters",
-           "WatchedParameters", "ExternalGatherer"]
+           "WatchedParameters", "ExternalGatherer", "watch_parameters", "unwatch_parameters"]
 
 
 def _check_parameter(parameter: Any) -> None:
@@ -94,3 +94,30 @@ class WatchedParameters(dict):
     def __deepcopy__(self, memo: dict) -> dict:
         import copy
         return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+
+def watch_parameters(module: nn.Module, owner: ExternalGatherer, managed: Set[int]) -> list[Any]:
+    """Count ``owner.forward_depth`` over every module of ``module`` (hooks returned, to be
+    removed with the optimizer's) and watch the ``_parameters`` of each module holding a
+    parameter whose id is in ``managed``."""
+    hooks: list[Any] = []
+
+    def enter(*_: Any) -> None:
+        owner.forward_depth += 1
+
+    def leave(*_: Any) -> None:
+        owner.forward_depth -= 1
+
+    for m in module.modules():
+        hooks.append(m.register_forward_pre_hook(enter))
+        hooks.append(m.register_forward_hook(leave, always_call=True))
+        if any(id(p) in managed for p in m._parameters.values() if p is not None):
+            m._parameters = WatchedParameters(m._parameters, owner)
+    return hooks
+
+
+def unwatch_parameters(module: nn.Module) -> None:
+    """Plain ``_parameters`` dicts again (a destroyed engine leaves no watcher behind)."""
+    for m in module.modules():
+        if isinstance(m._parameters, WatchedParameters):
+            m._parameters = dict(m._parameters)

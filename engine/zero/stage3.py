@@ -55,7 +55,7 @@ import torch
 from engine.distributed import comm
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.zero.buckets import FlatBucket
-from engine.zero.external import WatchedParameters, external_parameters
+from engine.zero.external import external_parameters, unwatch_parameters, watch_parameters
 from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
 from engine.zero.offload import host_zeros
 from engine.zero.partition import GroupKey, bucketize
@@ -186,31 +186,14 @@ class Zero3Optimizer(Zero2Optimizer):
         for m in self._units:
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward))
-        self._watch_external_uses()
+        self.forward_depth = 0  # modules of self.module in forward (engine.zero.external)
+        self._hooks += watch_parameters(self.module, self, set(self._where))
 
     # ------------------------------------------------------------------ external uses
-    def _watch_external_uses(self) -> None:
-        """Automatic external parameters (engine.zero.external): a forward-depth count over
-        every module, and each module's ``_parameters`` watched for a read of a partitioned
-        parameter while a forward runs."""
-        self.forward_depth = 0
-
-        def enter(*_: Any) -> None:
-            self.forward_depth += 1
-
-        def leave(*_: Any) -> None:
-            self.forward_depth -= 1
-
-        for m in self.module.modules():
-            self._hooks.append(m.register_forward_pre_hook(enter))
-            self._hooks.append(m.register_forward_hook(leave, always_call=True))
-            if any(id(p) in self._where for p in m._parameters.values() if p is not None):
-                m._parameters = WatchedParameters(m._parameters, self)
-
     def gather_external(self, param: torch.Tensor) -> None:
-        """``param`` was read outside its owners' forward: gather its bucket now. It is
-        released by its owners' gradient accounting (all of the unit's gradients in) or at
-        the end of the step's backward (:meth:`_release_all`)."""
+        """``param`` was read outside its owners' forward (engine.zero.external): gather its
+        bucket now. It is released by its owners' gradient accounting (all of the unit's
+        gradients in) or at the end of the step's backward (:meth:`_release_all`)."""
         where = self._where.get(id(param))
         if where is None or where[0].persistent:
             return
@@ -218,9 +201,7 @@ class Zero3Optimizer(Zero2Optimizer):
 
     def remove_hooks(self) -> None:
         super().remove_hooks()
-        for m in self.module.modules():  # plain dicts again (a destroyed engine leaves no watcher)
-            if isinstance(m._parameters, WatchedParameters):
-                m._parameters = dict(m._parameters)
+        unwatch_parameters(self.module)
 
     # ------------------------------------------------------------------ layout
     def _plan_buckets(self, key: GroupKey, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
