@@ -152,7 +152,8 @@ def _unsaved_tensors(module: torch.nn.Module, frozen_saved: bool) -> list[str]:
     FP8 scaling state, which the training state exports)."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     buffers = [k for k in module.state_dict(keep_vars=True) if k not in params]
-    frozen = [] if frozen_saved else [n for n, p in module.named_parameters() if not p.requires_grad]
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad
+              and (not frozen_saved or getattr(p, "ds_tensor", None) is not None)]  # zero.Init shards: not saved
     return sorted(buffers + frozen)
 
 
