@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from engine.assembly.assemble import assemble_engine
 from engine.assembly.autotp import autotp_parts
@@ -36,6 +35,7 @@ from engine.config import Config, load_config
 from engine.config.ignored import log_ignored_keys
 from engine.context_parallel.groups import build_cp_layout
 from engine.context_parallel.layout import CPLayout
+from engine.data.ds_loader import deepspeed_loader
 from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed, launcher_local_rank
 from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine
@@ -127,17 +127,16 @@ def _is_layer_list(model: Any) -> bool:
 
 
 def _dataloader(data: Any, cfg: Config, groups: ParallelGroups, collate_fn: Optional[Callable],
-                device: torch.device) -> Any:
+                device: torch.device, pipeline: bool) -> Any:
     """DeepSpeed's ``deepspeed_io``: micro-batches of ``train_micro_batch_size_per_gpu``,
-    each DP rank reading its own shard of the dataset (``DistributedSampler``). On a GPU the
+    each DP rank reading its own shard of the dataset, in DeepSpeed's order
+    (:mod:`engine.data.ds_loader`: sampler seed 0, last batch kept unless
+    ``dataloader_drop_last``; unshuffled and repeating under a pipeline). On a GPU the
     batches are pinned, so the engine's non-blocking copy to the device overlaps compute."""
-    if not isinstance(data, Dataset):
-        raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(data).__name__}")
     rows = groups.role(Role.BATCH)  # the ranks that read different rows
-    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=rows.size, rank=rows.rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
-    return DataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=True, pin_memory=device.type != "cpu")
+    return deepspeed_loader(data, cfg.train_micro_batch_size_per_gpu, rows.size, rows.rank, collate_fn=collate_fn,
+                            drop_last=cfg.dataloader_drop_last, pipeline=pipeline,
+                            pin_memory=device.type != "cpu")
 
 
 def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], None] = None,  # noqa: PLR0913 (deepspeed.initialize's signature, plus three keyword-only options)
@@ -183,7 +182,8 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     monitor = build_monitor(cfg.monitor, is_writer=dist.get_rank() == 0)  # checks the packages on every rank
     groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None))
 
-    loader = None if training_data is None else _dataloader(training_data, cfg, groups, collate_fn, device)
+    pipelined = isinstance(model, PipelineModule) or cfg.pp > 1  # DeepSpeed's PipelineEngine reads in order
+    loader = None if training_data is None else _dataloader(training_data, cfg, groups, collate_fn, device, pipelined)
     cp = build_cp_layout(cfg.context_parallel, groups, getattr(dist_env, "timeout_s", None))  # collective (hybrid)
     parts, opt_inputs = _build_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn, cp)
     engine = assemble_engine(cfg, parts, opt_inputs, lr_scheduler, groups, device, dist_env=dist_env,

@@ -7,7 +7,9 @@ Outputs in ``out_dir``:
 - ``model.safetensors``: every parameter once, under the names of the single-process
   reference model (``layers.{i}.{name}``); a tied head is not repeated (safetensors stores
   no shared tensors) -- the header metadata ``tied`` maps each alias to its source, and
-  ``safetensors.torch.load_model`` fills a tied model from it;
+  ``safetensors.torch.load_model`` fills a tied model from it; the frozen parameters
+  (``requires_grad=False``) the checkpoint holds follow the trained ones (``frozen=False``
+  leaves them out);
 - ``pytorch_model_fp32.pt``: a ``torch.load(weights_only=True)`` state dict with every
   name of the model's ``state_dict()`` (aliases share the storage of their source), so
   ``GPT.load_state_dict(..., strict=True)`` accepts it.
@@ -21,6 +23,7 @@ a valid zip archive.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -39,7 +42,7 @@ from engine.checkpoint.format import (
     read_latest,
     resolve_checkpoint_dir,
 )
-from engine.checkpoint.reader import iter_full_params
+from engine.checkpoint.reader import iter_frozen_params, iter_full_params
 
 __all__ = ["consolidate", "resolve_checkpoint", "SAFETENSORS_FILE", "TORCH_FILE"]
 
@@ -63,13 +66,15 @@ def resolve_checkpoint(path: str, tag: Optional[str] = None) -> str:
 
 
 def consolidate(checkpoint: str, out_dir: str, *, tag: Optional[str] = None, verify: bool = True,
-                write_torch: bool = True, write_safetensors: bool = True) -> dict[str, str]:
-    """Write the consolidated fp32 model of ``checkpoint`` into ``out_dir``; returns the paths."""
+                write_torch: bool = True, write_safetensors: bool = True, frozen: bool = True) -> dict[str, str]:
+    """Write the consolidated fp32 model of ``checkpoint`` into ``out_dir``; returns the paths.
+    ``frozen``: with the frozen parameters the checkpoint holds (in fp32, after the trained ones)."""
     path = resolve_checkpoint(checkpoint, tag)
     meta = load_metadata(path)
     os.makedirs(out_dir, exist_ok=True)
-    names = list(meta.params)
-    shapes = {n: meta.params[n].shape for n in names}
+    frozen_shapes = {n: tuple(r["shape"]) for n, r in meta.frozen.items()} if frozen else {}
+    names = list(meta.params) + list(frozen_shapes)
+    shapes = {**{n: meta.params[n].shape for n in meta.params}, **frozen_shapes}
     aliases = {a: s for a, s in meta.aliases.items() if s in shapes}
     out: dict[str, str] = {}
     st = tw = None
@@ -82,8 +87,10 @@ def consolidate(checkpoint: str, out_dir: str, *, tag: Optional[str] = None, ver
         if write_torch:
             out["torch"] = os.path.join(out_dir, TORCH_FILE)
             tw = _TorchStreamWriter(out["torch"] + ".tmp", [(n, shapes[n]) for n in names], aliases)
-        for name, _, full in iter_full_params(path, ("master",), verify=verify):
-            t = full["master"].to(torch.float32)
+        trained = ((name, full["master"]) for name, _, full in iter_full_params(path, ("master",), verify=verify))
+        kept = iter_frozen_params(path, verify=verify) if frozen_shapes else iter(())
+        for name, t in itertools.chain(trained, kept):  # the order of ``names``
+            t = t.to(torch.float32)
             if st is not None:
                 st.write(t)
             if tw is not None:

@@ -244,7 +244,10 @@ class CheckpointMetadata:
     (:class:`engine.training_state.TrainingState`: ``counters``, ``data_position``,
     ``lr_scheduler``, ``lr_scheduler_groups``, ``loss_scaler``), stored flat as before;
     ``fp8``: FP8 scaling state by layer name (version 2; None: no FP8 layers, or version 1);
-    ``client_state``: the client-state file's name, if any."""
+    ``client_state``: the client-state file's name, if any; ``frozen``: the frozen parameters
+    (``requires_grad=False``, outside the optimizer) by name: ``{"file", "key", "shape",
+    "dtype"}`` of the whole tensor one replica wrote (DeepSpeed's ``frozen_param_*``), read by
+    consolidation and zero_to_fp32 only (empty in checkpoints written before it existed)."""
 
     tag: str
     topology: SavedTopology
@@ -257,6 +260,7 @@ class CheckpointMetadata:
     rng: dict[str, Any]
     fp8: Optional[dict[str, Any]] = None
     client_state: Optional[str] = None
+    frozen: dict[str, dict[str, Any]] = field(default_factory=dict)
     engine_version: str = ""
     torch_version: str = ""
     time: float = 0.0
@@ -278,6 +282,8 @@ class CheckpointMetadata:
                     "params": {n: p.to_json() for n, p in self.params.items()}, "aliases": self.aliases,
                     "files": {n: f.to_json() for n, f in self.files.items()}, "rng": self.rng,
                     "client_state": self.client_state})
+        if self.frozen:
+            out["frozen"] = self.frozen
         if self.format_version >= 2:
             out["fp8"] = self.fp8
         return out
@@ -294,6 +300,7 @@ class CheckpointMetadata:
                    aliases=dict(d.get("aliases") or {}),
                    files={n: FileRecord.from_json(f, where) for n, f in _need(d, "files", where).items()},
                    rng=dict(d.get("rng") or {}), fp8=d.get("fp8"), client_state=d.get("client_state"),
+                   frozen=dict(d.get("frozen") or {}),
                    engine_version=str(d.get("engine_version", "")), torch_version=str(d.get("torch_version", "")),
                    time=float(d.get("time", 0.0)), format_version=int(d["format_version"]))
 

@@ -19,7 +19,7 @@ from engine.checkpoint.format import (
 )
 from engine.checkpoint.reshape import assemble_full
 
-__all__ = ["ShardReader", "iter_full_params"]
+__all__ = ["ShardReader", "iter_full_params", "iter_frozen_params"]
 
 
 class ShardReader:
@@ -75,6 +75,14 @@ class ShardReader:
                                   f"fragment there)") from None
         return sl[frag.offset:frag.offset + frag.numel]
 
+    def read_whole(self, file: str, key: str) -> torch.Tensor:
+        """The tensor ``key`` of shard file ``file`` (a frozen parameter)."""
+        h = self._handle(file)
+        if key not in h.keys():
+            raise CheckpointError(f"{os.path.join(self.path, file)} has no tensor {key!r} (the metadata lists a "
+                                  f"frozen parameter there)")
+        return h.get_tensor(key)
+
     def close(self) -> None:
         self._open.clear()
 
@@ -101,5 +109,22 @@ def iter_full_params(path: str, states: Sequence[str] = ("master",), verify: boo
                 mine = [s for s in states if s == "master" or all(reader.has(f, s) for f in frags)]
             full = assemble_full(name, shape, frags, mine, reader.read, None, f"{path}: ")
             yield name, shape, {s: t.view(shape) for s, t in full.items()}
+    finally:
+        reader.close()
+
+
+def iter_frozen_params(path: str, verify: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` for every frozen parameter the checkpoint in ``path`` holds
+    (``requires_grad=False``, in its saved dtype), one at a time; none in checkpoints saved
+    before frozen parameters were written (see :class:`CheckpointMetadata`)."""
+    meta = load_metadata(path)
+    reader = ShardReader(path, meta, verify)
+    try:
+        for name, rec in meta.frozen.items():
+            t = reader.read_whole(rec["file"], rec["key"])
+            if list(t.shape) != list(rec["shape"]):
+                raise CheckpointError(f"{path}: frozen parameter {name} has shape {list(t.shape)} in its file but "
+                                      f"{rec['shape']} in the metadata")
+            yield name, t
     finally:
         reader.close()

@@ -146,14 +146,36 @@ def _group_options(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _unsaved_tensors(module: torch.nn.Module) -> list[str]:
-    """Module state outside the optimizer (persistent buffers, frozen parameters): not in
-    the checkpoint, which holds what the optimizer trains (and the FP8 scaling state, which
-    the training state exports)."""
+def _unsaved_tensors(module: torch.nn.Module, frozen_saved: bool) -> list[str]:
+    """Module state outside the optimizer (persistent buffers; frozen parameters unless
+    ``frozen_saved``): not in the checkpoint, which holds what the optimizer trains (and the
+    FP8 scaling state, which the training state exports)."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     buffers = [k for k in module.state_dict(keep_vars=True) if k not in params]
-    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad
+              and (not frozen_saved or getattr(p, "ds_tensor", None) is not None)]  # zero.Init shards: not saved
     return sorted(buffers + frozen)
+
+
+def _frozen_tensors(module: torch.nn.Module, names: dict[int, str], groups: ParallelGroups, fname: str
+                    ) -> tuple[Tensors, dict[str, dict[str, Any]]]:
+    """The frozen parameters (``requires_grad=False``: whole on every replica, outside ZeRO)
+    written once, by the first rank of the grad role of each pipeline stage, into its shard
+    file, for consolidation and zero_to_fp32 (DeepSpeed's checkpoints carry them too). Not
+    under tensor parallelism (a frozen TP-sharded weight would need its TP pieces joined):
+    there they stay unsaved, with the warning."""
+    if groups.role(Role.GRAD).rank != 0 or groups.tp_size != 1:
+        return [], {}
+    tensors: Tensors = []
+    records: dict[str, dict[str, Any]] = {}
+    for p in module.parameters():
+        if p.requires_grad or id(p) not in names or getattr(p, "ds_tensor", None) is not None:
+            continue
+        name = names[id(p)]
+        key = f"frozen.{name}"
+        tensors.append((key, p.detach()))
+        records[name] = {"file": fname, "key": key, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+    return tensors, records
 
 
 Tensors = list[tuple[str, torch.Tensor]]   # (safetensors key, tensor) in file order
@@ -163,7 +185,7 @@ def snapshot_local(engine: Checkpointable, view: ShardView) -> tuple[Tensors, di
     """This rank's tensors to write (live views: copy them before training goes on) and the
     small description rank 0 needs for the metadata (``"file"`` is filled once written)."""
     groups = _parallel_groups(engine)
-    unsaved = _unsaved_tensors(engine.module)
+    unsaved = _unsaved_tensors(engine.module, frozen_saved=groups.tp_size == 1)
     if unsaved:
         logger.warning("rank %d: module state outside the optimizer is not saved (buffers or frozen parameters "
                        "are rebuilt from the config on load): %s", groups.rank, unsaved[:8])
@@ -174,7 +196,7 @@ def snapshot_local(engine: Checkpointable, view: ShardView) -> tuple[Tensors, di
     # the file's data index is the rank's place in the grad role (dp, or cp x dp under context
     # parallelism, whose ranks each own a ZeRO shard): equal to the dp rank without CP
     fname = shard_file_name(coord.pp, coord.tp, groups.role(Role.GRAD).rank)
-    tensors: Tensors = []
+    tensors, frozen = _frozen_tensors(engine.module, names, groups, fname)
     scalar_state: dict[str, dict[str, Any]] = {}
     param_groups: dict[str, dict[str, Any]] = {}
     elementwise_keys: list[str] = []
@@ -209,7 +231,8 @@ def snapshot_local(engine: Checkpointable, view: ShardView) -> tuple[Tensors, di
             "fragments": fragments, "shapes": shapes, "aliases": aliases,
             "tied_originals": originals, "tied_copies": copies, "scalar_state": scalar_state,
             "param_groups": param_groups, "elementwise_keys": elementwise_keys, "elementwise_by_group": by_group,
-            "order": {name: order[name] for name in fragments}, "optimizer_class": view.optimizer_class}
+            "order": {name: order[name] for name in fragments}, "optimizer_class": view.optimizer_class,
+            "frozen": frozen}
     return tensors, part
 
 
@@ -258,6 +281,7 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
     scalar_state: dict[str, Any] = {}
     param_groups: dict[str, Any] = {}
     fp8: dict[str, Any] = {}
+    frozen: dict[str, dict[str, Any]] = {}
     for part in parts:  # rank order: pipeline stage 0 first, so names come in model order
         for name, frags in part["fragments"].items():
             entry = params.setdefault(name, {"shape": part["shapes"][name], "fragments": []})
@@ -275,6 +299,8 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
             param_groups.setdefault(pg, opts)
         for name, st in (part["fp8"] or {}).items():  # TP and DP replicas hold the same (MAX-reduced) state
             fp8.setdefault(name, st)
+        for name, rec in part.get("frozen", {}).items():  # one writer per pipeline stage
+            frozen.setdefault(name, rec)
     # model order: by layer, then as the module lists them (any rank holding a layer agrees on that)
     position: dict[str, int] = {}
     for part in parts:
@@ -295,7 +321,8 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
         config=cfg.to_dict(), training={k: training[k] for k in CheckpointMetadata.TRAINING_KEYS},
         optimizer=OptimizerRecord(parts[0]["optimizer_class"], param_groups, elementwise, scalar_state, by_group),
         params={n: ParamRecord(tuple(e["shape"]), tuple(e["fragments"])) for n, e in params.items()},
-        aliases=aliases, files=files, rng={str(p["rank"]): p["rng"] for p in parts}, fp8=fp8 or None)
+        aliases=aliases, files=files, rng={str(p["rank"]): p["rng"] for p in parts}, fp8=fp8 or None,
+        frozen=frozen)
 
 
 def client_state_bytes(client_state: dict[str, Any]) -> bytes:

@@ -10,8 +10,12 @@ stage, DP / TP / PP layout): the full fp32 master weights, by DeepSpeed's functi
 
 ``checkpoint_dir`` is the save directory (``tag`` or its ``latest`` file picks the
 checkpoint) or a checkpoint itself. Names are the trained module's (``fc1.weight``), or
-``layers.{i}.<name>`` for a layer list / PipelineModule. Frozen parameters are never in
-the checkpoint, so ``exclude_frozen_parameters`` has no effect.
+``layers.{i}.<name>`` for a layer list / PipelineModule. Frozen parameters
+(``requires_grad=False``) are included, as DeepSpeed's: in their saved dtype from
+:func:`get_fp32_state_dict_from_zero_checkpoint` (as DeepSpeed gives them), in fp32 in the
+files :func:`convert_zero_checkpoint_to_fp32_state_dict` writes; ``exclude_frozen_parameters``
+leaves them out. Not under tensor parallelism, where checkpoints do not hold them (a warning
+at save names them); nor in checkpoints saved before 2026-11.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.nn as nn
 
 from engine.checkpoint.export import TORCH_FILE, consolidate, resolve_checkpoint
 from engine.checkpoint.format import read_metadata
-from engine.checkpoint.reader import iter_full_params
+from engine.checkpoint.reader import iter_frozen_params, iter_full_params
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint"]
@@ -40,6 +44,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
                          "streams to a file without holding it)")
     path = resolve_checkpoint(checkpoint_dir, tag)
     out = {name: full["master"].to(torch.float32) for name, _, full in iter_full_params(path, ("master",))}
+    if not exclude_frozen_parameters:
+        out.update(iter_frozen_params(path))
     for alias, source in read_metadata(path).get("aliases", {}).items():
         if source in out:
             out[alias] = out[source]
@@ -53,7 +59,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
     state dict) or, with ``safe_serialization``, ``model.safetensors``; one file
     (``max_shard_size`` is not used). Returns its path."""
     paths = consolidate(checkpoint_dir, output_dir, tag=tag, write_torch=not safe_serialization,
-                        write_safetensors=safe_serialization)
+                        write_safetensors=safe_serialization, frozen=not exclude_frozen_parameters)
     if safe_serialization:
         return paths["safetensors"]
     final = os.path.join(output_dir, "pytorch_model.bin")

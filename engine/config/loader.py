@@ -44,7 +44,7 @@ _TOP_LEVEL = (
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "communication_data_type",
     "zero_force_ds_cpu_optimizer", "max_consecutive_nonfinite_steps", "context_parallel", "sequence_parallel_size",
-    "data_parallel_size", "torch_autocast",
+    "data_parallel_size", "torch_autocast", "dataloader_drop_last",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
@@ -133,6 +133,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
                                      auto_hint=" (the Hugging Face Trainer fills it from max_grad_norm)"),
         steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
+        dataloader_drop_last=top.bool("dataloader_drop_last", False),
         zero_force_ds_cpu_optimizer=top.bool("zero_force_ds_cpu_optimizer", True),
         seed=top.int("seed", 1234, min=0, max=2**63 - 1),
         communication_data_type=_communication_data_type(top),

@@ -425,6 +425,8 @@ class Config:
     gradient_clipping: float = 1.0  # max global grad norm; 0 = no clipping
     steps_per_print: Optional[int] = 10  # None: never
     wall_clock_breakdown: bool = False
+    # DeepSpeed's: initialize(training_data=)'s loader drops the last short micro-batch
+    dataloader_drop_last: bool = False
     # DeepSpeed's meaning: with offload_optimizer, a client optimizer must be its CPU Adam
     # (engine.compat.deepspeed.ops.adam.DeepSpeedCPUAdam); false lets any optimizer step on the host
     zero_force_ds_cpu_optimizer: bool = True
@@ -473,6 +475,7 @@ class Config:
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "steps_per_print": self.steps_per_print,
             "wall_clock_breakdown": self.wall_clock_breakdown,
+            "dataloader_drop_last": self.dataloader_drop_last,
             "zero_force_ds_cpu_optimizer": self.zero_force_ds_cpu_optimizer,
             "seed": self.seed,
             "gradient_clipping": self.gradient_clipping,

@@ -101,12 +101,31 @@ def _muon_factory(p: MuonParams) -> OptimizerFactory:
                                adamw_weight_decay=adam_wd)
 
 
+def _clone_client(client: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The client's object with its whole ``__dict__`` (``copy.copy`` goes through torch's
+    ``Optimizer.__getstate__``, which keeps only ``defaults``/``state``/``param_groups`` and
+    loses what a subclass's constructor set: a kernel handle, a scale, a step counter).
+    Attributes are shared, as DeepSpeed steps the client's object itself (a list the update
+    appends to is the client's list); the hook tables and ``defaults`` are copies, so hooks
+    registered on one object do not fire on the other. Methods patched onto the instance are
+    not taken: a torch LR scheduler built on the client wraps its ``step`` there, bound to the
+    client (the clone would step the client's object over the model's parameters)."""
+    cls = type(client)
+    opt = object.__new__(cls)
+    for k, v in client.__dict__.items():
+        if callable(v) and callable(getattr(cls, k, None)):
+            continue  # an instance override of a method (step, zero_grad): the class's own
+        opt.__dict__[k] = copy.copy(v) if k.startswith("_optimizer_") and k.endswith("_hooks") else v
+    opt.defaults = dict(client.defaults)
+    return opt
+
+
 def _clone_factory(client: torch.optim.Optimizer) -> OptimizerFactory:
     """DeepSpeed's ``optimizer=`` instance as a factory.
 
-    The instance is cloned (a shallow copy of the object, so its class, defaults and any
-    attribute its constructor set are kept) with fresh state and the given groups (the
-    master shards; each group dict carries the client group's options,
+    The instance is cloned (:func:`_clone_client`: its class and every attribute its
+    constructor set) with fresh state and the given groups (the master shards; each group
+    dict carries the client group's options,
     :func:`engine.optim.client.param_groups_from_client`). The client's object itself is
     left as it was (a scheduler built on it keeps working through
     :class:`engine.optim.client.ClientLRScheduler`). It must not have stepped yet: its
@@ -117,7 +136,7 @@ def _clone_factory(client: torch.optim.Optimizer) -> OptimizerFactory:
                          "pass a fresh optimizer, a callable params -> optimizer, or none (the config's)")
 
     def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        opt = copy.copy(client)
+        opt = _clone_client(client)
         if isinstance(opt, FusedAdamW):
             opt.clear_param_copies()  # its own, not the client's (ZeRO-Offload attaches host copies)
         opt.state = defaultdict(dict)

@@ -3,15 +3,17 @@ parameter names and formulas) plus ``cosine`` (warmup, cosine to a floor ratio) 
 (warmup-stable-decay).
 
 Every schedule is a :class:`torch.optim.lr_scheduler.LRScheduler`: it sets the lr of each
-param group from a pure function of the step index ``s = last_epoch`` (0 at construction,
-+1 per ``step()``; call ``step()`` after each optimizer step), and has
-``state_dict``/``load_state_dict``. The lr used by the ``k``-th optimizer step (0-based) is
-``f(k)``.
+param group from a pure function ``f`` of a step index, and has ``state_dict``/
+``load_state_dict``. Call ``step()`` after each optimizer step (the engine does, skipping
+steps skipped for overflow, as DeepSpeed does); torch's ``last_epoch`` is 0 at construction
+and +1 per ``step()``.
 
-Relation to DeepSpeed: the formulas ``f(s)`` below are DeepSpeed's as functions of its
-``last_batch_iteration``. DeepSpeed constructs its schedulers at iteration -1 (lr =
-``warmup_min_lr``, or ratio 0 for WarmupCosineLR), so its ``k``-th optimizer step uses
-``f(k - 1)``: ours reach each value one step earlier; the curves are otherwise identical.
+DeepSpeed's three (WarmupLR, WarmupDecayLR, WarmupCosineLR) follow DeepSpeed step for step:
+``f`` is a function of DeepSpeed's ``last_batch_iteration`` ``s = last_epoch - 1``, which is
+-1 at construction, where DeepSpeed sets ``warmup_min_lr`` (ratio 0 for WarmupCosineLR, not
+``warmup_min_ratio``). So the ``k``-th optimizer step (0-based) uses ``f(k - 1)`` in both, with
+``f(-1)`` that start value. Ours (``cosine``, ``WSD``) use ``f(last_epoch)``: the ``k``-th
+step uses ``f(k)``.
 
 Formulas (``W`` warmup steps, ``T`` total steps, ``base`` the param group's lr at construction):
 
@@ -144,15 +146,31 @@ class _StepFunctionLR(LRScheduler):
     def _lr(self, group: int, step: int) -> float:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # DeepSpeed's schedules count from -1 (their last_batch_iteration); ours from 0
+    _step_offset = 0
+
     def get_lr(self) -> list[Union[float, torch.Tensor]]:  # LRScheduler's type (floats here)
-        return [self._lr(i, self.last_epoch) for i in range(len(self.optimizer.param_groups))]
+        s = self.last_epoch - self._step_offset
+        return [self._lr(i, s) for i in range(len(self.optimizer.param_groups))]
 
     def _get_closed_form_lr(self) -> list[Union[float, torch.Tensor]]:
         return self.get_lr()
 
 
-class WarmupLR(_StepFunctionLR):
-    """DeepSpeed ``WarmupLR``: warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold."""
+class _DeepSpeedIteration:
+    """DeepSpeed's step index: ``last_batch_iteration = last_epoch - 1`` (-1 at construction)."""
+
+    _step_offset = 1
+    last_epoch: int
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self.last_epoch - 1
+
+
+class WarmupLR(_DeepSpeedIteration, _StepFunctionLR):
+    """DeepSpeed ``WarmupLR``: warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold.
+    At DeepSpeed's iteration -1 (before the first ``step()``) the lr is ``warmup_min_lr``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: Union[Number, Sequence[Number]] = 0.0,
                  warmup_max_lr: Union[None, Number, Sequence[Number]] = None, warmup_num_steps: int = 1000,
@@ -168,6 +186,8 @@ class WarmupLR(_StepFunctionLR):
         super().__init__(optimizer, last_epoch)
 
     def _gamma(self, step: int) -> float:
+        if step < 0:  # DeepSpeed's "before it has started": min_lr
+            return 0.0
         return warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
 
     def _lr(self, group: int, step: int) -> float:
@@ -186,6 +206,8 @@ class WarmupDecayLR(WarmupLR):
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch)
 
     def _gamma(self, step: int) -> float:
+        if step < 0:
+            return 0.0
         return warmup_decay_gamma(step, self.warmup_num_steps, self.total_num_steps, self.warmup_type)
 
 
@@ -199,8 +221,9 @@ class _RatioLR(_StepFunctionLR):
         return float(self.base_lrs[group]) * self._ratio(step)
 
 
-class WarmupCosineLR(_RatioLR):
-    """DeepSpeed ``WarmupCosineLR``: ratios of the optimizer's lr."""
+class WarmupCosineLR(_DeepSpeedIteration, _RatioLR):
+    """DeepSpeed ``WarmupCosineLR``: ratios of the optimizer's lr; ratio 0 at DeepSpeed's
+    iteration -1 (before the first ``step()``), as there."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
@@ -214,6 +237,8 @@ class WarmupCosineLR(_RatioLR):
         super().__init__(optimizer, last_epoch)
 
     def _ratio(self, step: int) -> float:
+        if step < 0:  # DeepSpeed returns 0.0 "before it has started", not warmup_min_ratio
+            return 0.0
         return warmup_cosine_ratio(step, self.total_num_steps, self.warmup_min_ratio, self.warmup_num_steps,
                                    self.cos_min_ratio, self.warmup_type)
 

@@ -24,6 +24,7 @@ from engine.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from engine.precision.mixed import PrecisionPolicy
 from engine.topology import Role
 from engine.zero.base import OptimizerFactory, ParamsArg, ZeroOptimizer
+from engine.zero.external import register_external_parameter, unregister_external_parameter
 from engine.zero.init import GatheredParameters, Init
 from engine.zero.offload import NO_OFFLOAD, OffloadOptions
 from engine.zero.stage0 import DataParallelOptimizer
@@ -32,7 +33,8 @@ from engine.zero.stage2 import Zero2Optimizer
 from engine.zero.stage3 import Zero3Optimizer
 
 __all__ = ["build_zero_optimizer", "ZeroOptimizer", "DataParallelOptimizer", "Zero1Optimizer",
-           "Zero2Optimizer", "Zero3Optimizer", "STAGES", "Init", "GatheredParameters", "OffloadOptions"]
+           "Zero2Optimizer", "Zero3Optimizer", "STAGES", "Init", "GatheredParameters", "OffloadOptions",
+           "register_external_parameter", "unregister_external_parameter"]
 
 STAGES = {0: DataParallelOptimizer, 1: Zero1Optimizer, 2: Zero2Optimizer, 3: Zero3Optimizer}
 

@@ -55,6 +55,7 @@ import torch
 from engine.distributed import comm
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.zero.buckets import FlatBucket
+from engine.zero.external import external_parameters, unwatch_parameters, watch_parameters
 from engine.zero.init import gather_partitioned, is_partitioned, param_numel, register_managed
 from engine.zero.offload import host_zeros
 from engine.zero.partition import GroupKey, bucketize
@@ -142,7 +143,8 @@ class Zero3Optimizer(Zero2Optimizer):
         self.persistence_threshold = int(param_persistence_threshold)
         self._owners: dict[int, list[torch.nn.Module]] = {}
         for m in module.modules():
-            for p in m.parameters(recurse=False):
+            # a parameter registered as external to m (register_external_parameter) is m's too
+            for p in list(m.parameters(recurse=False)) + external_parameters(m):
                 owners = self._owners.setdefault(id(p), [])
                 if m not in owners:
                     owners.append(m)
@@ -184,6 +186,22 @@ class Zero3Optimizer(Zero2Optimizer):
         for m in self._units:
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward))
+        self.forward_depth = 0  # modules of self.module in forward (engine.zero.external)
+        self._hooks += watch_parameters(self.module, self, set(self._where))
+
+    # ------------------------------------------------------------------ external uses
+    def gather_external(self, param: torch.Tensor) -> None:
+        """``param`` was read outside its owners' forward (engine.zero.external): gather its
+        bucket now. It is released by its owners' gradient accounting (all of the unit's
+        gradients in) or at the end of the step's backward (:meth:`_release_all`)."""
+        where = self._where.get(id(param))
+        if where is None or where[0].persistent:
+            return
+        self._materialize(where[0])
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        unwatch_parameters(self.module)
 
     # ------------------------------------------------------------------ layout
     def _plan_buckets(self, key: GroupKey, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
@@ -263,7 +281,13 @@ class Zero3Optimizer(Zero2Optimizer):
         b.pending = None
         b.bind(full)
 
-    def _release_bucket(self, b: FlatBucket) -> None:
+    def _release_bucket(self, b: FlatBucket, keep_aliases: bool = False) -> None:
+        """Unbind ``b``'s parameters and free its gathered buffer. Within training the
+        storage is resized to 0 in place (autograd's saved views of the parameters see the
+        re-gathered values in backward). ``keep_aliases`` (GatheredParameters' exit, as
+        DeepSpeed's ``param.data = empty``): the bucket takes a fresh empty buffer and drops
+        its reference to the old one, which is freed at once unless the user holds a view of
+        it (a ``state_dict()`` tensor), which then keeps its values."""
         if b.pending is not None:
             work = b.pending[1]
             if work is not None:
@@ -273,7 +297,10 @@ class Zero3Optimizer(Zero2Optimizer):
             return
         b.unbind()
         assert b.gather_buf is not None  # set for every ZeRO-3 bucket (_init_bucket)
-        _resize_storage(b.gather_buf, 0)
+        if keep_aliases:
+            b.gather_buf = _empty_storage_buffer(b)
+        else:
+            _resize_storage(b.gather_buf, 0)
         self._live_numel -= b.layout.padded_numel
 
     def _fetch_unit(self, unit: torch.nn.Module) -> None:
@@ -542,7 +569,7 @@ class Zero3Optimizer(Zero2Optimizer):
                 b.compute_shard.copy_(shard)
                 if b.compute_shard is not b.shard_master:
                     b.shard_master.copy_(shard)
-            self._release_bucket(b)
+            self._release_bucket(b, keep_aliases=True)
 
     def gather_groups(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """``params`` (in order) grouped by the bucket one gather makes whole: a

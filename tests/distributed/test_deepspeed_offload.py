@@ -10,9 +10,9 @@ to ``import engine.compat.deepspeed as deepspeed``, on 2 gloo ranks under torchr
   on the host; golden files tests/assets/ds_offload_train_deepspeed_z{2,3}.json written by
   running the unchanged script under DeepSpeed; the slow test re-runs DeepSpeed live).
 
-The filled configs set warmup_min_lr = warmup_max_lr (a constant learning rate): our WarmupLR
-reaches each value one step before DeepSpeed's (engine/optim/lr_schedules.py), which is not
-what this compares. Tolerance: 1e-5 absolute on losses of O(1) (fp32; DeepSpeed's AVX Adam
+The filled configs set warmup_min_lr = warmup_max_lr (a constant learning rate; WarmupLR's
+schedule itself is compared step for step with DeepSpeed's in tests/distributed/test_ds_parity.py).
+Tolerance: 1e-5 absolute on losses of O(1) (fp32; DeepSpeed's AVX Adam
 orders the bias correction differently, ~1e-7 per step; measured max 3.6e-7). A missing
 clip, a gradient shard copied before its reduction, or the wrong moments move losses by 1e-3+.
 """

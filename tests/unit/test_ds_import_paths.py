@@ -116,9 +116,9 @@ REFUSED = [
 # engine methods DeepSpeed documents that raise NotImplementedError here, with the way to do it
 REFUSED_ENGINE_METHODS = ["scale", "set_gradient_accumulation_boundary", "no_sync", "coalesce_grad_reduction"]
 
-# working once ZeRO-3 external-parameter registration lands in engine.zero (issue 31, another
-# branch); refused with the reason until then
-WORKING_WHEN_IMPLEMENTED = ["deepspeed.zero.register_external_parameter"]
+# ZeRO-3 external-parameter registration (engine/zero/external.py)
+WORKING_WHEN_IMPLEMENTED = ["deepspeed.zero.register_external_parameter",
+                            "deepspeed.zero.unregister_external_parameter"]
 
 
 
@@ -187,9 +187,8 @@ def test_refused_engine_methods_say_how():
 
 
 @pytest.mark.parametrize("path", WORKING_WHEN_IMPLEMENTED)
-def test_path_owned_by_the_zero3_work_works_or_says_why(path):
-    got = status(path)
-    assert got == "working" or _refusal_is_explained(got), got
+def test_zero3_external_parameter_paths_work(path):
+    assert status(path) == "working"
 
 
 _ALIAS_PROBE = """

@@ -1,5 +1,10 @@
 """LR schedules against their formulas (hand-written here, independently of the module),
-against known points, and against DeepSpeed's own classes where DeepSpeed is installed."""
+against known points, and against DeepSpeed's own classes where DeepSpeed is installed.
+
+DeepSpeed's three schedules count from its ``last_batch_iteration`` = -1 at construction, so
+the lr of the ``k``-th optimizer step is ``f(k - 1)`` with ``f(-1)`` the start value
+(``warmup_min_lr``; ratio 0 for WarmupCosineLR). Until 2026-11 ours used ``f(k)`` (one step
+ahead of DeepSpeed); the expectations below were moved to DeepSpeed's indexing then."""
 
 import math
 
@@ -31,8 +36,11 @@ def _trace(type_, params, steps, lr=0.1, groups=1):
 def test_warmup_lr_formula(wtype):
     lo, hi, w = 0.01, 0.5, 10
     got = _trace("WarmupLR", dict(warmup_min_lr=lo, warmup_max_lr=hi, warmup_num_steps=w, warmup_type=wtype), 15)
-    for s, (lr,) in enumerate(got):
-        if s < w:
+    for k, (lr,) in enumerate(got):
+        s = k - 1  # DeepSpeed's last_batch_iteration when step k runs
+        if s < 0:
+            g = 0.0
+        elif s < w:
             g = math.log(s + 1) / math.log(w) if wtype == "log" else s / w
         else:
             g = 1.0
@@ -42,8 +50,8 @@ def test_warmup_lr_formula(wtype):
 
 def test_warmup_lr_defaults_to_optimizer_lr_and_raises_one_step_warmup_to_two():
     got = _trace("WarmupLR", dict(warmup_min_lr=0.0, warmup_num_steps=1, warmup_type="linear"), 4, lr=0.3)
-    # DeepSpeed raises warmup_num_steps to at least 2: 0, 0.5, 1, 1 (x 0.3)
-    assert [g[0] for g in got] == pytest.approx([0.0, 0.15, 0.3, 0.3])
+    # DeepSpeed raises warmup_num_steps to at least 2: min (iteration -1), then 0, 0.5, 1 (x 0.3)
+    assert [g[0] for g in got] == pytest.approx([0.0, 0.0, 0.15, 0.3])
 
 
 @pytest.mark.parametrize("wtype", ["log", "linear"])
@@ -51,13 +59,16 @@ def test_warmup_decay_lr_formula(wtype):
     lo, hi, w, t = 0.0, 0.2, 5, 20
     got = _trace("WarmupDecayLR", dict(total_num_steps=t, warmup_min_lr=lo, warmup_max_lr=hi,
                                        warmup_num_steps=w, warmup_type=wtype), 25)
-    for s, (lr,) in enumerate(got):
-        if s < w:
+    for k, (lr,) in enumerate(got):
+        s = k - 1
+        if s < 0:
+            g = 0.0
+        elif s < w:
             g = math.log(s + 1) / math.log(w) if wtype == "log" else s / w
         else:
             g = max(0.0, (t - s) / (t - w))
         assert lr == pytest.approx(lo + (hi - lo) * g, abs=1e-15)
-    assert got[w][0] == pytest.approx(hi) and got[t][0] == 0.0 and got[24][0] == 0.0
+    assert got[w + 1][0] == pytest.approx(hi) and got[t + 1][0] == 0.0 and got[24][0] == 0.0
 
 
 @pytest.mark.parametrize("wtype", ["log", "linear"])
@@ -65,15 +76,18 @@ def test_warmup_cosine_lr_formula(wtype):
     base, m, c, w, t = 0.4, 0.1, 0.01, 4, 24
     got = _trace("WarmupCosineLR", dict(total_num_steps=t, warmup_min_ratio=m, warmup_num_steps=w,
                                         cos_min_ratio=c, warmup_type=wtype), 30, lr=base)
-    for s, (lr,) in enumerate(got):
-        if s < w:
+    for k, (lr,) in enumerate(got):
+        s = k - 1
+        if s < 0:
+            r = 0.0  # DeepSpeed's ratio before its first step() is 0, not warmup_min_ratio
+        elif s < w:
             g = math.log(s + 1) / math.log(w) if wtype == "log" else s / w
             r = m + g * (1 - m)
         else:
             p = min(1.0, (s - w + 1) / (t - w))
             r = c + (1 - c) * 0.5 * (1 + math.cos(math.pi * p))
         assert lr == pytest.approx(base * r, abs=1e-15)
-    assert got[0][0] == pytest.approx(base * m)
+    assert got[0][0] == 0.0 and got[1][0] == pytest.approx(base * m)
     assert got[29][0] == pytest.approx(base * c)  # clamped after the end, no second cosine lobe
 
 
@@ -89,16 +103,25 @@ _DS_CASES = [
 
 @pytest.mark.parametrize("type_,params", _DS_CASES)
 def test_matches_deepspeed_implementation(type_, params):
-    """DeepSpeed's classes at last_batch_iteration == s give the same lr as ours at step s
-    (DeepSpeed starts at -1, see the module docstring)."""
+    """Built and stepped the same way (one step() after each optimizer step), DeepSpeed's
+    class and ours give the same lr to every optimizer step, the first included."""
     ds = pytest.importorskip("deepspeed.runtime.lr_schedules")
     ours = _trace(type_, params, 35, lr=0.05)
     opt = _opt(0.05)
     ds_sched = getattr(ds, type_)(opt, **params)
-    for s in range(35):
-        ds_sched.step()  # -> last_batch_iteration == s
-        assert ds_sched.last_batch_iteration == s
-        assert opt.param_groups[0]["lr"] == pytest.approx(ours[s][0], rel=1e-12, abs=1e-15), s
+    for k in range(35):
+        assert opt.param_groups[0]["lr"] == pytest.approx(ours[k][0], rel=1e-12, abs=1e-15), k
+        opt.step()
+        ds_sched.step()
+    assert ds_sched.last_batch_iteration == 34
+
+
+def test_last_batch_iteration_is_deepspeeds():
+    sched = build_lr_scheduler(_opt(), "WarmupLR", dict(warmup_num_steps=3))
+    assert sched.last_batch_iteration == -1
+    sched.optimizer.step()
+    sched.step()
+    assert sched.last_batch_iteration == 0
 
 
 # ------------------------------------------------------------------ ours
@@ -172,8 +195,10 @@ def test_per_group_values_and_wrapper_with_inner_optimizer():
     opt = _opt(groups=2)
     sched = build_lr_scheduler(Wrapper(opt), "WarmupLR", dict(warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.2],
                                                              warmup_num_steps=2, warmup_type="linear"))
-    opt.step()
-    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.0, 0.1])  # DeepSpeed's iteration -1
+    for _ in range(2):
+        opt.step()
+        sched.step()
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.5, 0.15])
 
 
