@@ -117,8 +117,7 @@ REFUSED = [
 REFUSED_ENGINE_METHODS = ["scale", "set_gradient_accumulation_boundary", "no_sync", "coalesce_grad_reduction"]
 
 # ZeRO-3 external-parameter registration (engine/zero/external.py)
-WORKING_WHEN_IMPLEMENTED = ["deepspeed.zero.register_external_parameter",
-                            "deepspeed.zero.unregister_external_parameter"]
+WORKING_WHEN_IMPLEMENTED = ["deepspeed.zero.register_external_parameter"]
 
 
 
