@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -167,8 +166,12 @@ def run(which: str, timeout: float = 300.0, stages: tuple[int, ...] = (0, 1, 2, 
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-golden"]:
-        raise SystemExit(__doc__)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--write-golden", action="store_true", required=True,
+                        help=f"run the scenarios on real DeepSpeed and write {GOLDEN.name}")
+    parser.parse_args()
     import deepspeed
     GOLDEN.write_text(json.dumps({"deepspeed": deepspeed.__version__, "ranks": run("ds", timeout=900)}) + "\n")
     print("wrote", GOLDEN)
