@@ -71,7 +71,8 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
-    with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None):
+    with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None,
+                   expert_group=groups.role(Role.EXPERT_GRAD)):
         chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp)
     if model is not None:
         load_full_weights(chunks, model, tp_group)
