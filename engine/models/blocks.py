@@ -35,6 +35,7 @@ from engine.distributed.strict import host_sync_allowed
 from engine.errors import ConfigError
 from engine.models.attention import AttnMask, ContextParallelMask, DocMaskKernel, attend, document_attention_mask
 from engine.models.config import ModelConfig
+from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.placement import REPLICATED, set_placement
 from engine.precision.fp8 import Fp8Recipe
 from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowParallelLinear
@@ -283,21 +284,34 @@ def mlp_factory(mlp: Union[str, MlpFactory]) -> MlpFactory:
 class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; hidden -> hidden.
     Takes the optional attention inputs (module docstring) as keywords. ``mlp``: a name in
-    :data:`MLPS` or a factory; None is the config's ``model.mlp``."""
+    :data:`MLPS` or a factory; None is the config's ``model.mlp``, or the MoE MLP
+    (engine.moe.layer.MoELayer) when ``model.moe`` is set and ``layer`` is one of its layers
+    (``layer % layer_freq == 0``); ``moe``: the MoE layers' groups (engine.moe.context)."""
 
     takes_attention_inputs = True  # forward_layers passes attn_mask / position_ids
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool,
                  seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None, *,
-                 fp8_recipe: Optional[Fp8Recipe] = None, mlp: Union[str, MlpFactory, None] = None) -> None:
+                 fp8_recipe: Optional[Fp8Recipe] = None, mlp: Union[str, MlpFactory, None] = None,
+                 moe: MoEContext = LOCAL_MOE) -> None:
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
         self.attn = Attention(cfg, layer, tp_group, sequence_parallel, seed, rotary, device, dtype,
                               fp8_recipe=fp8_recipe)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
-        build_mlp = mlp_factory(cfg.mlp if mlp is None else mlp)
-        self.mlp = build_mlp(cfg, layer, tp_group, sequence_parallel, seed, device, dtype, fp8_recipe=fp8_recipe)
+        self.mlp: nn.Module
+        if mlp is None and cfg.moe is not None and cfg.moe.is_moe_layer(layer):
+            if fp8_recipe is not None:
+                raise ConfigError("fp8.enabled with model.moe: the MoE experts have no FP8 GEMMs yet; "
+                                  "turn fp8 off or remove model.moe")
+            from engine.moe.layer import MoELayer  # the MoE layer builds its shared experts from SwiGLU here
+
+            self.mlp = MoELayer(cfg, cfg.moe, layer, seed, moe.with_tp(tp_group, sequence_parallel), device, dtype)
+        else:
+            build_mlp = mlp_factory(cfg.mlp if mlp is None else mlp)
+            self.mlp = build_mlp(cfg, layer, tp_group, sequence_parallel, seed, device, dtype,
+                                 fp8_recipe=fp8_recipe)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

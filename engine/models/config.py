@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 from engine.errors import ConfigError
+from engine.moe.config import MoEConfig
 from engine.validate import check_int
 
 __all__ = ["ModelConfig", "MLP_KINDS", "DEFAULT_MLP"]
@@ -42,8 +43,16 @@ class ModelConfig:
     # The blocks' MLP, one of MLP_KINDS. Written by to_dict only when not the default, so
     # the model section of configs and checkpoint metadata is what it was before the key.
     mlp: str = DEFAULT_MLP
+    # Mixture of experts (engine.moe.config.MoEConfig; a dict is parsed); None: dense blocks.
+    # Written by to_dict only when set.
+    moe: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig.from_dict(self.moe))
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ConfigError(f"model.moe must be an object (num_experts, expert_hidden_size, ...) or absent, "
+                              f"got {self.moe!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_len"):
             _positive_int(name, getattr(self, name))
         if self.ffn_hidden_size is None:
@@ -90,6 +99,12 @@ class ModelConfig:
             if v % tp:
                 raise ConfigError(f"the tensor-parallel degree {tp} (tensor_parallel.autotp_size) does not "
                                   f"divide model.{name} = {v}: pick a TP degree that divides it")
+        if self.moe is not None and self.moe.shared_experts and \
+                (self.moe.shared_experts * self.moe.expert_hidden_size) % tp:
+            raise ConfigError(f"the tensor-parallel degree {tp} does not divide the shared experts' inner size "
+                              f"model.moe.shared_experts * expert_hidden_size = "
+                              f"{self.moe.shared_experts * self.moe.expert_hidden_size} (the shared experts are "
+                              "tensor-parallel like the dense MLP): change expert_hidden_size or the TP degree")
         if pp > self.num_layers:
             raise ConfigError(f"pipeline.stages = {pp} is greater than model.num_layers = {self.num_layers}: "
                               "every stage needs at least one layer")
@@ -109,6 +124,8 @@ class ModelConfig:
         d = asdict(self)
         if d["mlp"] == DEFAULT_MLP:  # older checkpoints' metadata has no such key; keep dicts equal
             del d["mlp"]
+        if d["moe"] is None:  # dense models' dicts stay what they were before the key
+            del d["moe"]
         return d
 
 

@@ -36,6 +36,7 @@ from engine.distributed.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
 from engine.models.blocks import Block, RMSNorm, RotaryEmbedding, attention_inputs, forward_layers
 from engine.models.config import ModelConfig
+from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.placement import placement_of, set_placement
 from engine.precision.fp8 import Fp8Recipe
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -100,12 +101,13 @@ def num_stage_layers(cfg: ModelConfig) -> int:
 def build_stage_layers(cfg: ModelConfig, tp_group: AxisGroup = NO_TP, *, sequence_parallel: bool = False,
                        seed: int = 1234, start: int = 0, stop: Optional[int] = None,
                        device: Device = None, dtype: Dtype = None,
-                       fp8_recipe: Optional[Fp8Recipe] = None) -> list[nn.Module]:
+                       fp8_recipe: Optional[Fp8Recipe] = None, moe: MoEContext = LOCAL_MOE) -> list[nn.Module]:
     """Layers ``[start, stop)`` of ``[embedding, block_0 .. block_{L-1}, head]``.
 
     Building a slice gives the same parameters as slicing the full list (seeds are per
     layer), except that a tied head built without the embedding holds its own marked copy.
     ``fp8_recipe``: the blocks' linear layers run their GEMMs in FP8 (not the embedding/head).
+    ``moe``: the groups of the MoE layers (``model.moe``; engine.moe.context), default all local.
     """
     total = num_stage_layers(cfg)
     stop = total if stop is None else stop
@@ -129,7 +131,7 @@ def build_stage_layers(cfg: ModelConfig, tp_group: AxisGroup = NO_TP, *, sequenc
         elif i <= cfg.num_layers:
             assert rotary is not None  # built above whenever the range holds a block
             layers.append(Block(cfg, i - 1, tp_group, sequence_parallel, seed, rotary, device, dtype,
-                                fp8_recipe=fp8_recipe))
+                                fp8_recipe=fp8_recipe, moe=moe))
         else:
             tied = cast(VocabParallelEmbedding, layers[0]).weight if (cfg.tie_embeddings and start == 0) else None
             layers.append(FinalNormAndHead(cfg, tp_group, sequence_parallel, seed, tied, device, dtype))
@@ -150,14 +152,14 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group: AxisGroup = NO_TP, sequence_parallel: bool = False,
                  seed: int = 1234, *, device: Device = None, dtype: Dtype = None,
-                 fp8_recipe: Optional[Fp8Recipe] = None) -> None:
+                 fp8_recipe: Optional[Fp8Recipe] = None, moe: MoEContext = LOCAL_MOE) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.layers = nn.ModuleList(build_stage_layers(cfg, tp_group, sequence_parallel=sequence_parallel,
                                                        seed=seed, device=device, dtype=dtype,
-                                                       fp8_recipe=fp8_recipe))
+                                                       fp8_recipe=fp8_recipe, moe=moe))
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 doc_ids: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
