@@ -4,9 +4,10 @@ assembly (docs/expert_parallel.md).
 An expert parameter says what it is in its placement (``Placement.expert``, set with
 :func:`engine.placement.set_expert_placement`), which also sets DeepSpeed's attributes
 (``allreduce = False``, ``group_name = "ep_size_{EP}"``). This module is the one reader of
-those loose attributes: a parameter DeepSpeed would treat as an expert must carry the
-placement ZeRO, the initial broadcast and the checkpoints read, and both must agree with
-``expert_parallel.size``. A mismatch would reduce an expert's gradient over the wrong ranks
+those loose attributes: with ``expert_parallel.size`` > 1 a parameter DeepSpeed would treat
+as an expert must carry the placement ZeRO, the initial broadcast and the checkpoints read,
+and both must agree with ``expert_parallel.size`` (at size 1 an expert parameter without a
+placement holds every expert and is reduced like a dense one, which is the same thing). A mismatch would reduce an expert's gradient over the wrong ranks
 (silently wrong), so it is refused on every rank before the first collective of the assembly.
 """
 
@@ -33,7 +34,7 @@ def expert_param_problem(module: nn.Module, ep: int, *, whole_model: bool) -> Op
         shard = placement_of(p).expert
         flag = getattr(p, "allreduce", True)  # DeepSpeed's: False on expert parameters
         if shard is None:
-            if flag is False:
+            if flag is False and ep > 1:  # at ep 1 an expert parameter holds every expert: dense
                 return (f"parameter {name} has DeepSpeed's allreduce = False (an expert parameter) but no expert "
                         "placement, so the engine cannot tell which experts it holds: build it with "
                         "engine.placement.set_expert_placement(param, ExpertShard(first, count, num_experts), ep)")
