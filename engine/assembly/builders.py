@@ -34,11 +34,10 @@ from engine.optim.build import (
 from engine.parts import LossFn, ModelParts, TokenLoss
 from engine.pipeline.stages import ReferenceModel, build_reference_chunks, chunks_from_layers, load_full_weights
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from engine.moe.context import NO_EP, MoEContext
-from engine.topology import Axis, Role
+from engine.topology import Role
 from engine.zero.init import Init as zero_init
 
-__all__ = ["reference_parts", "layer_list_parts", "module_parts", "moe_context"]
+__all__ = ["reference_parts", "layer_list_parts", "module_parts"]
 
 
 def _stage_module(cfg: Config, chunks: Sequence[nn.Module]) -> nn.Module:
@@ -58,19 +57,6 @@ def _tied_reference(cfg: Config, chunks: Sequence[Any]) -> tuple[nn.Parameter, .
     return tuple(([chunks[0].layers[0].weight] if first else []) + ([chunks[-1].layers[-1].weight] if last else []))
 
 
-def moe_context(cfg: Config, groups: ParallelGroups) -> MoEContext:
-    """What the reference GPT's MoE layers are given (engine.moe.context): the EP group
-    (``expert_parallel.size``), the CP group as the ranks that split a sequence (TP joins under
-    sequence parallelism, per block), ``grad_avg`` = the CP size (the grad role averages over
-    cp x dp while each CP rank holds a part of a sequence's balancing loss) and ``loss_factor``
-    = 1 / gradient_accumulation_steps (engine.zero.step's loss factor; no loss scale: fp16 is
-    refused with model.moe by the config loader)."""
-    cp = groups[Axis.CP]
-    return MoEContext(ep_group=groups.role(Role.EP) if groups.ep_size > 1 else NO_EP,
-                      seq_groups=(cp,) if cp.size > 1 else (), grad_avg=cp.size,
-                      loss_factor=1.0 / cfg.gradient_accumulation_steps)
-
-
 def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, device: torch.device,
                     loss_fn: Optional[LossFn], cp: Optional[CPLayout] = None) -> tuple[ModelParts, OptimizerInputs]:
     """The reference GPT (``model=None``: built from the config; a GPT: its weights); ``cp``:
@@ -84,11 +70,10 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
                           "the config's model section: make them equal")
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group
-    moe = moe_context(cfg, groups)
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
     with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None,
                    expert_group=groups.role(Role.EXPERT_GRAD)):
-        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp, moe=moe)
+        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp)
     if model is not None:
         load_full_weights(chunks, model, tp_group)
     loss: Optional[LossFn] = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets,

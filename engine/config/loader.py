@@ -241,10 +241,6 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.model is None:
         return  # the checks below are about the reference GPT's shape
     _check_pipeline_schedule(cfg.pipeline, cfg.model, cfg.gradient_accumulation_steps)
-    if cfg.model.moe is not None and cfg.fp16.enabled:
-        raise ConfigError("fp16.enabled with model.moe: the MoE layers inject the balancing loss's gradient with the "
-                          "factor 1 / gradient_accumulation_steps, which does not follow fp16's dynamic loss scale; "
-                          "use bf16 (or fp32) with model.moe")
     if cfg.tensor_parallel.sequence_parallel and cfg.model.seq_len % cfg.tp:
         raise ConfigError(f"tensor_parallel.sequence_parallel splits the sequence over the {cfg.tp} TP ranks, "
                           f"but model.seq_len = {cfg.model.seq_len} is not divisible by {cfg.tp}: change seq_len "

@@ -36,7 +36,6 @@ from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
 from engine.models.attention import AttnMask
 from engine.models.blocks import attention_inputs, cp_attention_inputs, forward_layers
-from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.pipeline.actions import stage_and_chunk
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.pipeline.schedule import placement_of as schedule_placement
@@ -189,12 +188,10 @@ def check_reference_support(cfg: Config) -> None:
 
 
 def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, device: torch.device,
-                           dtype: torch.dtype, cp: Optional[CPLayout] = None,
-                           moe: MoEContext = LOCAL_MOE) -> list[StageChunk]:
+                           dtype: torch.dtype, cp: Optional[CPLayout] = None) -> list[StageChunk]:
     """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded; with
     ``fp8.enabled`` the blocks' linear layers are FP8 (embedding and LM head stay bf16);
-    ``cp``: this rank's context-parallel layout (``context_parallel.size`` > 1); ``moe``: the
-    MoE layers' groups and factors (``model.moe``; engine.assembly.builders.moe_context)."""
+    ``cp``: this rank's context-parallel layout (``context_parallel.size`` > 1)."""
     check_reference_support(cfg)
     model = cfg.model
     assert model is not None  # the reference GPT is built only from a config with a model section
@@ -210,7 +207,7 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
         rng = layers_of(bounds, pp_rank, cfg.pp, c, placement)
         layers = build_stage_layers(model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                                     seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype,
-                                    fp8_recipe=recipe, moe=moe)
+                                    fp8_recipe=recipe)
         chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval,
                                  document_masking=cfg.data.document_masking, cp=cp))
     if model.tie_embeddings and chunks[0].is_first and chunks[-1].is_last and len(chunks) > 1:
