@@ -39,6 +39,8 @@ from engine.distributed import comm
 from engine.distributed.env import DistEnv
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.errors import ConfigError
+from engine.moe.stats import MoEStepGroups, moe_step_end
+from engine.moe.wiring import moe_step_groups
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Event, Monitor
 from engine.parts import LossFn, ModelParts
 from engine.precision.fp8 import Fp8LinearState, fp8_states, update_fp8_scales
@@ -128,6 +130,8 @@ class Engine(nn.Module):
     _async_saver: Optional["AsyncSaver"]
     memory_probe: Optional["MemoryProbe"]
     activation_peak_bytes: Optional[int]
+    _moe_groups: Optional[MoEStepGroups]
+    _moe_metrics: dict[str, torch.Tensor]
 
     def __init__(self, config: Config, parts: ModelParts, optimizer: ZeroOptimizer, *,
                  device: torch.device, groups: ParallelGroups, lr_scheduler: Optional[LRScheduler] = None,
@@ -161,6 +165,10 @@ class Engine(nn.Module):
         self.memory_probe: Optional[MemoryProbe] = None
         self.activation_peak_bytes: Optional[int] = None
         self._loss_group = groups.role(Role.LOSS)  # None after destroy()
+        # the reference GPT's MoE layers (model.moe): per-step statistics and the aux-free bias
+        # update, once per optimizer step on every rank (engine.moe.stats.moe_step_end)
+        self._moe_groups = moe_step_groups(config, groups) if parts.reference else None
+        self._moe_metrics = {}
         # wall_clock_breakdown: per-phase ms of each step (engine.timers.last), logged every
         # steps_per_print steps
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
@@ -207,6 +215,12 @@ class Engine(nn.Module):
         """Global gradient norm (over DP, TP and PP, before clipping) of the last step (read
         on the host here, when asked: the step itself does not sync for it)."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
+
+    def moe_metrics(self) -> dict[str, float]:
+        """The last step's ``moe_aux_loss``, ``moe_load_imbalance`` (and ``moe_dropped_tokens`` with a
+        capacity) of the reference GPT's MoE layers, over the whole global batch (engine.moe.stats),
+        read on the host here; empty without ``model.moe`` or before the first step."""
+        return {k: float(v) for k, v in self._moe_metrics.items()}
 
     def was_step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped (non-finite gradients)."""
@@ -309,6 +323,10 @@ class Engine(nn.Module):
             self._step_skipped = not taken
             if taken and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+            if self._moe_groups is not None:
+                assert self.config.model is not None and self.config.model.moe is not None
+                self._moe_metrics = moe_step_end(self.module, self.config.model.moe, self._moe_groups, self.device,
+                                                 train=taken)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         comm.check_sequence(self._checked_groups, f"end of step {self.global_steps}", self.device)

@@ -25,6 +25,7 @@ from engine.context_parallel.layout import CPLayout
 from engine.distributed.groups import NO_TP, ParallelGroups
 from engine.errors import ConfigError
 from engine.models import GPT
+from engine.moe.wiring import moe_context
 from engine.optim.build import (
     OptimizerInputs,
     optimizer_factory,
@@ -73,7 +74,9 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
     with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None,
                    expert_group=groups.role(Role.EXPERT_GRAD)):
-        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp)
+        # the MoE layers' groups (model.moe): the EP role's group (size 1 at expert_parallel.size 1)
+        chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp,
+                                        moe=moe_context(cfg, groups, ep_group=groups.role(Role.EP)))
     if model is not None:
         load_full_weights(chunks, model, tp_group)
     loss: Optional[LossFn] = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets,

@@ -241,6 +241,9 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.model is None:
         return  # the checks below are about the reference GPT's shape
     _check_pipeline_schedule(cfg.pipeline, cfg.model, cfg.gradient_accumulation_steps)
+    if cfg.model.moe is not None and cfg.fp16.enabled:
+        raise ConfigError("model.moe with fp16.enabled: the MoE balancing loss is injected in backward scaled "
+                          "like the loss without fp16's dynamic loss scale; train MoE models in bf16 or fp32")
     if cfg.tensor_parallel.sequence_parallel and cfg.model.seq_len % cfg.tp:
         raise ConfigError(f"tensor_parallel.sequence_parallel splits the sequence over the {cfg.tp} TP ranks, "
                           f"but model.seq_len = {cfg.model.seq_len} is not divisible by {cfg.tp}: change seq_len "

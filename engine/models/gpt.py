@@ -49,7 +49,7 @@ from engine.tensor_parallel.layers import (
 from engine.tensor_parallel.mappings import tp_world_size
 
 __all__ = ["GPT", "FinalNormAndHead", "build_stage_layers", "num_stage_layers",
-           "param_count", "flops_per_token", "vocab_parallel_cross_entropy"]
+           "param_count", "block_param_count", "flops_per_token", "vocab_parallel_cross_entropy"]
 
 Device = Optional[Union[torch.device, str]]
 Dtype = Optional[torch.dtype]
@@ -173,22 +173,36 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(h, targets, self.tp_group, ignore_index=ignore_index)
 
 
-def _matmul_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(per-block matmul weights, LM-head matmul weights)."""
+def _attn_params(cfg: ModelConfig) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
-    attn = h * cfg.num_heads * d + 2 * h * cfg.kv_heads * d + cfg.num_heads * d * h  # q, k, v, proj
-    mlp = 3 * h * cfg.ffn_size                                                      # gate, up, down
-    return attn + mlp, cfg.vocab_size * h
+    return h * cfg.num_heads * d + 2 * h * cfg.kv_heads * d + cfg.num_heads * d * h  # q, k, v, proj
+
+
+def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(matmul weights held, matmul weights each token uses) of block ``layer``'s MLP: the dense
+    SwiGLU's gate/up/down, or an MoE layer's router, every expert (held) or its top_k (used),
+    and the shared experts."""
+    h, moe = cfg.hidden_size, cfg.moe
+    if moe is None or not moe.is_moe_layer(layer):
+        dense = 3 * h * cfg.ffn_size
+        return dense, dense
+    expert = 3 * h * moe.expert_hidden_size
+    always = moe.num_experts * h + moe.shared_experts * expert              # router + shared experts
+    return always + moe.num_experts * expert, always + moe.top_k * expert
+
+
+def block_param_count(cfg: ModelConfig, layer: int) -> int:
+    """Parameters of block ``layer`` (attention, MLP or MoE, two RMSNorm weights)."""
+    return _attn_params(cfg) + _mlp_params(cfg, layer)[0] + 2 * cfg.hidden_size
 
 
 def param_count(cfg: ModelConfig) -> int:
     """Exact number of parameters of the unsharded model (no vocabulary padding), a tied
-    embedding/head weight counted once."""
+    embedding/head weight counted once; with ``model.moe`` every expert counts."""
     h = cfg.hidden_size
-    block, head = _matmul_params(cfg)
-    per_block = block + 2 * h                                   # + two RMSNorm weights
+    blocks = sum(block_param_count(cfg, i) for i in range(cfg.num_layers))
     embedding = cfg.vocab_size * h
-    return embedding + cfg.num_layers * per_block + h + (0 if cfg.tie_embeddings else head)
+    return embedding + blocks + h + (0 if cfg.tie_embeddings else cfg.vocab_size * h)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: Optional[int] = None) -> int:
@@ -198,13 +212,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: Optional[int] = None) -> int:
         6 * N_matmul + 12 * L * H * S
 
     ``N_matmul`` counts the weights used in matmuls: every block's q/k/v/proj and
-    gate/up/down weights plus the LM head (V*H, tied or not; the embedding lookup and the
+    gate/up/down weights (an MoE layer: the router, the top_k experts a token uses and the
+    shared experts: ACTIVE parameters) plus the LM head (V*H, tied or not; the embedding lookup and the
     norms do no matmul). The attention term is QK^T and AV: 2 matmuls * 2 FLOPs * S * H per
     token per layer forward, times 3 for forward + backward; like PaLM it does not halve
     for the causal mask. ``S`` defaults to ``cfg.seq_len``. Activation recomputation is
     not counted (this is model FLOPs, not hardware FLOPs).
     """
     s = cfg.seq_len if seq_len is None else seq_len
-    block, head = _matmul_params(cfg)
-    n_matmul = cfg.num_layers * block + head
+    head = cfg.vocab_size * cfg.hidden_size
+    n_matmul = sum(_attn_params(cfg) + _mlp_params(cfg, i)[1] for i in range(cfg.num_layers)) + head
     return 6 * n_matmul + 12 * cfg.num_layers * cfg.hidden_size * s

@@ -33,7 +33,9 @@ from engine.config import Config
 from engine.context_parallel.layout import CPLayout
 from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
-from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers, param_count
+from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers
+from engine.models.gpt import block_param_count
+from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.models.attention import AttnMask
 from engine.models.blocks import attention_inputs, cp_attention_inputs, forward_layers
 from engine.pipeline.actions import stage_and_chunk
@@ -157,10 +159,8 @@ def whole_sequences(chunks: Sequence[StageChunk]) -> Iterator[None]:
 def reference_layer_params(cfg: ModelConfig) -> list[int]:
     """Parameter count of each entry of the reference layer list (the head counts its
     vocabulary matrix even when tied: the last stage holds a copy of it)."""
-    v, h, n = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
-    tied = cfg.tie_embeddings
-    per_block = (param_count(cfg) - v * h - h - (0 if tied else v * h)) // n
-    return [v * h] + [per_block] * n + [h + v * h]
+    v, h = cfg.vocab_size, cfg.hidden_size
+    return [v * h] + [block_param_count(cfg, i) for i in range(cfg.num_layers)] + [h + v * h]
 
 
 def stage_bounds(layer_params: Sequence[int], cfg: Config) -> list[int]:
@@ -188,10 +188,12 @@ def check_reference_support(cfg: Config) -> None:
 
 
 def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, device: torch.device,
-                           dtype: torch.dtype, cp: Optional[CPLayout] = None) -> list[StageChunk]:
+                           dtype: torch.dtype, cp: Optional[CPLayout] = None,
+                           moe: MoEContext = LOCAL_MOE) -> list[StageChunk]:
     """This rank's chunk(s) of the reference GPT (one per virtual stage), TP-sharded; with
     ``fp8.enabled`` the blocks' linear layers are FP8 (embedding and LM head stay bf16);
-    ``cp``: this rank's context-parallel layout (``context_parallel.size`` > 1)."""
+    ``cp``: this rank's context-parallel layout (``context_parallel.size`` > 1); ``moe``: the
+    groups of the MoE layers (``model.moe``; engine.moe.wiring.moe_context)."""
     check_reference_support(cfg)
     model = cfg.model
     assert model is not None  # the reference GPT is built only from a config with a model section
@@ -207,7 +209,7 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
         rng = layers_of(bounds, pp_rank, cfg.pp, c, placement)
         layers = build_stage_layers(model, tp_group, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                                     seed=cfg.seed, start=rng.start, stop=rng.stop, device=device, dtype=dtype,
-                                    fp8_recipe=recipe)
+                                    fp8_recipe=recipe, moe=moe)
         chunks.append(StageChunk(layers, rng.start, total, cfg.pipeline.activation_checkpoint_interval,
                                  document_masking=cfg.data.document_masking, cp=cp))
     if model.tie_embeddings and chunks[0].is_first and chunks[-1].is_last and len(chunks) > 1:

@@ -104,6 +104,7 @@ def step_record(engine: Engine, loss: float, seconds: float, loss_scale: float,
         "step_time_ms": seconds * 1e3,
         "mfu": mfu(flops_per_token(model), tps, peak_flops_total),
         "context_parallel": cfg.cp,  # each rank held seq_len / context_parallel tokens of a sequence
+        **engine.moe_metrics(),  # model.moe: moe_aux_loss, moe_load_imbalance (, moe_dropped_tokens)
         **({"phase_ms": dict(engine.timers.last)} if cfg.wall_clock_breakdown else {}),
     }
 

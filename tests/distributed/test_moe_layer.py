@@ -142,6 +142,6 @@ def test_moe_layer_ep2_equals_one_process():
     assert run_ranks(check_all, 2) == [True, True]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_moe_layer_ep4_equals_one_process():
     assert run_ranks(check_all, 4) == [True] * 4

@@ -35,9 +35,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # typed configuration (the model's config dataclass and the AutoTP rule grammar are
     # parsed by the config loader), data, monitors, op builders
     ("config", ("engine.config", "engine.models.config", "engine.tensor_parallel.auto_rules", "engine.data",
-                "engine.monitor", "engine.ops")),
+                "engine.monitor", "engine.ops", "engine.moe.config", "engine.moe.context")),
     # layers: precision (FP8, loss scaling, the split-backward phase flag), TP, models
-    ("layers", ("engine.precision", "engine.tensor_parallel", "engine.context_parallel", "engine.models")),
+    ("layers", ("engine.precision", "engine.tensor_parallel", "engine.context_parallel", "engine.models",
+                "engine.moe")),
     # ZeRO (step arithmetic included) and the pipeline (stage chunks, runner, parameter
     # names); the optimizers (Muon reads ZeRO's shard view); the values the engine is
     # assembled from and exports
