@@ -44,8 +44,20 @@ class LocalPiece:
 
 
 def tp_slice_of(param: torch.Tensor, tp_rank: int, tp_world: int) -> Optional[TPSlice]:
-    """The TP slice a parameter is (None for a TP-replicated one)."""
-    shard = placement_of(param).tp
+    """How the rank-local tensor is cut from the full one (None for a whole, replicated one):
+    the TP slice, or for an expert shard (``Placement.expert``: experts ``[first, first +
+    count)`` of ``num_experts`` stacked along dim 0) the slice ``first / count`` of
+    ``num_experts / count`` equal pieces along dim 0, so the checkpoint stores every expert at
+    its GLOBAL index and any expert-parallel layout (or one process) reads it back."""
+    placement = placement_of(param)
+    shard, experts = placement.tp, placement.expert
+    if experts is not None:
+        if shard is not None:
+            raise ValueError("a parameter both tensor-parallel and expert-sharded has no checkpoint layout yet: "
+                             "the MoE experts are replicated over TP")
+        if experts.first % experts.count or experts.num_experts % experts.count:
+            raise ValueError(f"expert shard {experts}: not one of num_experts / count equal pieces")
+        return TPSlice(0, experts.first // experts.count, experts.num_experts // experts.count)
     if shard is None:
         return None
     return TPSlice(shard.dim, int(tp_rank), int(tp_world), shard.fused_parts, shard.unpadded_size)
