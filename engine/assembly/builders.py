@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from engine.config import Config
 from engine.context_parallel.layout import CPLayout
-from engine.distributed.groups import NO_TP, ParallelGroups
+from engine.distributed.groups import NO_TP, AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.models import GPT
 from engine.moe.context import NO_EP
@@ -80,7 +80,7 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     # (docs/expert_parallel.md: ZeRO-3 memory at construction)
     partition_at_build = cfg.zero.stage == 3 and model is None and groups.ep_size == 1
     with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=partition_at_build,
-                   expert_group=experts.get(Role.EXPERT_GRAD)):
+                   expert_group=experts.get(Role.EXPERT_GRAD, AxisGroup.single("expert_grad"))):
         # the MoE layers' groups (model.moe): the EP role's group (size 1 at expert_parallel.size 1)
         chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp,
                                         moe=moe_context(cfg, groups, ep_group=experts.get(Role.EP, NO_EP)))

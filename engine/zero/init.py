@@ -207,6 +207,9 @@ def _dp_axis(group: Union[AxisGroup, dist.ProcessGroup, None]) -> AxisGroup:
         return group
     return AxisGroup.world() if group is None else AxisGroup.of(group, "data_parallel_group")
 
+_NO_EXPERT_GROUP = AxisGroup.single("expert_grad")  # Init's default: expert parameters stay whole
+
+
 class Init:
     """Partition parameters over the data-parallel group as modules are built (see the
     module docstring). DeepSpeed's keyword names; ``data_parallel_group``: an
@@ -219,16 +222,16 @@ class Init:
     ``pin_memory``) are refused rather than ignored. ``expert_group`` (this engine's, not
     DeepSpeed's): the replicas of this rank's experts (the expert-gradient role); a parameter
     whose placement is an expert shard (:func:`engine.placement.set_expert_placement`) when its
-    module's constructor returns is partitioned over it, as ZeRO-3 partitions its gradient; with
-    no ``expert_group`` such a parameter stays whole (its values differ between expert-parallel
-    ranks, so no shard of the data-parallel group could hold it)."""
+    module's constructor returns is partitioned over it, as ZeRO-3 partitions its gradient; by
+    default (a size-1 group) such a parameter stays whole (its values differ between
+    expert-parallel ranks, so no shard of the data-parallel group could hold it)."""
 
     def __init__(self, module: Optional[nn.Module] = None,
                  data_parallel_group: Union[AxisGroup, dist.ProcessGroup, None] = None,
                  mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: Optional[torch.dtype] = None, mpu: Any = None,
-                 expert_group: Optional[AxisGroup] = None) -> None:
+                 expert_group: AxisGroup = _NO_EXPERT_GROUP) -> None:
         if pin_memory:
             raise ValueError("engine.zero.Init: pin_memory=True is not supported; leave it False")
         if config is not None and config_dict_or_path is not None:
@@ -308,7 +311,7 @@ class Init:
             if is_partitioned(p):
                 continue
             if placement_of(p).expert_sharded:  # this rank's experts: replicated over the expert group only
-                if self.expert_group is not None:
+                if self.expert_group.size > 1:
                     _partition(p, self.expert_group, self.dtype, self.device)
                 continue
             _partition(p, self.group, self.dtype, self.device)

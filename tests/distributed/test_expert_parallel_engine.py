@@ -162,3 +162,38 @@ def test_expert_parallel_refusals_on_every_rank():
     for msgs in run_ranks(_refused, 2, timeout=120):
         for msg, (_, _, needle) in zip(msgs, _REFUSALS):
             assert msg is not None and needle in msg, msg
+
+
+def _built_under_init(rank, world, ep):
+    import torch.distributed as dist
+
+    from engine.distributed.groups import AxisGroup
+    from engine.topology import Topology
+    from engine.zero import GatheredParameters, Init
+
+    mine = None
+    for ranks in Topology(dp=world).expert_mesh(ep).groups(["edp"]):  # every rank, same order
+        handle = dist.new_group(ranks)
+        if rank in ranks:
+            mine = AxisGroup("expert_grad", tuple(ranks), ranks.index(rank), handle)
+    per = E // ep
+    with Init(data_parallel_group=AxisGroup.world(), expert_group=mine):
+        model = _StandInMoE((rank % ep) * per, per, ep)
+    sizes = {n: p.ds_process_group.size for n, p in model.named_parameters()}
+    with GatheredParameters(list(model.parameters())):
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return sizes, values
+
+
+@pytest.mark.extended
+def test_zero_init_partitions_expert_shards_over_their_replicas():
+    """engine.zero.Init(expert_group=): a parameter placed as an expert shard in its
+    module's constructor is cut over its replicas (size dp / ep), the rest over the data group,
+    and gathering gives back each rank's own experts."""
+    world, ep = 4, 2
+    dense = _StandInMoE(0, E, 0)
+    for rank, (sizes, values) in enumerate(run_ranks(_built_under_init, world, ep, timeout=120)):
+        assert sizes == {"shared.weight": world, "shared.bias": world, "experts": world // ep}
+        first = (rank % ep) * (E // ep)
+        assert torch.equal(values["experts"], dense.experts.detach()[first:first + E // ep])
+        assert torch.equal(values["shared.weight"], dense.shared.weight.detach())
