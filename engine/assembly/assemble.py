@@ -24,8 +24,8 @@ from engine.engine import Engine, Pipeline
 from engine.monitor import Monitor
 from engine.optim.build import OptimizerInputs, build_engine_optimizer, build_scheduler
 from engine.parts import ModelParts
-from engine.placement import placement_of
 from engine.pipeline.runner import PipelineRunner
+from engine.placement import placement_of
 from engine.topology import Role
 from engine.zero import ZeroOptimizer
 from engine.zero.init import is_partitioned

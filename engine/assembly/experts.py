@@ -46,9 +46,9 @@ def expert_param_problem(module: nn.Module, ep: int, *, whole_model: bool) -> Op
             return (f"parameter {name} holds {shard.count} of {shard.num_experts} experts, but expert_parallel.size "
                     f"= {ep} gives each rank {shard.num_experts // ep if shard.num_experts % ep == 0 else '?'}: "
                     "build the model with the run's expert_parallel.size")
-        want = expert_group_name(ep)
-        if getattr(p, "group_name", want) != want:
-            return (f"parameter {name} has group_name {getattr(p, 'group_name')!r} but expert_parallel.size is {ep} "
+        want, have = expert_group_name(ep), getattr(p, "group_name", None)
+        if have is not None and have != want:
+            return (f"parameter {name} has group_name {have!r} but expert_parallel.size is {ep} "
                     f"(expected {want!r}): build the model with the run's expert_parallel.size")
     if ep > 1 and whole_model and experts == 0:
         return (f"expert_parallel.size = {ep} but the model has no expert parameters (Placement.expert): "

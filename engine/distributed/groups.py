@@ -54,8 +54,8 @@ rank, so the all-reduce is the identity).
 
 from __future__ import annotations
 
-import datetime
 import dataclasses
+import datetime
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Union
 

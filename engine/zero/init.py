@@ -226,7 +226,7 @@ class Init:
     default (a size-1 group) such a parameter stays whole (its values differ between
     expert-parallel ranks, so no shard of the data-parallel group could hold it)."""
 
-    def __init__(self, module: Optional[nn.Module] = None,
+    def __init__(self, module: Optional[nn.Module] = None,  # noqa: PLR0913 (DeepSpeed's keywords + expert_group)
                  data_parallel_group: Union[AxisGroup, dist.ProcessGroup, None] = None,
                  mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
