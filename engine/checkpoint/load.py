@@ -57,6 +57,7 @@ from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed
 from engine.checkpoint.save import agree_on_tag
 from engine.checkpoint.target import Checkpointable
 from engine.config import Config
+from engine.errors import ConfigError
 from engine.placement import placement_of
 from engine.training_state import TrainingState, restore_rng
 from engine.zero.shard_view import GroupState, Scalar, ShardView
@@ -230,6 +231,17 @@ def _check_fp8(state: TrainingState, path: str, meta: CheckpointMetadata) -> Non
                               f"and start FP8 scaling afresh")
 
 
+def _refuse_aux_free(cfg: Config) -> None:
+    """The aux-free routing biases (``expert_bias`` buffers of the MoE layers) are not in the
+    checkpoint (it holds parameters and optimizer state): a resumed run would route with zero
+    biases, silently unlike the uninterrupted one. Refused on every rank alike (the config's)."""
+    moe = cfg.model.moe if cfg.model is not None else None
+    if moe is not None and moe.load_balancing == "aux_free":
+        raise ConfigError("loading a checkpoint of a model.moe run with load_balancing \"aux_free\" is not supported "
+                          "yet: the per-expert routing biases are not saved, so the resumed run would route "
+                          "differently; use load_balancing \"aux_loss\" (or \"none\") for runs that resume")
+
+
 def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = None, *,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, verify_checksums: bool = True,
@@ -245,6 +257,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = 
     """
     if not dist.is_initialized():
         raise RuntimeError("checkpoints are collective: torch.distributed must be initialised (the engine does it)")
+    _refuse_aux_free(engine.config)
     rank = dist.get_rank()
     if tag is None:
         try:

@@ -42,7 +42,7 @@ from engine.tensor_parallel.layers import ColumnParallelLinear, NormalInit, RowP
 from engine.tensor_parallel.mappings import copy_to_tp_region, tp_world_size
 
 __all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "attention_inputs", "cp_attention_inputs", "forward_layers", "Attention",
-           "SwiGLU", "MlpFactory", "MLPS", "mlp_factory", "Block"]
+           "SwiGLU", "MlpFactory", "MLPS", "mlp_factory", "moe_mlp", "Block"]
 
 Device = Optional[Union[torch.device, str]]
 Dtype = Optional[torch.dtype]
@@ -281,37 +281,46 @@ def mlp_factory(mlp: Union[str, MlpFactory]) -> MlpFactory:
     return MLPS[mlp]
 
 
+def moe_mlp(ctx: MoEContext) -> MlpFactory:
+    """The factory of ``model.moe``'s MLP (engine.moe.layer.MoELayer) with the groups of ``ctx``
+    (engine.moe.context; the block's TP group and sequence parallelism are added to it)."""
+
+    def build(cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool, seed: int,
+              device: Device = None, dtype: Dtype = None, *, fp8_recipe: Optional[Fp8Recipe] = None) -> nn.Module:
+        if cfg.moe is None:
+            raise ConfigError("the MoE MLP needs model.moe (num_experts, expert_hidden_size, ...)")
+        if fp8_recipe is not None:
+            raise ConfigError("fp8.enabled with model.moe: the MoE experts have no FP8 GEMMs yet; turn fp8 off or "
+                              "remove model.moe")
+        from engine.moe.layer import MoELayer  # the MoE layer builds its shared experts from SwiGLU here
+
+        return MoELayer(cfg, cfg.moe, layer, seed, ctx.with_tp(tp_group, sequence_parallel), device, dtype)
+
+    return build
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; hidden -> hidden.
     Takes the optional attention inputs (module docstring) as keywords. ``mlp``: a name in
-    :data:`MLPS` or a factory; None is the config's ``model.mlp``, or the MoE MLP
-    (engine.moe.layer.MoELayer) when ``model.moe`` is set and ``layer`` is one of its layers
-    (``layer % layer_freq == 0``); ``moe``: the MoE layers' groups (engine.moe.context)."""
+    :data:`MLPS` or a factory; None is the config's ``model.mlp``, or the MoE MLP with every
+    expert local (:func:`moe_mlp`) when ``model.moe`` is set and ``layer`` is one of its layers
+    (``layer % layer_freq == 0``)."""
 
     takes_attention_inputs = True  # forward_layers passes attn_mask / position_ids
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: AxisGroup, sequence_parallel: bool,
                  seed: int, rotary: RotaryEmbedding, device: Device = None, dtype: Dtype = None, *,
-                 fp8_recipe: Optional[Fp8Recipe] = None, mlp: Union[str, MlpFactory, None] = None,
-                 moe: MoEContext = LOCAL_MOE) -> None:
+                 fp8_recipe: Optional[Fp8Recipe] = None, mlp: Union[str, MlpFactory, None] = None) -> None:
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
         self.attn = Attention(cfg, layer, tp_group, sequence_parallel, seed, rotary, device, dtype,
                               fp8_recipe=fp8_recipe)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, tp_group, sequence_parallel, device, dtype)
-        self.mlp: nn.Module
         if mlp is None and cfg.moe is not None and cfg.moe.is_moe_layer(layer):
-            if fp8_recipe is not None:
-                raise ConfigError("fp8.enabled with model.moe: the MoE experts have no FP8 GEMMs yet; "
-                                  "turn fp8 off or remove model.moe")
-            from engine.moe.layer import MoELayer  # the MoE layer builds its shared experts from SwiGLU here
-
-            self.mlp = MoELayer(cfg, cfg.moe, layer, seed, moe.with_tp(tp_group, sequence_parallel), device, dtype)
-        else:
-            build_mlp = mlp_factory(cfg.mlp if mlp is None else mlp)
-            self.mlp = build_mlp(cfg, layer, tp_group, sequence_parallel, seed, device, dtype,
-                                 fp8_recipe=fp8_recipe)
+            mlp = moe_mlp(LOCAL_MOE)  # every expert local; build_stage_layers passes the run's groups
+        build_mlp = mlp_factory(cfg.mlp if mlp is None else mlp)
+        self.mlp = build_mlp(cfg, layer, tp_group, sequence_parallel, seed, device, dtype, fp8_recipe=fp8_recipe)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[AttnMask] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.errors import ConfigError
-from engine.models.blocks import Block, RMSNorm, RotaryEmbedding, attention_inputs, forward_layers
+from engine.models.blocks import Block, RMSNorm, RotaryEmbedding, attention_inputs, forward_layers, moe_mlp
 from engine.models.config import ModelConfig
 from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.placement import placement_of, set_placement
@@ -131,7 +131,8 @@ def build_stage_layers(cfg: ModelConfig, tp_group: AxisGroup = NO_TP, *, sequenc
         elif i <= cfg.num_layers:
             assert rotary is not None  # built above whenever the range holds a block
             layers.append(Block(cfg, i - 1, tp_group, sequence_parallel, seed, rotary, device, dtype,
-                                fp8_recipe=fp8_recipe, moe=moe))
+                                fp8_recipe=fp8_recipe,
+                                mlp=moe_mlp(moe) if cfg.moe is not None and cfg.moe.is_moe_layer(i - 1) else None))
         else:
             tied = cast(VocabParallelEmbedding, layers[0]).weight if (cfg.tie_embeddings and start == 0) else None
             layers.append(FinalNormAndHead(cfg, tp_group, sequence_parallel, seed, tied, device, dtype))

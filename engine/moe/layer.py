@@ -41,7 +41,7 @@ from engine.moe.dispatch import dispatch_compute_combine
 from engine.moe.experts import GroupedSwiGLU
 from engine.moe.router import TopKRouter
 from engine.moe.stats import StepAccumulator
-from engine.placement import ExpertShard, Placement, placement_of, set_placement
+from engine.placement import ExpertShard, placement_of, set_placement
 from engine.tensor_parallel.layers import NormalInit
 from engine.tensor_parallel.mappings import copy_to_tp_region
 

@@ -15,7 +15,7 @@ Reported per step (``metrics.jsonl``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from engine.distributed import comm
 from engine.distributed.groups import AxisGroup
 from engine.moe.balancing import aux_free_update
 from engine.moe.config import AUX_FREE_BIAS_RATE, MoEConfig
+
+if TYPE_CHECKING:  # the layer imports this module
+    from engine.moe.layer import MoELayer
 
 __all__ = ["StepAccumulator", "MoEStepGroups", "moe_layers", "moe_step_end", "load_imbalance"]
 
@@ -75,7 +78,8 @@ class MoEStepGroups:
     pp: AxisGroup
 
 
-def moe_layers(module: nn.Module) -> list[nn.Module]:
+def moe_layers(module: nn.Module) -> list["MoELayer"]:
+    """The MoE layers of ``module``, in module order."""
     from engine.moe.layer import MoELayer
 
     return [m for m in module.modules() if isinstance(m, MoELayer)]
@@ -104,16 +108,16 @@ def moe_step_end(module: nn.Module, moe: MoEConfig, groups: MoEStepGroups, devic
     dropped = torch.zeros((), device=device)
     worst = torch.zeros((), device=device)
     for layer in moe_layers(module):
-        counts, l_aux, l_drop, micro = layer.stats.take(device)  # type: ignore[operator]
+        counts, l_aux, l_drop, micro = layer.stats.take(device)
         counts = _sum_over(counts.clone(), [groups.batch])
         parts = _sum_over(torch.stack([l_aux, l_drop]), groups.tokens)
         if micro:
             aux = aux + parts[0] / (micro * groups.loss_size)
         dropped = dropped + parts[1]
         worst = torch.maximum(worst, load_imbalance(counts))
-        if train and micro and layer.moe.load_balancing == "aux_free":  # type: ignore[union-attr]
+        if train and micro and layer.moe.load_balancing == "aux_free":
             with torch.no_grad():
-                aux_free_update(layer.expert_bias, counts, AUX_FREE_BIAS_RATE)  # type: ignore[arg-type]
+                aux_free_update(layer.expert_bias, counts, AUX_FREE_BIAS_RATE)
     sums = _sum_over(torch.stack([aux, dropped]), [groups.pp])
     if groups.pp.size > 1:
         comm.all_reduce(worst, groups.pp, op=dist.ReduceOp.MAX)

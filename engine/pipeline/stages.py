@@ -34,10 +34,10 @@ from engine.context_parallel.layout import CPLayout
 from engine.distributed.groups import AxisGroup
 from engine.errors import ConfigError
 from engine.models import GPT, ModelConfig, build_stage_layers, num_stage_layers
-from engine.models.gpt import block_param_count
-from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.models.attention import AttnMask
 from engine.models.blocks import attention_inputs, cp_attention_inputs, forward_layers
+from engine.models.gpt import block_param_count
+from engine.moe.context import LOCAL_MOE, MoEContext
 from engine.pipeline.actions import stage_and_chunk
 from engine.pipeline.partition import layers_of, partition_layers
 from engine.pipeline.schedule import placement_of as schedule_placement

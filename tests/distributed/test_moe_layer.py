@@ -17,6 +17,10 @@ all-to-all brings every token's gradient back to its expert). ``starve``: the ro
 forced onto experts 0 and 1, so the other ranks' experts receive no token at all; they
 must neither hang nor produce NaN, and get zero gradients.
 
+TP 2 x EP 2 (4 ranks, extended): experts replicated over TP, dispatched over EP subgroups;
+with sequence parallelism each TP rank routes half of every sequence and the router and
+expert gradients are summed over TP (copy-to-region), without it both route the same tokens.
+
 With ``capacity_factor`` (each expert capped per rank and micro-batch) the reference runs the
 ranks' batches as its gradient-accumulation micro-batches: it must drop exactly what they
 drop (and the test checks that something is dropped).
@@ -145,3 +149,41 @@ def test_moe_layer_ep2_equals_one_process():
 @pytest.mark.extended
 def test_moe_layer_ep4_equals_one_process():
     assert run_ranks(check_all, 4) == [True] * 4
+
+
+def check_tp2_ep2(rank, world, sp):
+    """4 ranks = TP 2 (inner) x EP 2: experts replicated over TP, dispatched over EP. Without
+    sequence parallelism both TP ranks hold their EP rank's whole sequences; with it each holds
+    half of every sequence (the router and expert gradients are summed over TP)."""
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    e_rank, t_rank = rank // 2, rank % 2
+    tp = AxisGroup(f"tp{e_rank}", (2 * e_rank, 2 * e_rank + 1), t_rank, tp_groups[e_rank])
+    ep = AxisGroup(f"ep{t_rank}", (t_rank, t_rank + 2), e_rank, ep_groups[t_rank])
+    cfg = _cfg(shared_experts=1)
+    x, g = _inputs(2, False)
+    ref = MoELayer(cfg, cfg.moe, 0, 1234, MoEContext(loss_factor=2.0))
+    layer = MoELayer(cfg, cfg.moe, 0, 1234, MoEContext(ep_group=ep).with_tp(tp, sp))
+    if layer.shared is not None:  # the shared experts are TP-sharded: compare the MoE part only
+        layer.shared = ref.shared = None
+    ref.train()
+    layer.train()
+    rows = slice(e_rank * B, (e_rank + 1) * B)
+    cols = slice(t_rank * S // 2, (t_rank + 1) * S // 2) if sp else slice(None)
+    y_ref, dx_ref = _run(ref, x, g)
+    y, dx = _run(layer, x[rows, cols], g[rows, cols])
+    _close(y, y_ref[rows, cols], "output")
+    _close(dx, dx_ref[rows, cols], "input gradient")
+    router = layer.router.weight.grad.clone()
+    dist.all_reduce(router, group=ep_groups[t_rank])  # the dense reduction over data (= EP) ranks
+    _close(router, ref.router.weight.grad, "router gradient")
+    for name in ("gate_up", "down"):
+        _close(getattr(layer.experts, name).grad, getattr(ref.experts, name).grad[e_rank * 2:(e_rank + 1) * 2],
+               f"expert {name} gradient")
+    return True
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("sp", [False, True])
+def test_moe_layer_tp2_ep2_equals_one_process(sp):
+    assert run_ranks(check_tp2_ep2, 4, sp) == [True] * 4
