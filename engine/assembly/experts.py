@@ -34,6 +34,11 @@ def expert_param_problem(module: nn.Module, ep: int, *, whole_model: bool) -> Op
         shard = placement_of(p).expert
         flag = getattr(p, "allreduce", True)  # DeepSpeed's: False on expert parameters
         if shard is None:
+            group = getattr(p, "group_name", None)
+            if flag is False and group is not None and group != expert_group_name(ep):
+                return (f"parameter {name} is an expert parameter of group_name {group!r} but expert_parallel.size is "
+                        f"{ep}: set expert_parallel.size to the layer's ep_size (its experts would be reduced over "
+                        "the wrong ranks)")
             if flag is False and ep > 1:  # at ep 1 an expert parameter holds every expert: dense
                 return (f"parameter {name} has DeepSpeed's allreduce = False (an expert parameter) but no expert "
                         "placement, so the engine cannot tell which experts it holds: build it with "
