@@ -24,7 +24,6 @@ from engine.pipeline.names import parameter_names, stage_chunks
 from engine.placement import placement_of
 from engine.zero.shard_view import ShardView
 
-
 __all__ = ["LocalPiece", "stage_chunks", "parameter_names", "tp_slice_of", "local_pieces", "tied_names",
            "module_names"]
 
