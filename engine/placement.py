@@ -15,8 +15,13 @@ reference model. :class:`Placement` says which piece, in DTensor's spirit (``Sha
   to the original by summing the two gradients over the embedding group; norms skip it and
   checkpoints save it as an alias of the original.
 - ``expert``: :class:`ExpertShard` when the parameter holds a range of the experts of a
-  mixture-of-experts layer (expert parallelism). Only the field exists today: nothing sets
-  or reads it yet; the expert-parallel issue gives it behaviour.
+  mixture-of-experts layer (expert parallelism), stacked along dim 0 (``(count, ...)``: row
+  ``i`` is global expert ``first + i``). ZeRO reduces and partitions its gradient over the
+  expert-gradient role (the replicas of this expert range) instead of the grad role, the
+  initial broadcast reaches those replicas only, and checkpoints write it by global expert
+  index. :func:`set_expert_placement` also sets DeepSpeed's two attributes for MoE
+  parameters (``allreduce = False``, ``group_name = "ep_size_{EP}"``), which DeepSpeed-style
+  code (e.g. ``split_params_into_different_moe_groups_for_optimizer``) reads.
 
 ZeRO partitioning is not part of this value: ZeRO owns it and describes it itself. Stages
 1 and 2 cut the flat TP-local tensors of many parameters into DP shards (their shard view,
@@ -40,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = ["TPShard", "ExpertShard", "Placement", "REPLICATED", "set_placement", "placement_of", "has_placement",
-           "tp_shard"]
+           "tp_shard", "set_expert_placement", "expert_group_name"]
 
 # one attribute on the tensor object (torch allows Python attributes on tensors)
 _ATTR = "_engine_placement"
@@ -71,7 +76,7 @@ class TPShard:
 @dataclass(frozen=True)
 class ExpertShard:
     """Experts ``[first, first + count)`` of a layer's ``num_experts``, held by this rank's
-    place in the expert-parallel role. No behaviour yet (the expert-parallel issue adds it)."""
+    place in the expert-parallel role, stacked along the parameter's dim 0 (module docstring)."""
 
     first: int
     count: int
@@ -127,3 +132,27 @@ def placement_of(param: torch.Tensor) -> Placement:
 def has_placement(param: torch.Tensor) -> bool:
     """Whether a placement was recorded on ``param`` (the model's layers place every parameter)."""
     return isinstance(getattr(param, _ATTR, None), Placement)
+
+
+def expert_group_name(ep_size: int) -> str:
+    """DeepSpeed's name of the expert-parallel group of size ``ep_size`` (``param.group_name``)."""
+    return f"ep_size_{ep_size}"
+
+
+def set_expert_placement(param: torch.Tensor, shard: ExpertShard, ep_size: int,
+                         tp: Optional[TPShard] = None) -> None:
+    """Mark ``param`` as holding experts ``shard`` (stacked along dim 0) of a layer split over
+    ``ep_size`` ranks: its :class:`Placement` (``tp``: its TP split, None when the experts are
+    replicated over TP) and DeepSpeed's MoE attributes ``allreduce = False`` and
+    ``group_name = "ep_size_{ep_size}"``. Call it in the constructor that registers the
+    parameter (``engine.zero.Init`` partitions a parameter when that constructor returns, over
+    the expert-gradient group only when it already carries this placement)."""
+    if ep_size < 1 or shard.num_experts % ep_size or shard.count * ep_size != shard.num_experts:
+        raise ValueError(f"ExpertShard {shard} does not hold num_experts / ep_size = {shard.num_experts} / "
+                         f"{ep_size} experts: every expert-parallel rank holds the same number of experts")
+    if param.dim() < 1 or param.shape[0] != shard.count:
+        raise ValueError(f"an expert parameter stacks its {shard.count} experts along dim 0, got shape "
+                         f"{tuple(param.shape)}")
+    set_placement(param, Placement(tp=tp, expert=shard))
+    param.allreduce = False  # type: ignore[attr-defined]  # DeepSpeed's MoE attributes
+    param.group_name = expert_group_name(ep_size)  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.nn as nn
 
+from engine.assembly.experts import check_expert_params
 from engine.config import Config
 from engine.distributed import comm
 from engine.distributed.env import DistEnv
@@ -24,6 +25,7 @@ from engine.monitor import Monitor
 from engine.optim.build import OptimizerInputs, build_engine_optimizer, build_scheduler
 from engine.parts import ModelParts
 from engine.pipeline.runner import PipelineRunner
+from engine.placement import placement_of
 from engine.topology import Role
 from engine.zero import ZeroOptimizer
 from engine.zero.init import is_partitioned
@@ -33,13 +35,14 @@ __all__ = ["assemble_engine", "broadcast_from_first_replica"]
 
 def broadcast_from_first_replica(module: nn.Module, groups: ParallelGroups) -> None:
     """Every replica of the weights (the grad role) starts from its first member's weights and
-    buffers (as DeepSpeed does from DP rank 0)."""
-    replicas = groups.role(Role.GRAD)
-    if replicas.size == 1:
-        return
+    buffers (as DeepSpeed does from DP rank 0); an expert shard (``Placement.expert``) from the
+    first of ITS replicas (the expert-gradient role): expert-parallel ranks hold different experts."""
+    dense = groups.role(Role.GRAD)
+    experts = groups.role(Role.EXPERT_GRAD) if groups.ep_size > 1 else dense
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            if not is_partitioned(t):  # built under engine.zero.Init: already equal slices
+            replicas = experts if placement_of(t).expert_sharded else dense
+            if replicas.size > 1 and not is_partitioned(t):  # built under engine.zero.Init: already equal slices
                 comm.broadcast(t.data, replicas.global_rank_of(0), replicas)
 
 
@@ -59,6 +62,7 @@ def assemble_engine(cfg: Config, parts: ModelParts, opt_inputs: OptimizerInputs,
                     monitor: Optional[Monitor], training_dataloader: Optional[Iterable[Any]] = None) -> Engine:
     """The engine over ``parts`` (see the module docstring). ``client_sched``: DeepSpeed's
     ``lr_scheduler`` argument (a scheduler, a callable ``optimizer -> scheduler`` or None)."""
+    check_expert_params(parts.module, groups.ep_size, device, whole_model=cfg.pp == 1)  # before any other collective
     broadcast_from_first_replica(parts.module, groups)
     opt = build_engine_optimizer(cfg, opt_inputs.params, opt_inputs.factory, groups=groups,
                                  tied_params=list(parts.tied), module=parts.module)

@@ -22,9 +22,10 @@ import torch.nn as nn
 
 from engine.config import Config
 from engine.context_parallel.layout import CPLayout
-from engine.distributed.groups import NO_TP, ParallelGroups
+from engine.distributed.groups import NO_TP, AxisGroup, ParallelGroups
 from engine.errors import ConfigError
 from engine.models import GPT
+from engine.moe.context import NO_EP
 from engine.moe.wiring import moe_context
 from engine.optim.build import (
     OptimizerInputs,
@@ -72,11 +73,17 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group
     # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
-    with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=cfg.zero.stage == 3 and model is None):
-        # the MoE layers' groups (model.moe): every expert local (EP 1) until expert parallelism
-        # passes its EP group here (moe_context's ep_group)
+    experts = groups.expert_roles()
+    # The MoE layer marks its expert parameters after their module's constructor returned, when
+    # zero.Init has already cut them over the grad group (their values differ between EP ranks):
+    # at expert_parallel.size > 1 the stage-3 optimizer partitions the model instead
+    # (docs/expert_parallel.md: ZeRO-3 memory at construction)
+    partition_at_build = cfg.zero.stage == 3 and model is None and groups.ep_size == 1
+    with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=partition_at_build,
+                   expert_group=experts.get(Role.EXPERT_GRAD, AxisGroup.single("expert_grad"))):
+        # the MoE layers' groups (model.moe): the EP role's group (size 1 at expert_parallel.size 1)
         chunks = build_reference_chunks(cfg, groups.pp_rank, tp_group, device=device, dtype=dtype, cp=cp,
-                                        moe=moe_context(cfg, groups))
+                                        moe=moe_context(cfg, groups, ep_group=experts.get(Role.EP, NO_EP)))
     if model is not None:
         load_full_weights(chunks, model, tp_group)
     loss: Optional[LossFn] = loss_fn or (lambda logits, targets: vocab_parallel_cross_entropy(logits, targets,

@@ -43,9 +43,29 @@ class LocalPiece:
     param: Any  # the nn.Parameter (identity only: under ZeRO-3 its data may be empty)
 
 
-def tp_slice_of(param: torch.Tensor, tp_rank: int, tp_world: int) -> Optional[TPSlice]:
-    """The TP slice a parameter is (None for a TP-replicated one)."""
-    shard = placement_of(param).tp
+def tp_slice_of(param: torch.Tensor, tp_rank: int, tp_world: int,
+                local_shape: Optional[tuple[int, ...]] = None) -> Optional[TPSlice]:
+    """How the rank-local tensor is cut from the full one (None for a whole, replicated one):
+    the TP slice, or for an expert shard (``Placement.expert``: experts ``[first, first +
+    count)`` of ``num_experts`` stacked along dim 0) the slice ``first / count`` of
+    ``num_experts / count`` equal pieces along dim 0, so the checkpoint stores every expert at
+    its GLOBAL index and any expert-parallel layout (or one process) reads it back.
+    ``local_shape``: the rank-local tensor's shape (checked: an expert shard stacks ``count``
+    experts along dim 0)."""
+    placement = placement_of(param)
+    shard, experts = placement.tp, placement.expert
+    if experts is not None:
+        if shard is not None:
+            raise ValueError("a parameter both tensor-parallel and expert-sharded has no checkpoint layout yet: "
+                             "the MoE experts are replicated over TP")
+        if experts.first % experts.count or experts.num_experts % experts.count:
+            raise ValueError(f"expert shard {experts}: not one of num_experts / count equal pieces")
+        if local_shape is not None and tuple(local_shape)[:1] != (experts.count,):
+            raise ValueError(f"an expert parameter of shape {tuple(local_shape)} does not stack its {experts.count} "
+                             "experts along dim 0: checkpoints store experts by global index only for stacked expert "
+                             "weights (the reference GPT's MoE layer); a module per expert (DeepSpeed's MoE layer) "
+                             "is not supported at expert_parallel.size > 1")
+        return TPSlice(0, experts.first // experts.count, experts.num_experts // experts.count)
     if shard is None:
         return None
     return TPSlice(shard.dim, int(tp_rank), int(tp_world), shard.fused_parts, shard.unpadded_size)
@@ -60,7 +80,8 @@ def local_pieces(view: ShardView, names: dict[int, str]) -> list[LocalPiece]:
             raise ValueError(f"an optimized parameter of shape {pc.shape} is not a parameter of the engine's "
                              f"module, so it has no name to save it under")
         out.append(LocalPiece(pc.group, pc.offset, pc.numel, pc.start, pc.shape,
-                              tp_slice_of(pc.param, view.tp_rank, view.tp_size), names[id(pc.param)], pc.param))
+                              tp_slice_of(pc.param, view.tp_rank, view.tp_size, pc.shape), names[id(pc.param)],
+                              pc.param))
     return out
 
 

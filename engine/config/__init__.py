@@ -18,6 +18,7 @@ from engine.config.schema import (
     CosineParams,
     CSVMonitorConfig,
     DataConfig,
+    ExpertParallelConfig,
     FP8Config,
     FP16Config,
     LionParams,
@@ -38,7 +39,7 @@ from engine.config.schema import (
 from engine.errors import ConfigError
 
 __all__ = [
-    "load_config", "resolve_batch_sizes", "Config", "ConfigError", "ContextParallelConfig",
+    "load_config", "resolve_batch_sizes", "Config", "ConfigError", "ContextParallelConfig", "ExpertParallelConfig",
     "ActivationCheckpointingConfig", "AdamParams", "BF16Config", "CheckpointConfig", "CosineParams", "DataConfig",
     "FP8Config", "FP16Config", "LionParams", "MuonParams", "OptimizerConfig", "PipelineConfig", "SchedulerConfig",
     "TensorParallelConfig", "WarmupCosineLRParams", "WarmupDecayLRParams", "WarmupLRParams", "WSDParams",

@@ -12,6 +12,7 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 from engine.config.context_parallel import check_context_parallel, parse_context_parallel
+from engine.config.expert_parallel import check_expert_parallel, parse_expert_parallel
 from engine.config.ignored import IGNORED_KEYS, ignored_keys_in
 from engine.config.limits import check_batch_limits
 from engine.config.monitor import parse_monitor
@@ -44,7 +45,7 @@ _TOP_LEVEL = (
     "steps_per_print", "wall_clock_breakdown", "activation_checkpointing", "pipeline", "tensor_parallel",
     "seed", "checkpoint", "model", "data", "tensorboard", "csv_monitor", "wandb", "communication_data_type",
     "zero_force_ds_cpu_optimizer", "max_consecutive_nonfinite_steps", "context_parallel", "sequence_parallel_size",
-    "data_parallel_size", "torch_autocast", "dataloader_drop_last",
+    "data_parallel_size", "torch_autocast", "dataloader_drop_last", "expert_parallel",
 )
 _NOT_IMPLEMENTED = "not implemented in this engine: remove the section"
 _TOP_LEVEL_REJECTED = {
@@ -106,6 +107,8 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     if model is not None:
         model.check_parallel(topology.tp, topology.pp)
     check_context_parallel(context_parallel, model, topology.tp, tensor_parallel.sequence_parallel)
+    expert_parallel = parse_expert_parallel(top)
+    check_expert_parallel(expert_parallel, topology, model)
     micro, gas, total = resolve_batch_sizes(top.raw("train_batch_size"), top.raw("train_micro_batch_size_per_gpu"),
                                             top.raw("gradient_accumulation_steps"), topology)
     optimizer = parse_optimizer(top)
@@ -127,6 +130,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         pipeline=pipeline,
         tensor_parallel=tensor_parallel,
         context_parallel=context_parallel,
+        expert_parallel=expert_parallel,
         checkpoint=parse_checkpoint(top),
         monitor=parse_monitor(top),
         gradient_clipping=top.number("gradient_clipping", 1.0, min=0.0,

@@ -20,7 +20,7 @@ __all__ = [
     "SchedulerParams", "SchedulerConfig",
     "FP16Config", "BF16Config", "FP8Config", "DataTypesConfig", "OffloadConfig", "ZeroConfig", "ActivationCheckpointingConfig",
     "PipelineConfig", "AutoTPLayerSpecConfig", "AutoTPPartitionConfig",
-    "TensorParallelConfig", "ContextParallelConfig", "CheckpointConfig", "DataConfig", "Config",
+    "TensorParallelConfig", "ContextParallelConfig", "ExpertParallelConfig", "CheckpointConfig", "DataConfig", "Config",
 ]
 
 
@@ -337,6 +337,15 @@ class ContextParallelConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ExpertParallelConfig(_Section):
+    """``expert_parallel`` (docs/expert_parallel.md): the experts of every mixture-of-experts
+    layer split over ``size`` ranks carved out of the data x context ranks
+    (:meth:`engine.topology.Topology.expert_mesh`); 1: every rank holds every expert."""
+
+    size: int = 1
+
+
+@dataclass(frozen=True)
 class CheckpointConfig(_Section):
     tag_validation: str = "Warn"  # "Ignore" | "Warn" | "Fail"
     save_interval: int = 0  # save every N optimizer steps; 0 = never
@@ -420,6 +429,7 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     context_parallel: ContextParallelConfig = ContextParallelConfig()
+    expert_parallel: ExpertParallelConfig = ExpertParallelConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     monitor: MonitorConfig = MonitorConfig()
     gradient_clipping: float = 1.0  # max global grad norm; 0 = no clipping
@@ -449,6 +459,11 @@ class Config:
     def cp(self) -> int:
         """The context-parallel degree (``context_parallel.size``)."""
         return self.topology.cp
+
+    @property
+    def ep(self) -> int:
+        """The expert-parallel degree (``expert_parallel.size``)."""
+        return self.expert_parallel.size
 
     @property
     def tp(self) -> int:
@@ -496,6 +511,7 @@ class Config:
             "pipeline": self.pipeline.to_dict(),
             "tensor_parallel": self.tensor_parallel.to_dict(),
             "context_parallel": self.context_parallel.to_dict(),
+            "expert_parallel": self.expert_parallel.to_dict(),
             "checkpoint": self.checkpoint.to_dict(),
             "data": self.data.to_dict(),
         })

@@ -17,8 +17,9 @@ Construction protocol (why it is written this way):
   must call it for EVERY group, members or not, in the SAME order; a non-member gets
   ``NON_GROUP_MEMBER`` back and spends no communication. We walk a fixed order (the axes
   in ``MESH_AXES`` order, then embedding when pp > 2, then the flattened role groups in
-  ``ROLE_AXES`` order; within each ``Topology.groups`` order, sorted by first rank) on every
-  rank. An axis of size 1 is skipped on every rank alike (its size is global), so the
+  ``ROLE_AXES`` order, then the expert roles when ``ep > 1``: every EP group, then every
+  expert-data-parallel group of ``Topology.expert_mesh(ep)``; within each ``groups`` order,
+  sorted by first rank) on every rank. An axis of size 1 is skipped on every rank alike (its size is global), so the
   counter stays in step.
 * ``use_local_synchronization`` stays False, deliberately: with True, torch names a
   group by hashing its rank list, and two groups with identical rank lists would get the
@@ -34,6 +35,15 @@ Construction protocol (why it is written this way):
 * Subgroups do NOT inherit the default group's timeout (torch uses 30 min for gloo), so
   the collective timeout is passed to each ``new_group`` explicitly.
 
+The expert roles (``Role.EP``, ``Role.EXPERT_GRAD``) live on the second folding of the same
+ranks, ``Topology.expert_mesh(ep)`` = ``tp, ep, edp, pp`` innermost first: the data x context
+ranks of one (tp, pp) coordinate, in grad-role order (``d = cp_rank + cp * dp_rank``), are
+re-read as ``d = ep_rank + ep * edp_rank``. The EP group is ``ep`` neighbouring data ranks
+(they exchange tokens all-to-all and together hold one layer's experts); the EXPERT_GRAD group
+is the ``dp * cp / ep`` ranks with the same ``ep_rank`` (the replicas of one expert shard:
+they reduce and partition its gradients). With ``ep == 1`` they ARE the size-1 group and
+the grad role's group (no communicator is built).
+
 The embedding group of a (dp, tp) coordinate is its first and last pipeline stage: the
 two ranks holding the tied input embedding and output head, whose gradients are summed
 over it. A rank on a middle stage holds neither and is in no embedding group
@@ -44,13 +54,14 @@ rank, so the all-reduce is the identity).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Union
 
 import torch.distributed as dist
 
-from engine.topology import MESH_AXES, PER_AXIS_ROLES, ROLE_AXES, Axis, Coord, Role, Topology
+from engine.topology import EXPERT_ROLE_AXES, MESH_AXES, PER_AXIS_ROLES, ROLE_AXES, Axis, Coord, Role, Topology
 
 __all__ = ["AxisGroup", "ParallelGroups", "NO_TP"]
 
@@ -169,12 +180,15 @@ class ParallelGroups:
 
     @classmethod
     def build(cls, topology: Topology, rank: Optional[int] = None,
-              timeout_s: Optional[float] = None) -> "ParallelGroups":
-        """Collective over the whole world: every rank must call it with the same topology.
+              timeout_s: Optional[float] = None, *, ep: int = 1) -> "ParallelGroups":
+        """Collective over the whole world: every rank must call it with the same topology
+        and ``ep``.
 
         ``rank`` defaults to ``dist.get_rank()``; ``timeout_s`` defaults to the default
-        group's timeout.
+        group's timeout; ``ep``: the expert-parallel degree (``expert_parallel.size``), whose
+        groups are built on :meth:`Topology.expert_mesh` (module docstring).
         """
+        topology.expert_mesh(ep)  # raises (on every rank, before any collective) when ep does not divide dp * cp
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups.build needs an initialised default group: "
                                "call engine.distributed.env.init_distributed() first")
@@ -217,7 +231,31 @@ class ParallelGroups:
             assert built is not None  # the flattened groups partition the world
             return built
 
-        return cls.from_axes(topology, rank, {a: g for a, g in axes.items() if g is not None}, emb, flat)
+        built = cls.from_axes(topology, rank, {a: g for a, g in axes.items() if g is not None}, emb, flat)
+        return built.with_expert_roles(ep, make)
+
+    def with_expert_roles(self, ep: int,
+                          make: Callable[[str, list[list[int]]], Optional[AxisGroup]]) -> "ParallelGroups":
+        """These groups plus ``Role.EP`` and ``Role.EXPERT_GRAD`` at expert-parallel degree ``ep``
+        (module docstring). ``make(name, rank_lists)``: this rank's group among ``rank_lists``,
+        creating a communicator for each list of size > 1 (collective: the same calls on every
+        rank); not called when ``ep == 1``."""
+        mesh = self.topology.expert_mesh(ep)
+        roles = dict(self.roles)
+        if ep == 1:  # the whole data x context group replicates every expert: the grad role
+            roles[Role.EP] = AxisGroup.single("ep", self.rank)
+            roles[Role.EXPERT_GRAD] = self.roles[Role.GRAD]
+        else:
+            grad_lists = self.topology.groups(ROLE_AXES[Role.GRAD])
+            for role, names in EXPERT_ROLE_AXES.items():  # dict order (EP, then EXPERT_GRAD) on every rank
+                lists = mesh.groups(names)
+                if lists == grad_lists:  # ep == dp * cp: the EP group is the grad group, no second communicator
+                    roles[role] = self.roles[Role.GRAD]
+                    continue
+                mine = make(role.value, lists)
+                assert mine is not None  # the groups of an axis partition the world
+                roles[role] = mine
+        return dataclasses.replace(self, roles=roles)
 
     @classmethod
     def from_axes(cls, topology: Topology, rank: int, axes: Mapping[Union[Axis, str], AxisGroup],
@@ -258,8 +296,9 @@ class ParallelGroups:
             raise ValueError(f"role {role.value!r} is reduced axis by axis and has no flattened group: "
                              "use role_axes()")
         if role not in self.roles:
-            raise ValueError(f"role {role.value!r} lives on the expert folding (Topology.expert_mesh): this run "
-                             "builds no expert groups; pass them where they are needed (e.g. ZeRO's role_groups)")
+            raise ValueError(f"role {role.value!r} lives on the expert folding (Topology.expert_mesh): these groups "
+                             "were assembled without expert roles (ParallelGroups.build(..., ep=) or "
+                             "with_expert_roles builds them)")
         return self.roles[role]
 
     def role_axes(self, role: Role) -> tuple[AxisGroup, ...]:
@@ -274,6 +313,17 @@ class ParallelGroups:
         along every given role or axis (index 0 in each): the one predicate for it."""
         axes = [a for r in replicated for a in (ROLE_AXES[r] if isinstance(r, Role) else (r,))]
         return self.topology.speaks_for(self.rank, axes)
+
+    def expert_roles(self) -> dict[Role, AxisGroup]:
+        """The expert roles' groups (``Role.EP``, ``Role.EXPERT_GRAD``) these groups were built
+        with; empty when assembled without them (what ZeRO's ``role_groups`` takes)."""
+        return {r: self.roles[r] for r in EXPERT_ROLE_AXES if r in self.roles}
+
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel degree (1 when the expert roles were not built)."""
+        ep = self.roles.get(Role.EP)
+        return 1 if ep is None else ep.size
 
     @property
     def tp_group(self) -> AxisGroup:

@@ -193,6 +193,7 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
                              pin_memory=z.offload_optimizer.pin_memory or z.offload_param.pin_memory)
     return build_zero_optimizer(
         z.stage, params, factory, groups, module=module, tied_params=tied_params, precision=policy, loss_scaler=scaler,
+        role_groups=groups.expert_roles(),
         reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm, clip_grad=cfg.gradient_clipping,
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=z.stage3_max_live_parameters,

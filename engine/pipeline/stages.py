@@ -257,13 +257,16 @@ def build_reference_chunks(cfg: Config, pp_rank: int, tp_group: AxisGroup, *, de
 @torch.no_grad()
 def load_full_weights(chunks: Sequence[StageChunk], full: GPT, tp_group: AxisGroup) -> None:
     """Copy the unsharded ``full`` model's weights into ``chunks`` (this rank's TP shard of
-    each parameter; padded vocabulary rows stay zero)."""
+    each parameter, this rank's experts of an expert shard; padded vocabulary rows stay zero)."""
     world, rank = tp_world_size(tp_group), tp_rank(tp_group)
     for chunk in chunks:
         for j, layer in enumerate(chunk.layers):
             src_layer = full.layers[chunk.start + j]
             for name, p in layer.named_parameters():
                 src = src_layer.get_parameter(name).detach().to(torch.float32).cpu()
+                experts = placement_of(p).expert
+                if experts is not None:  # rows [first, first + count) of the stacked experts
+                    src = src[experts.first:experts.first + experts.count]
                 shard = placement_of(p).tp
                 if shard is not None:
                     dim = shard.dim

@@ -52,6 +52,7 @@ from engine.config.reader import read_json_file
 from engine.distributed import comm
 from engine.distributed.env import device_for_initialised_group
 from engine.distributed.groups import AxisGroup
+from engine.placement import placement_of
 
 __all__ = ["Init", "GatheredParameters", "is_partitioned", "param_numel", "param_shape", "register_managed",
            "gather_partitioned", "shard_range", "accelerator_device"]
@@ -206,6 +207,9 @@ def _dp_axis(group: Union[AxisGroup, dist.ProcessGroup, None]) -> AxisGroup:
         return group
     return AxisGroup.world() if group is None else AxisGroup.of(group, "data_parallel_group")
 
+_NO_EXPERT_GROUP = AxisGroup.single("expert_grad")  # Init's default: expert parameters stay whole
+
+
 class Init:
     """Partition parameters over the data-parallel group as modules are built (see the
     module docstring). DeepSpeed's keyword names; ``data_parallel_group``: an
@@ -215,13 +219,19 @@ class Init:
     ``remote_device`` / ``config_dict_or_path``: where the shards live (module docstring;
     ``config`` is DeepSpeed's deprecated name of the latter); ``enabled=False``: a no-op
     context. Options DeepSpeed offers for NVMe offload (``remote_device="nvme"``,
-    ``pin_memory``) are refused rather than ignored."""
+    ``pin_memory``) are refused rather than ignored. ``expert_group`` (this engine's, not
+    DeepSpeed's): the replicas of this rank's experts (the expert-gradient role); a parameter
+    whose placement is an expert shard (:func:`engine.placement.set_expert_placement`) when its
+    module's constructor returns is partitioned over it, as ZeRO-3 partitions its gradient; by
+    default (a size-1 group) such a parameter stays whole (its values differ between
+    expert-parallel ranks, so no shard of the data-parallel group could hold it)."""
 
-    def __init__(self, module: Optional[nn.Module] = None,
+    def __init__(self, module: Optional[nn.Module] = None,  # noqa: PLR0913 (DeepSpeed's keywords + expert_group)
                  data_parallel_group: Union[AxisGroup, dist.ProcessGroup, None] = None,
                  mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
-                 dtype: Optional[torch.dtype] = None, mpu: Any = None) -> None:
+                 dtype: Optional[torch.dtype] = None, mpu: Any = None,
+                 expert_group: AxisGroup = _NO_EXPERT_GROUP) -> None:
         if pin_memory:
             raise ValueError("engine.zero.Init: pin_memory=True is not supported; leave it False")
         if config is not None and config_dict_or_path is not None:
@@ -234,6 +244,7 @@ class Init:
             raise RuntimeError("engine.zero.Init needs an initialised process group (engine.distributed.env."
                                "init_distributed(), or gloo with world_size=1)")
         self.group = _dp_axis(data_parallel_group) if enabled else AxisGroup.single("dp")
+        self.expert_group = expert_group
         self.enabled = bool(enabled)
         self.dtype = dtype if dtype is not None else _dtype_from(raw)
         # the shards' device: host memory or this rank's accelerator (module docstring)
@@ -297,8 +308,13 @@ class Init:
 
     def _partition_module(self, module: nn.Module) -> None:
         for p in module.parameters(recurse=False):
-            if not is_partitioned(p):
-                _partition(p, self.group, self.dtype, self.device)
+            if is_partitioned(p):
+                continue
+            if placement_of(p).expert_sharded:  # this rank's experts: replicated over the expert group only
+                if self.expert_group.size > 1:
+                    _partition(p, self.expert_group, self.dtype, self.device)
+                continue
+            _partition(p, self.group, self.dtype, self.device)
 
 
 # ---------------------------------------------------------------------- optimizer-managed parameters

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
 from typing import Any, Iterator, Optional, Union
 
@@ -93,13 +94,16 @@ def _next_sequence_nr() -> int:
 
 
 def _tensors_in(x: Any) -> list[torch.Tensor]:
-    """The tensors in a module output (nested tuples, lists, dicts)."""
+    """The tensors in a module output (nested tuples, lists, dicts, dataclasses: an MoE
+    router returns one, and a tensor left unwrapped would reach its backward ungathered)."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
         return [t for y in x for t in _tensors_in(y)]
     if isinstance(x, dict):
         return [t for y in x.values() for t in _tensors_in(y)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [t for f in dataclasses.fields(x) for t in _tensors_in(getattr(x, f.name))]
     return []
 
 
@@ -476,6 +480,9 @@ class Zero3Optimizer(Zero2Optimizer):
                 return type(x)(rebuild(y) for y in x)
             if isinstance(x, dict):
                 return type(x)((k, rebuild(v)) for k, v in x.items())
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):  # frozen ones too
+                return dataclasses.replace(x, **{f.name: rebuild(getattr(x, f.name))
+                                                 for f in dataclasses.fields(x) if f.init})
             return x
 
         return rebuild(output)
