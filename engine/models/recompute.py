@@ -33,6 +33,7 @@ tensors already live on the host and are kept as they are).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
@@ -44,7 +45,7 @@ from engine.distributed import comm
 from engine.distributed.groups import NO_TP, AxisGroup
 from engine.models.config import DEFAULT_SELECTIVE, RECOMPUTE_MODULES
 
-__all__ = ["RECOMPUTE_MODULES", "DEFAULT_SELECTIVE", "RecomputePolicy", "policy_from_config", "maybe_offload", "RecomputeOptions", "Recompute", "recompute", "recomputed",
+__all__ = ["in_recompute_first_pass", "RECOMPUTE_MODULES", "DEFAULT_SELECTIVE", "RecomputePolicy", "policy_from_config", "maybe_offload", "RecomputeOptions", "Recompute", "recompute", "recomputed",
            "apply_selective", "host_offload", "full_units", "observe_held"]
 
 if TYPE_CHECKING:  # engine.config imports engine.models.config, which imports this package
@@ -126,6 +127,16 @@ def _unshard(piece: torch.Tensor, shape: torch.Size, group: AxisGroup) -> torch.
     return full[:shape.numel()].view(shape)
 
 
+_FIRST_PASS = threading.local()  # .depth: Recompute forwards running (no graph kept) on this thread
+
+
+def in_recompute_first_pass() -> bool:
+    """Whether a recomputed unit's first forward (the one run without a graph) is running:
+    layers that record per-step statistics once per training forward (the MoE router's
+    counts) record them here, and not in the replay inside backward."""
+    return getattr(_FIRST_PASS, "depth", 0) > 0
+
+
 class Recompute(torch.autograd.Function):
     """``Recompute.apply(run, options, *args)``: ``run(*args)`` without keeping its graph
     (module docstring). ``run`` returns a tensor or a tuple of tensors; non-tensor
@@ -144,8 +155,12 @@ class Recompute(torch.autograd.Function):
             ctx.shape = tensors[0].shape
             tensors = [_shard(tensors[0], options.partition)] + tensors[1:]
         ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return run(*args)
+        _FIRST_PASS.depth = getattr(_FIRST_PASS, "depth", 0) + 1
+        try:
+            with torch.no_grad():
+                return run(*args)
+        finally:
+            _FIRST_PASS.depth -= 1
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from engine.models.config import ModelConfig
+from engine.models.recompute import in_recompute_first_pass
 from engine.moe.balancing import AuxLossInjector, aux_loss_terms, sequence_stats, z_loss_terms
 from engine.moe.config import MoEConfig
 from engine.moe.context import LOCAL_MOE, MoEContext
@@ -131,8 +132,10 @@ class MoELayer(nn.Module):
             y = y + self.shared(x)
         if aux.requires_grad and torch.is_grad_enabled():
             y = AuxLossInjector.apply(y, aux, self.ctx.loss_factor * self.ctx.grad_avg)
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            # once per training forward (not the recompute of activation checkpointing)
+        first_pass = torch.is_grad_enabled() or in_recompute_first_pass()
+        if self.training and first_pass and torch._C._current_graph_task_id() == -1:
+            # once per training forward: the first pass of a recomputed unit (run without a
+            # graph) counts, its replay inside backward does not
             self.stats.add(stats.counts.sum(0), aux.detach() * self.ctx.grad_avg, dropped)
         return y
 
