@@ -127,6 +127,15 @@ def _count(stats: Optional[dict], q: torch.Tensor, rows: slice, runs: list[tuple
         stats["pairs_computed"] = stats.get("pairs_computed", 0) + work
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is a view into a larger storage: the model's v is a
+    slice of its fused q/k/v projection (B, S_l, (nh + 2 nkv) d), which saving the view
+    would keep alive until backward (3 times v's bytes with nh = nkv)."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, has_doc, group, pieces, stats):
@@ -146,7 +155,7 @@ class _Ring(torch.autograd.Function):
                 ob, lb = blocks.block_forward(q5[..., rows, :], kk[0], kk[1], mask, scale)
                 o[..., rows, :], lse[..., rows] = blocks.merge(o[..., rows, :], lse[..., rows], ob, lb)
                 _count(stats, q, rows, runs)
-        ctx.save_for_backward(q, k, v, meta, o, lse)
+        ctx.save_for_backward(_own(q), _own(k), _own(v), meta, o, lse)
         ctx.has_doc, ctx.group, ctx.pieces = has_doc, group, pieces
         ctx.mark_non_differentiable(lse)
         return o.reshape(b, nh, s, d).to(q.dtype), lse.reshape(b, nh, s)
