@@ -69,7 +69,7 @@ def is_hf_model(model: Any) -> bool:
 def check_hf_model(model: nn.Module, key: str, cp: int, ulysses_size: int) -> None:
     """Refuse, with a :class:`ConfigError` naming ``key``, a Hugging Face model the adapter
     cannot split (same answer on every rank: it reads only the model's config)."""
-    hf = model.config
+    hf: Any = model.config  # a transformers PretrainedConfig
     kind = getattr(hf, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{key} = {cp}: Hugging Face model type {kind!r} ({type(model).__name__}) is not supported "
@@ -242,7 +242,8 @@ def prepare_hf_model(model: nn.Module, layout: CPLayout, group: AxisGroup) -> No
 
     name = f"engine_context_parallel_{next(_names)}"
     AttentionInterface.register(name, _attention_function(layout))
-    model.set_attn_implementation(name)
+    set_attn: Any = model.set_attn_implementation  # Tensor | Module to mypy
+    set_attn(name)
     adapter = _Adapter(layout, group)
     model.register_forward_pre_hook(adapter.before, with_kwargs=True)
     model.register_forward_hook(adapter.after, with_kwargs=True)
