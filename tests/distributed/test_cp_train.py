@@ -398,7 +398,8 @@ def _refused(rank, world):
 
 
 def test_cp_refuses_models_and_losses_it_cannot_split():
-    """A module with its own attention (e.g. a Hugging Face model) and a custom loss_fn are
+    """A module with its own attention that neither the reference GPT nor the Hugging Face
+    adapter covers (test_cp_hf_checks.py: the adapter's refusals) and a custom loss_fn are
     refused on every rank before any collective, naming the key."""
     for msgs in run_ranks(_refused, 2, timeout=120):
         assert "sequence_parallel_size) = 2 needs the reference GPT" in msgs[0]
