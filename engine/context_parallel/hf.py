@@ -152,12 +152,17 @@ class _Adapter:
         labels, self.labels = self.labels, None
         if labels is None:
             return output
-        logits = output.logits                                                               # (B, S/C, V)
+        logits = getattr(output, "logits", None)                                             # (B, S/C, V)
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError("context parallelism (Hugging Face adapter): the model returned no logits (was "
+                             "return_dict=False passed?); call it with the default return_dict")
         loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         count = (labels != IGNORE_INDEX).sum()
-        output.loss = _SumOverGroup.apply(loss_sum, count, self.group)
-        return output
+        loss = _SumOverGroup.apply(loss_sum, count, self.group)
+        # rebuilt, not assigned: a ModelOutput keeps only fields set at construction as keys, so
+        # ``output[0]`` / ``output["loss"]`` / ``to_tuple()`` see the loss first, as with labels
+        return type(output)(**{**output, "loss": loss})
 
     @staticmethod
     def _shifted_labels(kwargs: dict, ids: torch.Tensor) -> Optional[torch.Tensor]:

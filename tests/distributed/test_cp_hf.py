@@ -71,6 +71,7 @@ def _train(rank, world, cp_section):
     for ids, labels in _batches():
         out = eng(input_ids=ids, labels=labels)
         seen.add(out.logits.shape[1])
+        assert out[0] is out.loss and out["loss"] is out.loss        # the loss first, as HF gives it with labels
         eng.backward(out.loss)
         eng.step()
         losses.append(float(out.loss.detach()))
