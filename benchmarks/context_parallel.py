@@ -17,8 +17,13 @@ forward + backward ``--reps`` times, and prints per configuration:
   to the formula of docs/context_parallel.md ("Communication");
 - tokens/s of attention forward + backward: B S / (slowest rank's median time).
 
-The activation peak per rank and whole-step tokens/s belong to the training benchmark of
-the engine (see the results file's "Whole training steps" section).
+``--steps-peak`` measures instead, for the same modes and sizes, the activation peak per rank
+of one whole training step of a small GPT (``--peak-seq`` tokens, hidden 64, 2 layers, 4
+heads, fp32; ``memory.json``'s ``activation_peak_bytes``: the exact live-tensor high-water
+mark of the step's forward + backward over what the rank held before,
+engine/training/memory_probe.py) relative to CP 1's, and the step's tokens/s (the step with
+the probe excluded); with ``--out`` it rewrites only the results file's "Whole training
+steps" section.
 """
 
 from __future__ import annotations
@@ -154,6 +159,60 @@ def _rank_main(args, mode: str, cp: int, u: int, order: str):  # type: ignore[no
     return out
 
 
+def _step_peak_main(args, mode: str, cp: int, u: int):  # type: ignore[no-untyped-def]
+    """Whole training steps of the small GPT at this layout: (activation peak bytes of the
+    second step, seconds of the third)."""
+    import engine
+    from engine.distributed.env import init_distributed, shutdown
+    from engine.training.memory_probe import memory_probe
+
+    env = init_distributed(timeout_s=600, backend="gloo", device="cpu")
+    s = args.peak_seq
+    cp_section = {"size": cp, "mode": mode} if cp > 1 else {"size": 1}
+    if mode == "hybrid":
+        cp_section["ulysses_size"] = u
+    cfg = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "seed": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "context_parallel": cp_section,
+           "model": {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4,
+                     "seq_len": s}}
+    eng, *_ = engine.initialize(config=cfg, dist_env=env)
+    ids = torch.randint(0, 256, (1, s + 1), generator=torch.Generator().manual_seed(0))
+    batch = (ids[:, :-1], ids[:, 1:])                                  # the whole row on every CP rank
+    eng.train_batch(iter([batch]))                                     # lazily made state exists after it
+    with memory_probe(eng, True):
+        eng.train_batch(iter([batch]))
+    dist.barrier()
+    t0 = time.perf_counter()
+    eng.train_batch(iter([batch]))
+    seconds = time.perf_counter() - t0
+    peak = eng.activation_peak_bytes
+    eng.destroy()
+    del eng
+    shutdown()
+    return peak, seconds
+
+
+def steps_peak(args: argparse.Namespace, sizes: set[int]) -> list[dict]:
+    """The ``--steps-peak`` table (module docstring)."""
+    table: list[dict] = []
+    base = None
+    for mode, cp, u in CONFIGS:
+        if cp not in sizes and cp != 1:
+            continue
+        res = launch(_step_peak_main, cp, args, mode, cp, u, timeout=3600)
+        peak = max(r[0] for r in res)
+        base = peak if cp == 1 else base
+        row = {"mode": mode if cp > 1 else "one process", "C": cp, "U": u,
+               "activation peak MB/rank (max)": peak / 2**20,
+               "vs CP 1": peak / base if base else float("nan"),
+               "ranks' peaks MB": " ".join(f"{r[0] / 2**20:.3f}" for r in res),
+               "step s": max(r[1] for r in res), "tokens/s": args.peak_seq / max(r[1] for r in res)}
+        table.append(row)
+        print(row, flush=True)
+    return table
+
+
 CONFIGS = [("ring", 1, 1), ("ring", 2, 1), ("ulysses", 2, 2), ("ring", 4, 1), ("ulysses", 4, 4), ("hybrid", 4, 2)]
 
 
@@ -169,8 +228,17 @@ def main() -> None:
     p.add_argument("--sizes", default="1,2,4")
     p.add_argument("--orders", default="causal,doc,doc-balanced")
     p.add_argument("--out", default="")
+    p.add_argument("--steps-peak", action="store_true",
+                   help="whole training steps: activation peak per rank vs CP 1 (module docstring)")
+    p.add_argument("--peak-seq", type=int, default=1024)
     args = p.parse_args()
     sizes = {int(x) for x in args.sizes.split(",")}
+    if args.steps_peak:
+        text = render(steps_peak(args, sizes))
+        print(text)
+        if args.out:
+            _write_steps(args, text)
+        return
     table = []
     for order in args.orders.split(","):
         for mode, cp, u in CONFIGS:
@@ -194,7 +262,9 @@ def main() -> None:
         _write(args, text)
 
 
-RATIOS = ("work max/mean", "computed max/mean", "computed/unmasked", "MB sent/rank", "formula MB")
+RATIOS = ("work max/mean", "computed max/mean", "computed/unmasked", "MB sent/rank", "formula MB",
+          "activation peak MB/rank (max)", "vs CP 1")
+STEPS_HEADING = "\n## Whole training steps\n"
 
 
 def render(table: list[dict]) -> str:
@@ -213,8 +283,34 @@ def _write(args: argparse.Namespace, table: str) -> None:
         f.write(f"Machine: {m}. Gloo ranks, one thread each, fp32, batch {args.batch}.\n\n")
         f.write("## Attention (this benchmark)\n\n" + table + "\n\n")
         f.write(NOTES)
-        f.write("\n## Whole training steps\n\nActivation peak per rank relative to CP 1 and tokens/s of whole "
-                "training steps: to be added by the engine's CP benchmark (launch/train.py runs).\n")
+        f.write(STEPS_HEADING + "\nNot measured in this run: `--steps-peak` writes this section.\n")
+
+
+def _write_steps(args: argparse.Namespace, table: str) -> None:
+    """Replace the "Whole training steps" section of ``args.out`` (kept: the attention part)."""
+    head = ""
+    if os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as f:
+            head = f.read().split(STEPS_HEADING)[0]
+    m = machine_description()
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(head + STEPS_HEADING + "\n")
+        f.write(f"`python benchmarks/context_parallel.py --steps-peak --peak-seq {args.peak_seq} --sizes {args.sizes} "
+                f"--out {args.out}` ({time.strftime('%Y-%m-%d')})\n\n")
+        f.write(f"Machine: {m}. A GPT of hidden 64, 2 layers, 4 heads (4 KV heads), vocab 256, "
+                f"{args.peak_seq} tokens, batch 1, fp32, AdamW, no ZeRO; gloo ranks, one thread each.\n\n")
+        f.write(table + "\n\n" + STEPS_NOTES)
+
+
+STEPS_NOTES = """- activation peak: `memory.json`'s `activation_peak_bytes` of the step (the second; the
+  exact high-water mark of tensor bytes allocated in its forward + backward over what the rank
+  held before it: activations, gradients being produced, communication buffers); max over the
+  ranks, and each rank's. The floor at CP 4 is the one-process model on S/4 tokens (0.279 of
+  CP 1 at 1,024 tokens, tests/distributed/test_cp_train.py); what a mode adds above it is what
+  its attention keeps of the other ranks' tokens and its buffers (docs/context_parallel.md,
+  "Memory").
+- step s / tokens/s: one step without the probe (the third); C ranks share the 2 cores here.
+"""
 
 
 NOTES = """Reading the table:

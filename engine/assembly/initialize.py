@@ -9,7 +9,9 @@ is the reference GPT (``model=None`` builds it from the config's ``model`` secti
 unsharded :class:`engine.models.GPT` is sharded onto this rank) or, with TP = 1, a list of
 layers cut into pipeline stages; ``engine.train_batch(data_iter)`` runs a whole step.
 Any other ``nn.Module`` (a Hugging Face decoder) with ``tensor_parallel.autotp_size > 1``
-is split by AutoTP (:mod:`engine.assembly.autotp`, docs/autotp.md).
+is split by AutoTP (:mod:`engine.assembly.autotp`, docs/autotp.md); a Hugging Face Llama /
+Qwen2 / Mistral with ``context_parallel.size`` (``sequence_parallel_size``) > 1 gets the
+context-parallel attention and batch sharding of :mod:`engine.context_parallel.hf`.
 
 Assembly is explicit: one builder per kind of model (:mod:`engine.assembly.builders`,
 :func:`engine.assembly.autotp.autotp_parts`, :func:`engine.pipe.build.pipeline_module_parts`)
@@ -34,6 +36,7 @@ from engine.assembly.builders import layer_list_parts, module_parts, reference_p
 from engine.config import Config, load_config
 from engine.config.ignored import log_ignored_keys
 from engine.context_parallel.groups import build_cp_layout
+from engine.context_parallel.hf import SUPPORTED_MODEL_TYPES, check_hf_model, is_hf_model, prepare_hf_model
 from engine.context_parallel.layout import CPLayout
 from engine.data.ds_loader import deepspeed_loader
 from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed, launcher_local_rank
@@ -48,7 +51,7 @@ from engine.parts import LossFn, ModelParts
 from engine.pipe.build import pipeline_config, pipeline_module_parts
 from engine.pipe.module import PipelineModule
 from engine.precision.fp8 import fp8_states
-from engine.topology import Role
+from engine.topology import Axis, Role
 
 __all__ = ["initialize"]
 
@@ -107,19 +110,27 @@ def _check_fp8_model(cfg: Config, model: Any) -> None:
 
 
 def _check_cp_model(cfg: Config, model: Any, loss_fn: Optional[LossFn]) -> None:
-    """Context parallelism runs the reference GPT (from the config, or an engine.models.GPT)
-    only: its attention is the one that attends across the CP group. Checked on every rank
-    before any collective."""
+    """Context parallelism runs the reference GPT (from the config, or an engine.models.GPT),
+    whose attention attends across the CP group, or a Hugging Face Llama / Qwen2 / Mistral
+    through the DeepSpeed loop, whose attention the adapter replaces
+    (:mod:`engine.context_parallel.hf`). Checked on every rank before any collective."""
     if cfg.cp == 1:
         return
     key = "context_parallel.size (or sequence_parallel_size)"
     if model is not None and not isinstance(model, GPT):
-        raise ConfigError(f"{key} = {cfg.cp} needs the reference GPT (model=None with a model section, or an "
-                          f"engine.models.GPT): {type(model).__name__} has its own attention, which context "
-                          "parallelism cannot split (Hugging Face models are not supported yet); set the size to 1")
+        if not is_hf_model(model):
+            raise ConfigError(f"{key} = {cfg.cp} needs the reference GPT (model=None with a model section, or an "
+                              f"engine.models.GPT) or a Hugging Face {'/'.join(SUPPORTED_MODEL_TYPES)} model: "
+                              f"{type(model).__name__} has its own attention, which context parallelism cannot "
+                              "split; set the size to 1")
+        if cfg.tp > 1 or cfg.pp > 1:
+            raise ConfigError(f"{key} = {cfg.cp} with a Hugging Face model runs the DeepSpeed loop with data "
+                              f"parallelism only: set tensor_parallel.autotp_size ({cfg.tp}) and the pipeline "
+                              f"stages ({cfg.pp}) to 1, or set the size to 1")
+        check_hf_model(model, key, cfg.cp, cfg.context_parallel.ulysses_size)
     if loss_fn is not None:
         raise ConfigError(f"{key} = {cfg.cp}: a custom loss_fn is not supported with context parallelism (the engine "
-                          "normalises the reference GPT's token loss over the cp x dp shards); drop loss_fn")
+                          "normalises the token loss over the context-parallel shards); drop loss_fn")
 
 
 def _is_layer_list(model: Any) -> bool:
@@ -205,6 +216,8 @@ def _build_parts(cfg: Config, model: Union[nn.Module, Sequence[nn.Module], None]
         return pipeline_module_parts(cfg, model, optimizer, model_parameters, groups, device)
     if model is not None and not _is_layer_list(model) and cfg.tp == 1 and cfg.pp == 1 \
             and not (cfg.cp > 1 and isinstance(model, GPT)):  # a GPT under CP: the reference chunks
+        if cp is not None:  # a Hugging Face model (_check_cp_model): its attention and batches go CP
+            prepare_hf_model(model, cp, groups[Axis.CP])  # type: ignore[arg-type]
         return module_parts(cfg, model, optimizer, model_parameters, device, loss_fn)  # type: ignore[arg-type]
     if isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
         return autotp_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn)  # a model we did not write

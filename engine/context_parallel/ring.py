@@ -48,19 +48,24 @@ def _exchange(group: AxisGroup, sends: list[torch.Tensor], recvs: list[torch.Ten
 def _rotation(group: AxisGroup, kv: torch.Tensor, meta: torch.Tensor
               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (t, kv block, its meta) for t = 0..R-1; the transfer of block t+1 is in flight
-    while the caller computes on block t."""
+    while the caller computes on block t. Two buffers per tensor: ``kv`` (given away by the
+    caller: it is written over from t = 1 on; ``meta`` is copied) and one more, because the
+    block just computed on has been sent when its step ends and can receive the block after
+    next (the caller must be done with a yielded block when it asks for the next)."""
     r = _ring_size(group)
-    cur = (kv, meta)
+    cur, spare = (kv, meta.clone()), None
     for t in range(r):
         works: list[Any] = []
         if t < r - 1:
-            nxt = (torch.empty_like(kv), torch.empty_like(meta))
-            works = _exchange(group, list(cur), list(nxt))
+            if spare is None:
+                spare = (torch.empty_like(kv), torch.empty_like(meta))
+            works = _exchange(group, list(cur), list(spare))
         yield t, cur[0], cur[1]
         for w in works:
             w.wait()
         if t < r - 1:
-            cur = nxt
+            assert spare is not None
+            cur, spare = spare, cur
 
 
 def _row_groups(vis: list[list[int]]) -> list[tuple[int, int, list[int]]]:
@@ -74,17 +79,36 @@ def _row_groups(vis: list[list[int]]) -> list[tuple[int, int, list[int]]]:
     return [g for g in out if g[2]]
 
 
+def _tiles(groups: list[tuple[int, int, list[int]]], plen: int, per_row: int, budget: int
+           ) -> list[tuple[slice, list[int]]]:
+    """``groups`` (q pieces [a, b) seeing k pieces ks) cut into row tiles (slices of the
+    S_l query rows) whose score matrix (rows x key columns x ``per_row`` = B x local query
+    heads entries) holds at most ``budget`` entries (at least one row per tile)."""
+    out: list[tuple[slice, list[int]]] = []
+    for a, b, ks in groups:
+        step = max(1, budget // (len(ks) * plen * per_row))                 # rows per tile
+        out.extend((slice(i, min(i + step, b * plen)), ks) for i in range(a * plen, b * plen, step))
+    return out
+
+
 class _Plan:
-    """Which (rows, key-column runs) of one block to compute, from the position/doc ranges."""
+    """Which (rows, key-column runs) of one block to compute, from the position/doc ranges,
+    in row tiles whose score matrix (B, nkv, g, rows, cols) has at most as many entries as
+    q (B, nh, S_l, d) (``budget``): rows x cols <= S_l d, so a tile has at least d rows
+    (cols <= S_l on the ring, U S_l under Ulysses with nh / U heads). The transients of a
+    tile (the scores, their softmax, and in backward dP, dP - D and dS) are then each at
+    most the size of q, however many rows could share one matmul, as with flash
+    attention's fixed tiles. (With whole-chunk tiles, S_l/2 x S_l per head, a ring rank's
+    activation peak at CP 4 was 0.42 of CP 1's: test_cp_train's activation-peak test.)"""
 
     def __init__(self, qmeta: torch.Tensor, kmeta: torch.Tensor, pieces: int, has_doc: bool,
-                 q_ranges: Optional[list]) -> None:
+                 q_ranges: Optional[list], per_row: int, budget: int) -> None:
         s = qmeta.shape[-1]
         self.plen = s // pieces
         k_ranges = blocks.piece_ranges(kmeta, pieces, has_doc)
         vis = blocks.visible_pieces(q_ranges, k_ranges, pieces, pieces)
-        self.groups = [(slice(a * self.plen, b * self.plen), blocks.column_runs(ks, self.plen))
-                       for a, b, ks in _row_groups(vis)]
+        self.groups = [(rows, blocks.column_runs(ks, self.plen))
+                       for rows, ks in _tiles(_row_groups(vis), self.plen, per_row, budget)]
 
     @staticmethod
     def take(t: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -103,6 +127,15 @@ def _count(stats: Optional[dict], q: torch.Tensor, rows: slice, runs: list[tuple
         stats["pairs_computed"] = stats.get("pairs_computed", 0) + work
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it is a view into a larger storage: the model's v is a
+    slice of its fused q/k/v projection (B, S_l, (nh + 2 nkv) d), which saving the view
+    would keep alive until backward (3 times v's bytes with nh = nkv)."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta, has_doc, group, pieces, stats):
@@ -115,14 +148,14 @@ class _Ring(torch.autograd.Function):
         lse = q5.new_full(q5.shape[:-1], float("-inf"))
         q_ranges = blocks.piece_ranges(meta, pieces, has_doc)
         for _, kv_t, meta_t in _rotation(group, torch.stack([k, v]).contiguous(), meta):
-            plan = _Plan(meta, meta_t, pieces, has_doc, q_ranges)
+            plan = _Plan(meta, meta_t, pieces, has_doc, q_ranges, b * nh, q.numel())
             for rows, runs in plan.groups:
                 kk = _Plan.take(kv_t, runs).to(cd).unsqueeze(3)             # (2, B, nkv, 1, Sk, d)
                 mask = blocks.visible(meta[..., rows], _Plan.take(meta_t, runs), has_doc)
                 ob, lb = blocks.block_forward(q5[..., rows, :], kk[0], kk[1], mask, scale)
                 o[..., rows, :], lse[..., rows] = blocks.merge(o[..., rows, :], lse[..., rows], ob, lb)
                 _count(stats, q, rows, runs)
-        ctx.save_for_backward(q, k, v, meta, o, lse)
+        ctx.save_for_backward(_own(q), _own(k), _own(v), meta, o, lse)
         ctx.has_doc, ctx.group, ctx.pieces = has_doc, group, pieces
         ctx.mark_non_differentiable(lse)
         return o.reshape(b, nh, s, d).to(q.dtype), lse.reshape(b, nh, s)
@@ -141,11 +174,16 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros_like(q5)
         q_ranges = blocks.piece_ranges(meta, pieces, has_doc)
         r = _ring_size(group)
+        # dK/dV accumulators (2, B, nkv, S_l, d) in three buffers: ``contrib`` (this step's
+        # block), ``acc`` (the accumulator being sent on) and ``recv`` (the one arriving);
+        # a sent buffer receives the next step's arrival.
+        contrib = torch.zeros((2, b, nkv, s, d), dtype=cd, device=q.device)
+        acc = recv = None
         pending: list[Any] = []
-        dkv = incoming = None
-        for _, kv_t, meta_t in _rotation(group, torch.stack([k, v]).contiguous(), meta):
-            contrib = torch.zeros((2, b, nkv, s, d), dtype=cd, device=q.device)  # this block's dK, dV
-            plan = _Plan(meta, meta_t, pieces, has_doc, q_ranges)
+        for t, kv_t, meta_t in _rotation(group, torch.stack([k, v]).contiguous(), meta):
+            if t > 0:
+                contrib.zero_()
+            plan = _Plan(meta, meta_t, pieces, has_doc, q_ranges, b * nh, q.numel())
             for rows, runs in plan.groups:
                 kk = _Plan.take(kv_t, runs).to(cd).unsqueeze(3)
                 mask = blocks.visible(meta[..., rows], _Plan.take(meta_t, runs), has_doc)
@@ -157,15 +195,20 @@ class _Ring(torch.autograd.Function):
                     contrib[0, ..., a:e, :] += dk_b[..., off:off + e - a, :]
                     contrib[1, ..., a:e, :] += dv_b[..., off:off + e - a, :]
                     off += e - a
+                del kk, mask, dq_b, dk_b, dv_b
             for w in pending:
                 w.wait()
-            dkv = contrib if incoming is None else incoming + contrib
-            if r > 1:
-                incoming = torch.empty_like(dkv)
-                pending = _exchange(group, [dkv], [incoming])
+            if r == 1:
+                recv = contrib
+                break
+            if recv is None:                                                   # t = 0: my own block's first part
+                acc, contrib, recv = contrib, torch.empty_like(contrib), torch.empty_like(contrib)
+            else:                                                              # the sent buffer receives next
+                acc, recv = recv.add_(contrib), acc
+            pending = _exchange(group, [acc], [recv])
         for w in pending:
             w.wait()
-        final = incoming if r > 1 else dkv
+        final = recv
         assert final is not None
         return (dq.reshape(b, nh, s, d).to(q.dtype), final[0].to(k.dtype), final[1].to(v.dtype),
                 None, None, None, None, None)
