@@ -5,11 +5,10 @@ the reason."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
-
 from engine.compat.deepspeed._unsupported import unsupported
 from engine.compat.deepspeed.utils import groups, zero_to_fp32
 from engine.compat.deepspeed.utils.logging import log_dist, logger, print_dist
+from engine.data.ds_loader import RepeatingLoader
 
 __all__ = ["RepeatingLoader", "logger", "log_dist", "print_dist", "zero_to_fp32", "groups", "OnDevice",
            "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
@@ -19,24 +18,6 @@ __all__ = ["RepeatingLoader", "logger", "log_dist", "print_dist", "zero_to_fp32"
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
            "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
            "safe_update_full_grad_vectorized"]
-
-
-class RepeatingLoader:
-    """DeepSpeed's: iterate ``loader`` forever, starting it again when it runs out."""
-
-    def __init__(self, loader: Iterable[Any]) -> None:
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
 
 
 _FRAGMENTS = ("reading or writing one parameter's fp32 master / gradient / optimizer state through DeepSpeed's "
