@@ -188,9 +188,16 @@ class Recompute(torch.autograd.Function):
 
 
 def recompute(run: Callable[..., Any], *args: Any, options: RecomputeOptions = RecomputeOptions()) -> Any:
-    """``run(*args)``, recomputed in backward when grad is on (plain call otherwise)."""
+    """``run(*args)``, recomputed in backward when grad is on (plain call otherwise).
+
+    When no tensor argument requires grad (a user's first pipeline layer fed the batch), the
+    autograd function's output would not require grad either and the unit's parameters would
+    get no gradient: torch's non-reentrant checkpoint, which tracks the parameters used inside,
+    runs such a unit instead (same RNG replay, same arithmetic)."""
     if not torch.is_grad_enabled():
         return run(*args)
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return checkpoint(run, *args, use_reentrant=False)
     return Recompute.apply(run, options, *args)
 
 
