@@ -33,6 +33,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "engine")):  # run from a checkout without installing
@@ -46,6 +47,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+QUIET_RANK_EXIT_DELAY_S = 5.0  # how long ranks > 0 wait before exiting on a bad input rank 0 reports
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective timeout beyond a week is a typo (torch's C++ timer overflows on 1e10)
 
 
@@ -189,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     except _BadInput as exc:
         if speak:
             print(f"{exc.kind} error: {exc}", file=sys.stderr, flush=True)
+        else:  # a launcher stops every rank at the first exit: let rank 0 say why before that
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return EXIT_BAD_INPUT
     code = _run(args, cfg, dataset, sampler, preempt)
     if preempt is not None:  # the job is done: a late signal must not kill it during interpreter exit

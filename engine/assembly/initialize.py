@@ -191,7 +191,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     if mpu is not None:
         agree_on_error(mpu_mismatch(mpu, cfg.topology, dist.get_rank()), device)
     monitor = build_monitor(cfg.monitor, is_writer=dist.get_rank() == 0)  # checks the packages on every rank
-    groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None), ep=cfg.ep)
+    groups = ParallelGroups.build(cfg.topology, timeout_s=getattr(dist_env, "timeout_s", None), ep=cfg.expert_parallel.size)
 
     pipelined = isinstance(model, PipelineModule) or cfg.pp > 1  # DeepSpeed's PipelineEngine reads in order
     loader = None if training_data is None else _dataloader(training_data, cfg, groups, collate_fn, device, pipelined)

@@ -2,7 +2,7 @@
 
 DeepSpeed's ``deepspeed_io`` (runtime/engine.py, runtime/dataloader.py), per data-parallel rank:
 
-- engine without a pipeline: a ``DistributedSampler(dataset, num_replicas=dp, rank=dp_rank)``
+- engine without a pipeline: a ``DistributedSampler(dataset, num_replicas=replicas, rank=replica)``
   with torch's defaults (``shuffle=True``, ``seed=0``, ``drop_last=False``: the index list is
   padded by wrapping round to a multiple of ``dp``), micro-batches of
   ``train_micro_batch_size_per_gpu``, and the last short micro-batch kept unless the config's
@@ -53,7 +53,7 @@ class RepeatingLoader:
             return next(self.data_iter)
 
 
-def deepspeed_loader(data: Dataset, micro_batch: int, dp_size: int, dp_rank: int, *,
+def deepspeed_loader(data: Dataset, micro_batch: int, replicas: int, replica: int, *,
                      collate_fn: Optional[Callable] = None, drop_last: bool = False, pipeline: bool = False,
                      pin_memory: bool = False) -> Any:
     """This DP rank's loader over ``data`` as DeepSpeed builds it (module docstring):
@@ -61,7 +61,7 @@ def deepspeed_loader(data: Dataset, micro_batch: int, dp_size: int, dp_rank: int
     unshuffled one."""
     if not isinstance(data, Dataset):
         raise TypeError(f"training_data must be a torch.utils.data.Dataset, got {type(data).__name__}")
-    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=dp_size, rank=dp_rank,
+    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=replicas, rank=replica,
                                                           shuffle=not pipeline)  # seed 0, no drop: DeepSpeed's
     loader = DeepSpeedDataLoader(data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
                                  drop_last=drop_last, pin_memory=pin_memory)

@@ -96,9 +96,16 @@ def test_repeating_loader_restarts():
 
 
 def test_log_dist_rank_rule(caplog):
-    # before torch.distributed is initialised every process writes, as DeepSpeed
-    with caplog.at_level(logging.INFO, logger="DeepSpeed"):
-        deepspeed.log_dist("hello", ranks=[0])
+    # before torch.distributed is initialised every process writes, as DeepSpeed. The handler
+    # goes on the logger itself: real DeepSpeed, once imported by another test in this process,
+    # sets propagate=False on the "DeepSpeed" logger, so the root's capture would see nothing
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="DeepSpeed"):
+            deepspeed.log_dist("hello", ranks=[0])
+    finally:
+        ds_logger.removeHandler(caplog.handler)
     assert "[Rank -1] hello" in caplog.text
     assert deepspeed.utils.logger is logging.getLogger("DeepSpeed")
 

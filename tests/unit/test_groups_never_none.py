@@ -28,6 +28,8 @@ ENGINE = Path(__file__).resolve().parents[2] / "engine"
 # (file relative to engine/, function name) -> why a None group is allowed there
 DEEPSPEED_EDGE = {
     "compat/comm.py": "mirrors deepspeed.comm: group=None is the world, converted to torch's spelling there",
+    "compat/deepspeed/comm/comm.py": "the rest of deepspeed.comm's signatures: group=None is the world, "
+                                     "converted by _pg to torch's spelling",
     "zero/init.py:Init.__init__": "DeepSpeed's zero.Init(data_parallel_group=None) is the world: converted by _dp_axis",
     "zero/init.py:_dp_axis": "the conversion of DeepSpeed's data_parallel_group",
 }

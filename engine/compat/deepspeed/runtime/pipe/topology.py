@@ -18,6 +18,7 @@ from collections import namedtuple
 from typing import Any, Sequence
 
 from engine.compat.deepspeed._unsupported import unsupported
+from engine.validate import check_int
 
 __all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid"]
 
@@ -29,8 +30,8 @@ class ProcessTopology:
     def __init__(self, axes: Sequence[str], dims: Sequence[int]) -> None:
         if len(axes) != len(dims) or len(set(axes)) != len(axes):
             raise ValueError(f"axes {list(axes)} and dims {list(dims)}: give one size per distinct axis name")
-        if any(not isinstance(d, int) or d < 1 for d in dims):
-            raise ValueError(f"dims {list(dims)} must be positive integers")
+        for d in dims:
+            check_int("ProcessTopology dims", d, minimum=1, error=ValueError)
         self.axes = list(axes)
         self.dims = list(dims)
         self.ProcessCoord: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]  # per topology, as DeepSpeed
