@@ -38,6 +38,7 @@ from engine.data.microbatch import MicroBatch, split_microbatch, to_microbatch
 from engine.distributed import comm
 from engine.distributed.env import DistEnv, launcher_local_rank
 from engine.distributed.groups import AxisGroup, ParallelGroups
+from engine.ds_queries import DeepSpeedQueries
 from engine.errors import ConfigError
 from engine.moe.stats import MoEStepGroups, moe_step_end
 from engine.moe.wiring import moe_step_groups
@@ -93,7 +94,7 @@ class LRScheduler(Protocol):
     def step(self) -> Any: ...
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedQueries, nn.Module):
     """See the module docstring. Built by :func:`engine.assembly.assemble.assemble_engine` from
     the typed collaborators: the model's :class:`~engine.parts.ModelParts` (``module`` is the
     whole model, ``pp == 1``, or this rank's stage chunks, an ``nn.ModuleList`` driven by
@@ -204,15 +205,6 @@ class Engine(nn.Module):
         """The current learning rate of each param group (what the next step uses)."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
-
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: release the parameters ZeRO-3 holds gathered between uses (those kept
         for reuse, e.g. after an evaluation forward); a no-op below stage 3. Not inside a
@@ -261,11 +253,6 @@ class Engine(nn.Module):
     @property
     def global_rank(self) -> int:
         return self.groups.rank if self.groups is not None else (dist.get_rank() if dist.is_initialized() else 0)
-
-    @property
-    def world_size(self) -> int:
-        """All ranks of the job (DeepSpeed's ``engine.world_size``; ``dp_world_size`` is the DP part)."""
-        return self.config.world_size
 
     @property
     def local_rank(self) -> int:
@@ -341,24 +328,6 @@ class Engine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    # DeepSpeed's manual-accumulation methods: the engine owns the step arithmetic
-    # (engine/zero/step.py), so each is refused with the way to do it here
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("engine.scale(loss) + loss.backward() is not supported: call engine.backward(loss), "
-                                  "which applies the loss scale and 1/gradient_accumulation_steps")
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        raise NotImplementedError("set_gradient_accumulation_boundary is not supported: the boundary is every "
-                                  "gradient_accumulation_steps-th backward (engine.is_gradient_accumulation_boundary())")
-
-    def no_sync(self) -> Any:
-        raise NotImplementedError("engine.no_sync() is not needed: gradients are reduced only on the accumulation "
-                                  "boundary (every gradient_accumulation_steps-th backward)")
-
-    def coalesce_grad_reduction(self) -> Any:
-        raise NotImplementedError("engine.coalesce_grad_reduction() is not supported: call backward exactly "
-                                  "gradient_accumulation_steps times per step; the reduction runs once, on the last")
 
     def _optimizer_step(self) -> None:
         with self.timers.phase("reduce"), comm.no_host_sync("the gradient reduction"):

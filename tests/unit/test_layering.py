@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # assembled from and exports
     ("parallel", ("engine.zero", "engine.pipeline", "engine.optim", "engine.parts", "engine.training_state")),
     ("checkpoint", ("engine.checkpoint", "engine.weights16")),
-    ("engine", ("engine.engine", "engine.pipe")),
+    ("engine", ("engine.engine", "engine.ds_queries", "engine.pipe")),
     # assembly, the training loop, entry points and adapters on top
     ("entry", ("engine.assembly", "engine.training", "engine.generate", "engine.compat", "engine.planner", "engine.plot",
                "engine")),

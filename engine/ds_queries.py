@@ -1,0 +1,51 @@
+"""DeepSpeed's engine queries and its manual-accumulation methods, as a mixin of
+:class:`engine.engine.Engine` (kept apart so the engine's own file holds its step logic):
+``fp16_enabled()``, ``bfloat16_enabled()``, ``zero_optimization_stage()``, ``world_size``
+answer from the config; ``scale``, ``set_gradient_accumulation_boundary``, ``no_sync`` and
+``coalesce_grad_reduction`` are refused with the way to do it here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.config import Config
+
+__all__ = ["DeepSpeedQueries"]
+
+
+class DeepSpeedQueries:
+    config: Config
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    @property
+    def world_size(self) -> int:
+        """All ranks of the job (DeepSpeed's ``engine.world_size``; ``dp_world_size`` is the DP part)."""
+        return self.config.world_size
+
+    # DeepSpeed's manual-accumulation methods: the engine owns the step arithmetic
+    # (engine/zero/step.py), so each is refused with the way to do it here
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("engine.scale(loss) + loss.backward() is not supported: call engine.backward(loss), "
+                                  "which applies the loss scale and 1/gradient_accumulation_steps")
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        raise NotImplementedError("set_gradient_accumulation_boundary is not supported: the boundary is every "
+                                  "gradient_accumulation_steps-th backward (engine.is_gradient_accumulation_boundary())")
+
+    def no_sync(self) -> Any:
+        raise NotImplementedError("engine.no_sync() is not needed: gradients are reduced only on the accumulation "
+                                  "boundary (every gradient_accumulation_steps-th backward)")
+
+    def coalesce_grad_reduction(self) -> Any:
+        raise NotImplementedError("engine.coalesce_grad_reduction() is not supported: call backward exactly "
+                                  "gradient_accumulation_steps times per step; the reduction runs once, on the last")
