@@ -383,10 +383,13 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ compute
     def _run_chunk(self, chunk: int, x: Any, kwargs: dict, free_input: bool = False) -> torch.Tensor:
-        """The chunk on a copy of ``x`` (see ``_forward``); ``free_input``: ``x``'s storage is
+        """The chunk on a copy of ``x`` when its layers may change their input (see ``_forward``;
+        a user's layers, ``StageChunk.inputs_may_change``); ``free_input``: ``x``'s storage is
         released once copied, unless a checkpoint keeps ``x`` for the recomputation."""
         module = self.chunks[chunk]
         checkpointed = self.activation_checkpointing and not self._eval
+        if not getattr(module, "inputs_may_change", True):  # the reference model's chunks: no copy
+            return checkpoint(module, x, use_reentrant=False, **kwargs) if checkpointed else module(x, **kwargs)
 
         def run(inp: Any, **kw: Any) -> torch.Tensor:
             copy = _copy(inp)
@@ -400,7 +403,7 @@ class PipelineExecutor:
 
     def _forward(self, mb: int, chunk: int) -> None:
         key, st = (mb, chunk), self._state
-        # The chunk runs on a copy of its input, as DeepSpeed's pipeline engine: a first layer
+        # A user's chunk runs on a copy of its input, as DeepSpeed's pipeline engine: a first layer
         # that works in place (nn.ReLU(inplace=True), x.add_) must neither change the user's
         # micro-batch nor hit the received leaf that collects d(loss)/d(input) (autograd
         # refuses an in-place op on a leaf that requires grad), nor a V turn's input, which

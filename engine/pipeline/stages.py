@@ -90,9 +90,11 @@ class StageChunk(nn.Module):
     def __init__(self, layers: Sequence[nn.Module], start: int, num_layers_total: int,
                  checkpoint_interval: int = 0, document_masking: Optional[bool] = None,
                  cp: Optional[CPLayout] = None, recompute: Optional[RecomputePolicy] = None,
-                 tp_group: AxisGroup = NO_TP, copy_checkpoint_inputs: bool = False) -> None:
+                 tp_group: AxisGroup = NO_TP, inputs_may_change: bool = False) -> None:
         super().__init__()
-        self.copy_checkpoint_inputs = copy_checkpoint_inputs
+        # a user's layers may work in place on their input (nn.ReLU(inplace=True)): the pipeline
+        # executor and the checkpointed segments then run them on a copy; our blocks never do
+        self.inputs_may_change = inputs_may_change
         if recompute is None and checkpoint_interval > 0:
             recompute = RecomputePolicy("full", num_layers=checkpoint_interval)
         self.recompute = recompute
@@ -113,10 +115,10 @@ class StageChunk(nn.Module):
 
     def _run_segment(self, lo: int, hi: int, x: torch.Tensor, mask: Optional[AttnMask] = None,
                      pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """A checkpointed run of layers. ``copy_checkpoint_inputs`` (a user's layers, which may
+        """A checkpointed run of layers. ``inputs_may_change`` (a user's layers, which may
         work in place on their input): the run starts from a copy, so the input the checkpoint
         keeps for the recomputation is not changed (a transient copy, not saved)."""
-        return self._run(lo, hi, x.clone() if self.copy_checkpoint_inputs else x, mask, pos)
+        return self._run(lo, hi, x.clone() if self.inputs_may_change else x, mask, pos)
 
     def forward(self, x: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
@@ -318,7 +320,7 @@ def chunks_from_layers(layers: Sequence[nn.Module], cfg: Config, pp_rank: int, *
         if shared and pp_rank == cfg.pp - 1 and cfg.pp > 1:  # (V placement: nothing shared across ranks)
             _swap_in_tied_copies(mine, shared, copies)
         chunks.append(StageChunk(mine, rng.start, len(layers), document_masking=cfg.data.document_masking,
-                                 recompute=policy_from_config(cfg, interval), copy_checkpoint_inputs=True))
+                                 recompute=policy_from_config(cfg, interval), inputs_may_change=True))
     if cfg.pp > 1:
         local = {id(p): p for ch in chunks for p in ch.parameters()}
         order = sorted(shared, key=lambda pid: first_use[pid])
