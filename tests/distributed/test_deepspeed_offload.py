@@ -10,8 +10,9 @@ to ``import engine.compat.deepspeed as deepspeed``, on 2 gloo ranks under torchr
   on the host; golden files tests/assets/ds_offload_train_deepspeed_z{2,3}.json written by
   running the unchanged script under DeepSpeed; the slow test re-runs DeepSpeed live).
 
-The filled configs set warmup_min_lr = warmup_max_lr (a constant learning rate; WarmupLR's
-schedule itself is compared step for step with DeepSpeed's in tests/distributed/test_ds_parity.py).
+The filled configs are what the Trainer writes for a 3-step warmup (warmup_min_lr 0,
+warmup_max_lr = lr, warmup_num_steps 3), so the golden learning rates are WarmupLR's log ramp
+0, 0.0063, 0.01, 0.01 and the losses follow it (the first step applies lr 0).
 Tolerance: 1e-5 absolute on losses of O(1) (fp32; DeepSpeed's AVX Adam
 orders the bias correction differently, ~1e-7 per step; measured max 3.6e-7). A missing
 clip, a gradient shard copied before its reduction, or the wrong moments move losses by 1e-3+.
