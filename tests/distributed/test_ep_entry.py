@@ -176,3 +176,53 @@ EXTENDED = [
 @pytest.mark.parametrize("k", EXTENDED, ids=lambda k: "-".join(f"{a}{b}" for a, b in k.items()))
 def test_ep_layout_trains_as_one_process(cache_dir, tmp_path, reference, k):
     _layout(cache_dir, tmp_path, reference, k)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(1200)
+def test_saved_at_dp4_ep4_resumes_at_dp2_ep2_and_one_process(cache_dir, tmp_path, reference):
+    """launch/train.py --save at (dp 4, ep 4, ZeRO-1) step MID, --load at (dp 2, ep 2) and in
+    one process: steps MID+1..20 equal the uninterrupted (dp 4, ep 4) run's (1e-5; the
+    expert optimizer state's bit-identity per global expert is test_ep_checkpoint.py's)."""
+    k = dict(ep=4, dp=4, zero=1, ga=2)
+    ck = str(tmp_path / "ck")
+    whole = launch(str(tmp_path / "whole"), entry_config(cache_dir, **k), 4,
+                   extra=("--save", ck, "--save-interval", str(MID)))
+    check_rows(str(k), whole, reference[0])
+    for name, k2 in (("dp2-ep2", dict(ep=2, dp=2, zero=3, ga=2)), ("one process", {})):
+        got = launch(str(tmp_path / name), entry_config(cache_dir, **k2), world_of(k2),
+                     extra=("--load", os.path.join(ck, f"global_step{MID}")))
+        check_rows(f"resumed at {name}", got, whole, first=MID + 1)
+
+
+def _collapsed_checkpoint(rank, world, cfg, path):
+    """A step-0 checkpoint whose aux-free routing biases send every token to expert 0."""
+    import torch
+
+    import engine
+    from engine.config import load_config
+    from engine.moe.stats import moe_layers
+
+    eng, *_ = engine.initialize(config=load_config(cfg, world_size=world))
+    for layer in moe_layers(eng.module):
+        with torch.no_grad():
+            layer.expert_bias[0] = 100.0
+    eng.save_checkpoint(path, tag="collapsed")
+    eng.destroy()
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+def test_a_collapsed_router_shows_at_ep2(cache_dir, tmp_path):
+    """Every metrics.jsonl row of an EP 2 run whose router sends every token to one expert
+    (top-1; the biases restored from the checkpoint) shows moe_load_imbalance = E = 4."""
+    from harness import run_ranks
+
+    moe = {"top_k": 1, "load_balancing": "aux_free"}
+    ck = str(tmp_path / "ck")
+    run_ranks(_collapsed_checkpoint, 1, entry_config(cache_dir, moe=moe), ck, timeout=120)
+    k = dict(ep=2, dp=2, zero=1)
+    rows = launch(str(tmp_path / "run"), entry_config(cache_dir, moe=moe, **k), 2, steps=3,
+                  extra=("--load", os.path.join(ck, "collapsed")))
+    assert [r["moe_load_imbalance"] for r in rows] == [4.0] * 3, rows
+    assert all(r["moe_aux_loss"] >= 0 for r in rows)
