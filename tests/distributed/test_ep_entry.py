@@ -141,11 +141,13 @@ def check_rows(name: str, got: list[dict], want: list[dict], first: int = 1) -> 
             f"{name} step {step}: moe_load_imbalance {g['moe_load_imbalance']} vs {w['moe_load_imbalance']}"
 
 
-def _layout(cache_dir, tmp_path, reference, k: dict) -> None:
-    """20 steps from the start, then one step from the reference's weights at step MID."""
+def _layout(cache_dir, tmp_path, reference, k: dict, same: bool = True) -> None:
+    """20 steps from the start, then (``same``) one step from the reference's weights at step MID."""
     rows, ck = reference
     got = launch(str(tmp_path / "run"), entry_config(cache_dir, **k), world_of(k))
     check_rows(str(k), got, rows)
+    if not same:
+        return
     same = launch(str(tmp_path / "same"), entry_config(cache_dir, **k), world_of(k), steps=MID + 1,
                   extra=("--load", ck))
     assert [r["step"] for r in same] == [MID + 1]
@@ -160,7 +162,10 @@ def test_reference_rows_carry_the_moe_metrics(reference):
         assert 0.1 < r["moe_aux_loss"] < 1.0 and 1.0 <= r["moe_load_imbalance"] < 4.0, r
 @pytest.mark.slow
 def test_ep2_dp2_tp2_zero3_ga2_trains_as_one_process(cache_dir, tmp_path, reference):
-    _layout(cache_dir, tmp_path, reference, dict(ep=2, dp=2, tp=2, zero=3, ga=2))
+    """The default suite's representative layout: EP, DP, TP, ZeRO-3 and GA at once (one
+    launch; the same-weights run at step MID + 1 is the extended matrix's, measured 8.6e-9
+    here at step 17)."""
+    _layout(cache_dir, tmp_path, reference, dict(ep=2, dp=2, tp=2, zero=3, ga=2), same=False)
 
 
 EXTENDED = [
