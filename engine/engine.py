@@ -40,7 +40,7 @@ from engine.distributed.env import DistEnv, launcher_local_rank
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.ds_queries import DeepSpeedQueries
 from engine.errors import ConfigError
-from engine.moe.stats import MoEStepGroups, moe_step_end
+from engine.moe.stats import MoEStepGroups, moe_layers, moe_step_end
 from engine.moe.wiring import moe_step_groups
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Event, Monitor
 from engine.parts import LossFn, ModelParts
@@ -533,8 +533,11 @@ class Engine(DeepSpeedQueries, nn.Module):
             st = getattr(m, "fp8_state", None)
             if isinstance(st, Fp8LinearState):
                 fp8.setdefault(names[id(m)], st)
+        # the MoE layers' routing biases (aux-free balancing), by global name (engine.moe.stats)
+        biases = {f"{names[id(m)]}.expert_bias": m.expert_bias for m in moe_layers(self.module)}
         return TrainingState(self, self.optimizer, self.lr_scheduler,
-                             [g.param_group for g in self.optimizer.shard_view().groups], fp8, self.device)
+                             [g.param_group for g in self.optimizer.shard_view().groups], fp8, self.device,
+                             moe_bias=biases)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True) -> str:

@@ -12,7 +12,11 @@ state (which ZeRO exports through its shard view, :mod:`engine.zero.shard_view`)
 - ``loss_scaler``: the scale and its growth/backoff counters;
 - ``rng``: this process's Python / NumPy / torch (CPU and CUDA) generator states;
 - ``fp8``: the delayed-scaling state (scales, amax histories) of every FP8 layer, keyed
-  by the layer's global module name (``layers.{i}.…``); None without FP8 layers.
+  by the layer's global module name (``layers.{i}.…``); None without FP8 layers;
+- ``moe_bias``: the aux-free routing bias of every MoE layer (``model.moe``), keyed
+  ``{global module name}.expert_bias``, a list of ``num_experts`` floats by GLOBAL expert
+  index (whole and identical on every rank, whatever the expert-parallel size); None without
+  MoE layers. fp32 values round-trip exactly through JSON (a Python float holds them).
 
 :meth:`TrainingState.state_dict` returns plain JSON values (the checkpoint stores them in
 its metadata); :meth:`TrainingState.load_state_dict` restores the keys that are present,
@@ -120,10 +124,12 @@ class TrainingState:
     per step (the data position)."""
 
     def __init__(self, counters: StepCounters, optimizer: ScaledOptimizer, lr_scheduler: Optional[Any],
-                 param_group_ids: Sequence[int], fp8: Mapping[str, Fp8LinearState], device: torch.device) -> None:
+                 param_group_ids: Sequence[int], fp8: Mapping[str, Fp8LinearState], device: torch.device,
+                 moe_bias: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         self.counters, self.optimizer, self.lr_scheduler = counters, optimizer, lr_scheduler
         self.param_group_ids = [int(p) for p in param_group_ids]
         self.fp8 = dict(fp8)
+        self.moe_bias = dict(moe_bias or {})
         self.device = device
 
     def state_dict(self) -> dict[str, Any]:
@@ -138,7 +144,25 @@ class TrainingState:
             "loss_scaler": self.optimizer.loss_scaler.state_dict(),
             "rng": capture_rng(self.device),
             "fp8": {name: st.state_dict() for name, st in self.fp8.items()} if self.fp8 else None,
+            "moe_bias": {name: [float(v) for v in b.detach().cpu().tolist()] for name, b in self.moe_bias.items()}
+            if self.moe_bias else None,
         }
+
+    def moe_bias_names_missing(self, saved: Optional[Mapping[str, Any]]) -> list[str]:
+        """This model's MoE routing biases that ``saved`` (a state dict's ``moe_bias``) lacks or
+        holds with another number of experts."""
+        return sorted(n for n, b in self.moe_bias.items()
+                      if saved is None or n not in saved or len(saved[n]) != b.numel())
+
+    def load_moe_bias(self, saved: Mapping[str, Any]) -> None:
+        """Copy the saved routing biases into this model's (every one must be there: check
+        with :meth:`moe_bias_names_missing` first, on every rank)."""
+        missing = self.moe_bias_names_missing(saved)
+        if missing:
+            raise ValueError(f"the saved MoE routing biases have no entry for {missing[:8]}")
+        with torch.no_grad():
+            for name, b in self.moe_bias.items():
+                b.copy_(torch.tensor(saved[name], dtype=torch.float64).to(b.dtype))
 
     def fp8_names_missing(self, saved: Optional[Mapping[str, Any]]) -> list[str]:
         """This model's FP8 layers that ``saved`` (a state dict's ``fp8``) has no state for."""

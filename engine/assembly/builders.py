@@ -72,13 +72,11 @@ def reference_parts(cfg: Config, model: Optional[GPT], groups: ParallelGroups, d
                           "the config's model section: make them equal")
     dtype = precision_policy(cfg).compute_dtype
     tp_group = groups.tp_group
-    # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank)
+    # ZeRO-3 builds the reference model already partitioned over DP (never whole on a rank);
+    # the MoE experts (engine.moe.experts.GroupedSwiGLU) are placed as expert shards in their
+    # constructor, so zero.Init cuts them over the expert-gradient group, not the grad group
     experts = groups.expert_roles()
-    # The MoE layer marks its expert parameters after their module's constructor returned, when
-    # zero.Init has already cut them over the grad group (their values differ between EP ranks):
-    # at expert_parallel.size > 1 the stage-3 optimizer partitions the model instead
-    # (docs/expert_parallel.md: ZeRO-3 memory at construction)
-    partition_at_build = cfg.zero.stage == 3 and model is None and groups.ep_size == 1
+    partition_at_build = cfg.zero.stage == 3 and model is None
     with zero_init(data_parallel_group=groups.role(Role.GRAD), enabled=partition_at_build,
                    expert_group=experts.get(Role.EXPERT_GRAD, AxisGroup.single("expert_grad"))):
         # the MoE layers' groups (model.moe): the EP role's group (size 1 at expert_parallel.size 1)

@@ -244,6 +244,8 @@ class CheckpointMetadata:
     (:class:`engine.training_state.TrainingState`: ``counters``, ``data_position``,
     ``lr_scheduler``, ``lr_scheduler_groups``, ``loss_scaler``), stored flat as before;
     ``fp8``: FP8 scaling state by layer name (version 2; None: no FP8 layers, or version 1);
+    ``moe_bias``: the MoE layers' aux-free routing biases by name, each a list of floats by
+    global expert index (None: no MoE layers, or written before they were saved);
     ``client_state``: the client-state file's name, if any; ``frozen``: the frozen parameters
     (``requires_grad=False``, outside the optimizer) by name: ``{"file", "key", "shape",
     "dtype"}`` of the whole tensor one replica wrote (DeepSpeed's ``frozen_param_*``), read by
@@ -259,6 +261,7 @@ class CheckpointMetadata:
     files: dict[str, FileRecord]
     rng: dict[str, Any]
     fp8: Optional[dict[str, Any]] = None
+    moe_bias: Optional[dict[str, list[float]]] = None
     client_state: Optional[str] = None
     frozen: dict[str, dict[str, Any]] = field(default_factory=dict)
     engine_version: str = ""
@@ -286,6 +289,8 @@ class CheckpointMetadata:
             out["frozen"] = self.frozen
         if self.format_version >= 2:
             out["fp8"] = self.fp8
+        if self.moe_bias is not None:
+            out["moe_bias"] = self.moe_bias
         return out
 
     @classmethod
@@ -299,7 +304,7 @@ class CheckpointMetadata:
                    params={n: ParamRecord.from_json(p, where) for n, p in _need(d, "params", where).items()},
                    aliases=dict(d.get("aliases") or {}),
                    files={n: FileRecord.from_json(f, where) for n, f in _need(d, "files", where).items()},
-                   rng=dict(d.get("rng") or {}), fp8=d.get("fp8"), client_state=d.get("client_state"),
+                   rng=dict(d.get("rng") or {}), fp8=d.get("fp8"), moe_bias=d.get("moe_bias"), client_state=d.get("client_state"),
                    frozen=dict(d.get("frozen") or {}),
                    engine_version=str(d.get("engine_version", "")), torch_version=str(d.get("torch_version", "")),
                    time=float(d.get("time", 0.0)), format_version=int(d["format_version"]))

@@ -57,7 +57,6 @@ from engine.checkpoint.reshape import assemble_full, local_to_full_index, needed
 from engine.checkpoint.save import agree_on_tag
 from engine.checkpoint.target import Checkpointable
 from engine.config import Config
-from engine.errors import ConfigError
 from engine.placement import placement_of
 from engine.training_state import TrainingState, restore_rng
 from engine.zero.shard_view import GroupState, Scalar, ShardView
@@ -231,15 +230,23 @@ def _check_fp8(state: TrainingState, path: str, meta: CheckpointMetadata) -> Non
                               f"and start FP8 scaling afresh")
 
 
-def _refuse_aux_free(cfg: Config) -> None:
-    """The aux-free routing biases (``expert_bias`` buffers of the MoE layers) are not in the
-    checkpoint (it holds parameters and optimizer state): a resumed run would route with zero
-    biases, silently unlike the uninterrupted one. Refused on every rank alike (the config's)."""
+def _aux_free(cfg: Config) -> bool:
     moe = cfg.model.moe if cfg.model is not None else None
-    if moe is not None and moe.load_balancing == "aux_free":
-        raise ConfigError("loading a checkpoint of a model.moe run with load_balancing \"aux_free\" is not supported "
-                          "yet: the per-expert routing biases are not saved, so the resumed run would route "
-                          "differently; use load_balancing \"aux_loss\" (or \"none\") for runs that resume")
+    return moe is not None and moe.load_balancing == "aux_free"
+
+
+def _check_moe_bias(cfg: Config, state: TrainingState, path: str, meta: CheckpointMetadata) -> None:
+    """Before any collective: under aux-free balancing every MoE layer's routing bias is in
+    the checkpoint (saved by global expert index; without it the resumed run would route
+    with zero biases, unlike the uninterrupted one)."""
+    if not _aux_free(cfg):
+        return
+    missing = state.moe_bias_names_missing(meta.moe_bias)
+    if missing:
+        raise CheckpointError(f"{path}: model.moe.load_balancing is \"aux_free\" but the checkpoint has no routing "
+                              f"bias for {missing[:8]} (saved before the biases were saved, or by another model): "
+                              "the resumed run would route differently; resume it with load_balancing \"aux_loss\" "
+                              "or \"none\", or from a checkpoint this engine wrote with the biases")
 
 
 def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = None, *,
@@ -257,7 +264,6 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = 
     """
     if not dist.is_initialized():
         raise RuntimeError("checkpoints are collective: torch.distributed must be initialised (the engine does it)")
-    _refuse_aux_free(engine.config)
     rank = dist.get_rank()
     if tag is None:
         try:
@@ -291,6 +297,7 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = 
         _check_compatible(engine.config, view, path, meta, load_optimizer_states)
         if not load_module_only:
             _check_fp8(state, path, meta)
+        _check_moe_bias(engine.config, state, path, meta)
         local = _read_local(engine, view, path, meta, load_optimizer_states, verify_checksums)
     except Exception as exc:  # noqa: BLE001 - exchanged below so that every rank raises
         status = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
@@ -309,6 +316,8 @@ def load_checkpoint(engine: Checkpointable, load_dir: str, tag: Optional[str] = 
                               f"{' ...' if len(extra) > 8 else ''}): it is for a different model"
                               f"{' (' + diff + ')' if diff else ''}")
     view.load(local.masters, local.states)  # collective over DP: publishes the weights
+    if state.moe_bias and not state.moe_bias_names_missing(meta.moe_bias):  # module state: loaded with the weights
+        state.load_moe_bias(meta.moe_bias or {})
     if not load_module_only:
         state.load_state_dict(_training_state_dict(engine, meta, state, load_lr_scheduler_states, load_rng_states))
     topo = meta.topology

@@ -151,7 +151,8 @@ def _unsaved_tensors(module: torch.nn.Module, frozen_saved: bool) -> list[str]:
     ``frozen_saved``): not in the checkpoint, which holds what the optimizer trains (and the
     FP8 scaling state, which the training state exports)."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    buffers = [k for k in module.state_dict(keep_vars=True) if k not in params]
+    # the MoE layers' routing biases travel in the training state (engine.training_state)
+    buffers = [k for k in module.state_dict(keep_vars=True) if k not in params and not k.endswith(".expert_bias")]
     frozen = [n for n, p in module.named_parameters() if not p.requires_grad
               and (not frozen_saved or getattr(p, "ds_tensor", None) is not None)]  # zero.Init shards: not saved
     return sorted(buffers + frozen)
@@ -281,6 +282,7 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
     scalar_state: dict[str, Any] = {}
     param_groups: dict[str, Any] = {}
     fp8: dict[str, Any] = {}
+    moe_bias: dict[str, Any] = {}
     frozen: dict[str, dict[str, Any]] = {}
     for part in parts:  # rank order: pipeline stage 0 first, so names come in model order
         for name, frags in part["fragments"].items():
@@ -299,6 +301,8 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
             param_groups.setdefault(pg, opts)
         for name, st in (part["fp8"] or {}).items():  # TP and DP replicas hold the same (MAX-reduced) state
             fp8.setdefault(name, st)
+        for name, b in (part.get("moe_bias") or {}).items():  # identical on every rank holding the layer
+            moe_bias.setdefault(name, b)
         for name, rec in part.get("frozen", {}).items():  # one writer per pipeline stage
             frozen.setdefault(name, rec)
     # model order: by layer, then as the module lists them (any rank holding a layer agrees on that)
@@ -322,7 +326,7 @@ def _merge(cfg: Config, training: dict[str, Any], tag: str, parts: list[dict[str
         optimizer=OptimizerRecord(parts[0]["optimizer_class"], param_groups, elementwise, scalar_state, by_group),
         params={n: ParamRecord(tuple(e["shape"]), tuple(e["fragments"])) for n, e in params.items()},
         aliases=aliases, files=files, rng={str(p["rank"]): p["rng"] for p in parts}, fp8=fp8 or None,
-        frozen=frozen)
+        moe_bias=moe_bias or None, frozen=frozen)
 
 
 def client_state_bytes(client_state: dict[str, Any]) -> bytes:
@@ -507,7 +511,8 @@ def take_snapshot(engine: Checkpointable, plan: SavePlan, client_state: Optional
         tensors = copy(tensors)
         # FP8 scaling state is MAX-reduced over the amax role: one rank of it per stage sends it
         speaks = _parallel_groups(engine).speaks_for(Role.AMAX)
-        local.update(rng=training["rng"], fp8=training["fp8"] if speaks else None)
+        local.update(rng=training["rng"], fp8=training["fp8"] if speaks else None,
+                     moe_bias=training["moe_bias"] if speaks else None)
         if rank == 0 and client_state is not None:
             plan.client_bytes = client_state_bytes(client_state)
         local = copy_mod.deepcopy(local)  # rank 0's part is not pickled by the gather

@@ -13,11 +13,14 @@ parameters everywhere.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.distributed.strict import host_sync_allowed
+from engine.placement import ExpertShard, set_expert_placement
 
 __all__ = ["grouped_mm", "GroupedSwiGLU", "has_grouped_mm"]
 
@@ -50,16 +53,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 
 class GroupedSwiGLU(nn.Module):
     """``E_local`` SwiGLU experts (module docstring). ``gate_up`` (E_local, H, 2F): columns
-    ``[:F]`` the gate, ``[F:]`` the up projection; ``down`` (E_local, F, H)."""
+    ``[:F]`` the gate, ``[F:]`` the up projection; ``down`` (E_local, F, H).
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    ``shard``: which global experts these are, when split over ``ep_size`` > 1 ranks. Both
+    weights carry DeepSpeed's MoE tags (``allreduce = False``, ``group_name =
+    "ep_size_{ep}"``) and, at ``ep_size`` > 1, ``Placement.expert = shard``, set HERE in the
+    constructor that registers them: ``engine.zero.Init`` partitions a module's parameters
+    when its constructor returns, over the expert-gradient group only for parameters already
+    placed as expert shards (over the grad group they would mix different experts)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, shard: Optional[ExpertShard] = None,
+                 ep_size: int = 1) -> None:
         super().__init__()
         if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0] \
                 or gate_up.shape[2] != 2 * down.shape[1] or gate_up.shape[1] != down.shape[2]:
             raise ValueError(f"experts: gate_up (E, H, 2F) and down (E, F, H) disagree: "
                              f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+        if ep_size > 1 and shard is None:
+            raise ValueError(f"experts split over {ep_size} expert-parallel ranks need their ExpertShard")
         self.gate_up = nn.Parameter(gate_up)
         self.down = nn.Parameter(down)
+        for p in (self.gate_up, self.down):
+            if ep_size > 1:
+                assert shard is not None
+                set_expert_placement(p, shard, ep_size)
+            else:  # every expert here: placed like a dense weight (reduced over the grad role)
+                p.allreduce = False  # type: ignore[attr-defined]
+                p.group_name = f"ep_size_{ep_size}"  # type: ignore[attr-defined]
 
     @property
     def num_local(self) -> int:

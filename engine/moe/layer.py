@@ -42,7 +42,7 @@ from engine.moe.dispatch import dispatch_compute_combine
 from engine.moe.experts import GroupedSwiGLU
 from engine.moe.router import TopKRouter
 from engine.moe.stats import StepAccumulator
-from engine.placement import ExpertShard, placement_of, set_placement
+from engine.placement import ExpertShard
 from engine.tensor_parallel.layers import NormalInit
 from engine.tensor_parallel.mappings import copy_to_tp_region
 
@@ -84,9 +84,9 @@ class MoELayer(nn.Module):
         router_w = NormalInit(cfg.init_std, seed, f"blocks.{layer}.mlp.router")((e, cfg.hidden_size))
         self.router = TopKRouter(cfg.hidden_size, e, moe.top_k, router_w.to(device=device, dtype=dtype))
         gate_up, down = expert_init(cfg, moe, layer, seed, self.first_expert, self.num_local_experts)
-        self.experts = GroupedSwiGLU(gate_up.to(device=device, dtype=dtype), down.to(device=device, dtype=dtype))
-        for p in self.experts.parameters():
-            self._mark_expert(p)
+        shard = ExpertShard(self.first_expert, self.num_local_experts, e) if ep > 1 else None
+        self.experts = GroupedSwiGLU(gate_up.to(device=device, dtype=dtype), down.to(device=device, dtype=dtype),
+                                     shard, ep)
         self.shared: Optional[nn.Module] = None
         if moe.shared_experts:
             from engine.models.blocks import SwiGLU  # blocks imports this module for the MoE MLP
@@ -94,15 +94,6 @@ class MoELayer(nn.Module):
             self.shared = SwiGLU(shared_cfg, layer, ctx.tp_group, ctx.sequence_parallel, seed, device, dtype)
         self.register_buffer("expert_bias", torch.zeros(e, device=device, dtype=torch.float32))
         self.stats = StepAccumulator(e, device)
-
-    def _mark_expert(self, p: nn.Parameter) -> None:
-        """DeepSpeed's expert-parameter tags, and the engine's placement when sharded over EP."""
-        ep = self.ctx.ep_size
-        p.allreduce = False  # type: ignore[attr-defined]
-        p.group_name = f"ep_size_{ep}"  # type: ignore[attr-defined]
-        if ep > 1:
-            shard = ExpertShard(self.first_expert, self.num_local_experts, self.num_experts)
-            set_placement(p, replace(placement_of(p), expert=shard))
 
     def capacity(self, tokens: int) -> Optional[int]:
         """Assignments each expert takes per rank and micro-batch (None: dropless)."""

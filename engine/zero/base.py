@@ -65,6 +65,7 @@ from engine.timers import PhaseTimers
 from engine.topology import Role
 from engine.zero.buckets import BufferPool, FlatBucket, FlatGroup
 from engine.zero.init import is_partitioned, param_numel
+from engine.zero.norm import sum_of_squares
 from engine.zero.offload import NO_OFFLOAD, HostStep, OffloadOptions, host_zeros
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
 from engine.zero.shard_view import ShardView, build_shard_view
@@ -513,15 +514,12 @@ class ZeroOptimizer:
         several = any(g.reduce_group is not self.grad_group for g in self.groups)
         stats = torch.zeros(2, dtype=torch.float64, device=self._device)  # [sum of squares, non-finite count]
         for g in self.groups:
-            # One fp32 pass per shard: the norm is non-finite iff an element is (or the sum of
-            # squares overflows fp32, a norm > 1e19, which is an overflow to skip as well).
-            # A float64 copy plus a separate isfinite pass cost ~140x this on CPU.
-            # No host sync here: a non-finite norm lands in both stats (the count decides).
-            norm = torch.linalg.vector_norm(g.grad)
-            stats[1] += (~torch.isfinite(norm)).to(stats.dtype)
+            # No host sync here: a non-finite sum lands in both stats (the count decides).
+            sq = sum_of_squares(g.grad)
+            stats[1] += (~torch.isfinite(sq)).to(stats.dtype)
             if not self._counts_in_norm(g, tp_rank, several):
                 continue
-            stats[0] += norm.double() ** 2
+            stats[0] += sq
         for grp in self._mesh_groups():
             comm.all_reduce(stats, grp)
         overflow = stats[1] > 0

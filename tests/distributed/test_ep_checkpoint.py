@@ -7,6 +7,12 @@ How: an expert shard (``Placement.expert``: experts ``[first, first + count)`` s
 dim 0) is recorded like a TP slice along dim 0 (engine.checkpoint.layout.tp_slice_of), so its
 fragments are indices into the full ``(num_experts, ...)`` tensor and any layout reads them.
 
+Aux-free balancing: the per-expert routing biases (``expert_bias``, whole on every rank) are
+saved in the checkpoint's metadata by layer name and global expert index
+(engine.training_state's ``moe_bias``); a run saved at (dp 2, ep 2) resumes in one process
+with the saved biases bit for bit, the same biases on every rank after more steps, and the
+uninterrupted losses.
+
 Tolerance: resumed losses equal the uninterrupted ones within 1e-5 relative (a different
 layout reorders the floating-point sums of the gradient reductions and the all-to-all);
 the re-saved checkpoint's tensors are compared with ``torch.equal`` (a reshard copies values).
@@ -23,9 +29,10 @@ SAVE_AT, MORE, RTOL = 2, 3, 1e-5
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _cfg(dp: int, ep: int, zero: int = 1) -> dict:
+def _cfg(dp: int, ep: int, zero: int = 1, balancing: str = "aux_loss") -> dict:
     cfg = config(dp=dp, zero=zero, layers=2, expert_parallel={"size": ep})
-    cfg["model"]["moe"] = {"num_experts": 4, "top_k": 2, "expert_hidden_size": 32, "aux_loss_coef": 0.01}
+    cfg["model"]["moe"] = {"num_experts": 4, "top_k": 2, "expert_hidden_size": 32, "aux_loss_coef": 0.01,
+                           "load_balancing": balancing}
     return cfg
 
 
@@ -79,3 +86,49 @@ def test_saved_at_dp4_ep4_resumes_at_dp2_ep2(tmp_path):
 @pytest.mark.parametrize("world,zero", [(1, 1), (2, 3)])
 def test_saved_at_dp4_ep4_resumes_elsewhere(tmp_path, world, zero):
     _resumes_at(tmp_path, world, zero)
+
+
+def _biases(eng) -> list[list[float]]:
+    from engine.moe.stats import moe_layers
+
+    return [m.expert_bias.tolist() for m in moe_layers(eng.module)]
+
+
+def _aux_free_save(rank, world, path):
+    from _ckpt_common import build
+
+    eng = build(_cfg(world, world, balancing="aux_free"))
+    train(eng, SAVE_AT)
+    saved = _biases(eng)
+    eng.save_checkpoint(path, tag="t")
+    losses = train(eng, MORE)
+    out = (saved, losses, _biases(eng))
+    eng.destroy()
+    return out
+
+
+def _aux_free_resume(rank, world, path):
+    from _ckpt_common import build
+
+    eng = build(_cfg(world, world, balancing="aux_free"))
+    fresh = _biases(eng)
+    eng.load_checkpoint(path, tag="t")
+    loaded = _biases(eng)
+    losses = train(eng, MORE)
+    out = (fresh, loaded, losses, _biases(eng))
+    eng.destroy()
+    return out
+
+
+def test_aux_free_biases_are_saved_and_restored(tmp_path):
+    path = str(tmp_path / "af")
+    runs = run_ranks(_aux_free_save, 2, path, timeout=300)
+    saved, losses, final = runs[0]
+    assert all(r == runs[0] for r in runs[1:]), "every rank holds the same biases and losses"
+    assert any(v != 0.0 for layer in saved for v in layer), "the biases moved before the save"
+    (fresh, loaded, resumed, resumed_final), = run_ranks(_aux_free_resume, 1, path, timeout=300)
+    assert all(v == 0.0 for layer in fresh for v in layer)
+    assert loaded == saved, "the biases are restored bit for bit, by global expert"
+    for a, b in zip(resumed, losses):
+        assert a == pytest.approx(b, rel=RTOL), (resumed, losses)
+    assert resumed_final == final

@@ -132,11 +132,28 @@ def test_moe_config_round_trips_and_fp16_is_refused():
         load_config(base, world_size=1)
 
 
-def test_resuming_aux_free_is_refused():
-    from engine.checkpoint.load import _refuse_aux_free
+def test_resuming_aux_free_needs_the_saved_biases():
+    """A checkpoint without routing biases (written before they were saved) cannot resume an
+    aux-free run (it would route with zero biases); an aux_loss run does not need them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.checkpoint.format import CheckpointError
+    from engine.checkpoint.load import _check_moe_bias
     from engine.config import load_config
+    from engine.training_state import TrainingState
 
     base = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
-    _refuse_aux_free(load_config({**base, "model": _cfg().to_dict()}, world_size=1))  # aux_loss: fine
-    with pytest.raises(ConfigError, match="aux_free"):
-        _refuse_aux_free(load_config({**base, "model": _cfg(load_balancing="aux_free").to_dict()}, world_size=1))
+    state = TrainingState(SimpleNamespace(), SimpleNamespace(), None, [], {}, torch.device("cpu"),
+                          moe_bias={"layers.1.mlp.expert_bias": torch.zeros(4)})
+    old = SimpleNamespace(moe_bias=None)
+    _check_moe_bias(load_config({**base, "model": _cfg().to_dict()}, world_size=1), state, "ck", old)  # fine
+    free = load_config({**base, "model": _cfg(load_balancing="aux_free").to_dict()}, world_size=1)
+    with pytest.raises(CheckpointError, match="aux_free"):
+        _check_moe_bias(free, state, "ck", old)
+    with pytest.raises(CheckpointError, match="layers.1.mlp.expert_bias"):  # another number of experts
+        _check_moe_bias(free, state, "ck", SimpleNamespace(moe_bias={"layers.1.mlp.expert_bias": [0.0] * 8}))
+    _check_moe_bias(free, state, "ck", SimpleNamespace(moe_bias={"layers.1.mlp.expert_bias": [0.5, 0, 0, 0]}))
+    state.load_moe_bias({"layers.1.mlp.expert_bias": [0.5, -1e-3, 0, 0]})
+    assert state.moe_bias["layers.1.mlp.expert_bias"].tolist() == [0.5, torch.tensor(-1e-3).item(), 0, 0]
