@@ -1,12 +1,13 @@
 """DeepSpeed's engine queries and its manual-accumulation methods, as a mixin of
 :class:`engine.engine.Engine` (kept apart so the engine's own file holds its step logic):
 ``fp16_enabled()``, ``bfloat16_enabled()``, ``zero_optimization_stage()``, ``world_size``
-answer from the config; ``scale``, ``set_gradient_accumulation_boundary``, ``no_sync`` and
+answer from the config; ``set_gradient_accumulation_boundary`` is accepted where it agrees with the engine's
+boundary (accelerate calls it before every backward); ``scale``, ``no_sync`` and
 ``coalesce_grad_reduction`` are refused with the way to do it here."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,12 @@ __all__ = ["DeepSpeedQueries"]
 
 class DeepSpeedQueries:
     config: Config
+    micro_steps: int
+
+    if TYPE_CHECKING:  # the engine's own
+        def is_gradient_accumulation_boundary(self) -> bool: ...
+
+        def gradient_accumulation_steps(self) -> int: ...
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
@@ -39,8 +46,18 @@ class DeepSpeedQueries:
                                   "which applies the loss scale and 1/gradient_accumulation_steps")
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        raise NotImplementedError("set_gradient_accumulation_boundary is not supported: the boundary is every "
-                                  "gradient_accumulation_steps-th backward (engine.is_gradient_accumulation_boundary())")
+        """DeepSpeed's manual boundary, as accelerate calls it before every backward: accepted
+        when it agrees with the engine's own boundary (every ``gradient_accumulation_steps``-th
+        backward); a boundary anywhere else (a short last accumulation, a varying count) is
+        refused, since ``1/gradient_accumulation_steps`` is already applied to each loss."""
+        own = self.is_gradient_accumulation_boundary()
+        if bool(is_boundary) != own:
+            raise NotImplementedError(
+                f"set_gradient_accumulation_boundary({bool(is_boundary)}) at backward {self.micro_steps + 1} is not "
+                f"supported: the boundary here is every gradient_accumulation_steps-th backward "
+                f"(gradient_accumulation_steps={self.gradient_accumulation_steps()}, so this one is "
+                f"{'' if own else 'not '}a boundary); give each step exactly gradient_accumulation_steps micro-batches "
+                "(with Hugging Face's Trainer: a dataset whose batches per epoch per rank are a multiple of it)")
 
     def no_sync(self) -> Any:
         raise NotImplementedError("engine.no_sync() is not needed: gradients are reduced only on the accumulation "

@@ -114,7 +114,7 @@ REFUSED = [
 ]
 
 # engine methods DeepSpeed documents that raise NotImplementedError here, with the way to do it
-REFUSED_ENGINE_METHODS = ["scale", "set_gradient_accumulation_boundary", "no_sync", "coalesce_grad_reduction"]
+REFUSED_ENGINE_METHODS = ["scale", "no_sync", "coalesce_grad_reduction"]
 
 # ZeRO-3 external-parameter registration (engine/zero/external.py)
 WORKING_WHEN_IMPLEMENTED = ["deepspeed.zero.register_external_parameter"]
@@ -182,7 +182,25 @@ def test_refused_engine_methods_say_how():
 
     for name in REFUSED_ENGINE_METHODS:
         with pytest.raises(NotImplementedError, match="not (supported|needed)"):
-            getattr(Engine, name)(None, *([None] if name in ("scale", "set_gradient_accumulation_boundary") else []))
+            getattr(Engine, name)(None, *([None] if name == "scale" else []))
+
+
+def test_set_gradient_accumulation_boundary_accepts_the_engines_boundary_only():
+    """accelerate calls it before every backward with its sync flag: agreeing is a no-op, a
+    boundary anywhere else (a short last accumulation) is refused, saying so."""
+    import types
+
+    from engine.engine import Engine
+
+    fake = types.SimpleNamespace(micro_steps=0, gradient_accumulation_steps=lambda: 2)
+    fake.is_gradient_accumulation_boundary = lambda: Engine.is_gradient_accumulation_boundary(fake)
+    Engine.set_gradient_accumulation_boundary(fake, False)  # backward 1 of 2
+    with pytest.raises(NotImplementedError, match="at backward 1 is not supported.*gradient_accumulation_steps=2"):
+        Engine.set_gradient_accumulation_boundary(fake, True)
+    fake.micro_steps = 1
+    Engine.set_gradient_accumulation_boundary(fake, True)  # backward 2 of 2
+    with pytest.raises(NotImplementedError, match="this one is a boundary"):
+        Engine.set_gradient_accumulation_boundary(fake, False)
 
 
 @pytest.mark.parametrize("path", WORKING_WHEN_IMPLEMENTED)
