@@ -1,13 +1,13 @@
 """DeepSpeed's engine queries and its manual-accumulation methods, as a mixin of
 :class:`engine.engine.Engine` (kept apart so the engine's own file holds its step logic):
 ``fp16_enabled()``, ``bfloat16_enabled()``, ``zero_optimization_stage()``, ``world_size``
-answer from the config; ``set_gradient_accumulation_boundary`` is accepted where it agrees with the engine's
-boundary (accelerate calls it before every backward); ``scale``, ``no_sync`` and
+answer from the config; ``set_gradient_accumulation_boundary`` sets the boundary by hand, as
+DeepSpeed's (accelerate calls it before every backward); ``scale``, ``no_sync`` and
 ``coalesce_grad_reduction`` are refused with the way to do it here."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional
 
 import torch
 
@@ -18,12 +18,7 @@ __all__ = ["DeepSpeedQueries"]
 
 class DeepSpeedQueries:
     config: Config
-    micro_steps: int
-
-    if TYPE_CHECKING:  # the engine's own
-        def is_gradient_accumulation_boundary(self) -> bool: ...
-
-        def gradient_accumulation_steps(self) -> int: ...
+    _manual_boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
@@ -46,18 +41,13 @@ class DeepSpeedQueries:
                                   "which applies the loss scale and 1/gradient_accumulation_steps")
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """DeepSpeed's manual boundary, as accelerate calls it before every backward: accepted
-        when it agrees with the engine's own boundary (every ``gradient_accumulation_steps``-th
-        backward); a boundary anywhere else (a short last accumulation, a varying count) is
-        refused, since ``1/gradient_accumulation_steps`` is already applied to each loss."""
-        own = self.is_gradient_accumulation_boundary()
-        if bool(is_boundary) != own:
-            raise NotImplementedError(
-                f"set_gradient_accumulation_boundary({bool(is_boundary)}) at backward {self.micro_steps + 1} is not "
-                f"supported: the boundary here is every gradient_accumulation_steps-th backward "
-                f"(gradient_accumulation_steps={self.gradient_accumulation_steps()}, so this one is "
-                f"{'' if own else 'not '}a boundary); give each step exactly gradient_accumulation_steps micro-batches "
-                "(with Hugging Face's Trainer: a dataset whose batches per epoch per rank are a multiple of it)")
+        """DeepSpeed's manual boundary (accelerate calls it before every backward with its
+        sync flag): from now on :meth:`is_gradient_accumulation_boundary` answers
+        ``is_boundary`` instead of counting ``step()`` calls, so the backward passes before
+        the next ``step()`` that sees ``True`` accumulate locally and that step reduces and
+        updates. Each loss is still divided by ``gradient_accumulation_steps`` unless
+        ``backward(loss, scale_wrt_gas=False)``, as DeepSpeed."""
+        self._manual_boundary = bool(is_boundary)
 
     def no_sync(self) -> Any:
         raise NotImplementedError("engine.no_sync() is not needed: gradients are reduced only on the accumulation "

@@ -185,24 +185,6 @@ def test_refused_engine_methods_say_how():
             getattr(Engine, name)(None, *([None] if name == "scale" else []))
 
 
-def test_set_gradient_accumulation_boundary_accepts_the_engines_boundary_only():
-    """accelerate calls it before every backward with its sync flag: agreeing is a no-op, a
-    boundary anywhere else (a short last accumulation) is refused, saying so."""
-    import types
-
-    from engine.engine import Engine
-
-    fake = types.SimpleNamespace(micro_steps=0, gradient_accumulation_steps=lambda: 2)
-    fake.is_gradient_accumulation_boundary = lambda: Engine.is_gradient_accumulation_boundary(fake)
-    Engine.set_gradient_accumulation_boundary(fake, False)  # backward 1 of 2
-    with pytest.raises(NotImplementedError, match="at backward 1 is not supported.*gradient_accumulation_steps=2"):
-        Engine.set_gradient_accumulation_boundary(fake, True)
-    fake.micro_steps = 1
-    Engine.set_gradient_accumulation_boundary(fake, True)  # backward 2 of 2
-    with pytest.raises(NotImplementedError, match="this one is a boundary"):
-        Engine.set_gradient_accumulation_boundary(fake, False)
-
-
 @pytest.mark.parametrize("path", WORKING_WHEN_IMPLEMENTED)
 def test_zero3_external_parameter_paths_work(path):
     assert status(path) == "working"
