@@ -19,7 +19,14 @@ import json
 import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 VOCAB, SEQ, SAMPLES = 128, 16, 32
 MICRO, GA, STEPS = 2, 2, 5
@@ -87,11 +94,16 @@ class LogRecorder(TrainerCallback):
             self.logs.append({k: logs[k] for k in ("loss", "learning_rate", "grad_norm") if k in logs})
 
 
-def tiny_llama() -> LlamaForCausalLM:
+def tiny_llama(from_config: bool) -> LlamaForCausalLM:
+    """``from_config``: through ``AutoModelForCausalLM.from_config``, which (after
+    TrainingArguments set up a ZeRO-3 config) builds it under ``deepspeed.zero.Init`` and
+    initializes the partitioned weights gathered; else the class itself, a plain module."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
+    if from_config:
+        return AutoModelForCausalLM.from_config(config)
     return LlamaForCausalLM(config)
 
 
@@ -109,11 +121,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--zero", type=int, required=True, choices=(2, 3))
     ap.add_argument("--config_optimizer", action="store_true", help="optimizer/scheduler from the ds config")
+    ap.add_argument("--from_config", action="store_true",
+                    help="build the model after TrainingArguments with AutoModelForCausalLM.from_config (zero.Init)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     a = ap.parse_args()
     workdir = os.path.dirname(os.path.abspath(a.out))
-    model = tiny_llama()
+    model = None if a.from_config else tiny_llama(False)
     args = TrainingArguments(
         output_dir=os.path.join(workdir, f"trainer_zero{a.zero}"), deepspeed=ds_config(a.zero, a.config_optimizer),
         per_device_train_batch_size=MICRO, gradient_accumulation_steps=GA, max_steps=STEPS,
@@ -121,6 +135,16 @@ def main() -> None:
         warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=True, seed=42, data_seed=42, dataloader_num_workers=0,
         disable_tqdm=True)
+    # HF's example scripts (run_clm.py) log this before building the model; reading args.device
+    # sets up the process group, which zero.Init's partitioning needs
+    print(f"process rank {args.process_index}, device {args.device}, world size {args.world_size}")
+    if model is None:
+        # on the CPU accelerate sets up torch.distributed but not deepspeed.comm, whose world size
+        # zero.Init's config check reads (DeepSpeed's docs: init_distributed before zero.Init)
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = tiny_llama(True)
     recorder = LogRecorder()
     trainer = RecordingTrainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[recorder])
     trainer.micro_losses = []
@@ -136,6 +160,7 @@ def main() -> None:
 
         result = {"deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
                   "accelerate": accelerate.__version__, "zero": a.zero, "config_optimizer": a.config_optimizer,
+                  "from_config": a.from_config,
                   "world_size": len(gathered), "micro_losses": gathered, "logs": recorder.logs,
                   "weight_norms": norms, "engine": type(trainer.model_wrapped).__module__}
         with open(a.out, "w") as f:

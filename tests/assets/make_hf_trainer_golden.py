@@ -2,7 +2,9 @@
 Trainer, running tests/assets/hf_trainer_ds.py under torchrun on 2 CPU ranks (gloo), at
 ZeRO-2 and ZeRO-3, with the Trainer's optimizer (``client``: HF's AdamW + linear schedule passed
 to deepspeed.initialize) and with DeepSpeed's own from the config (``config``: AdamW +
-WarmupDecayLR, "auto" values filled by HF).
+WarmupDecayLR, "auto" values filled by HF), and at ZeRO-3 with the model built after
+TrainingArguments by ``AutoModelForCausalLM.from_config`` (``from_config``: under
+``deepspeed.zero.Init``, weights initialized gathered by HF's ``initialize_weights_zero3``).
 
     OMP_NUM_THREADS=1 python tests/assets/make_hf_trainer_golden.py /tmp/hf_golden
 """
@@ -13,7 +15,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = {f"zero{z}_{opt}": (z, opt) for z in (2, 3) for opt in ("client", "config")}
+CASES = {**{f"zero{z}_{opt}": (z, opt) for z in (2, 3) for opt in ("client", "config")},
+         "zero3_from_config": (3, "from_config")}
 
 
 def run(work: str, zero: int, opt: str, port: int, via_alias: bool = False, env: "dict | None" = None) -> dict:
@@ -26,6 +29,8 @@ def run(work: str, zero: int, opt: str, port: int, via_alias: bool = False, env:
     cmd += [os.path.join(HERE, "hf_trainer_ds.py"), "--zero", str(zero), "--out", out]
     if opt == "config":
         cmd.append("--config_optimizer")
+    elif opt == "from_config":
+        cmd.append("--from_config")
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -12,7 +12,8 @@ The reference is tests/assets/hf_trainer_ds_deepspeed.json: the same file run by
 DeepSpeed (tests/assets/make_hf_trainer_golden.py writes it; the extended tier reruns real
 DeepSpeed live and compares with that too). Default suite: ZeRO-2 and ZeRO-3 with the Trainer's
 own optimizer and schedule (HF's AdamW + linear warm-up/decay handed to ``initialize``);
-extended: DeepSpeed's optimizer and ``WarmupDecayLR`` from the config ("auto" filled by HF).
+extended: DeepSpeed's optimizer and ``WarmupDecayLR`` from the config ("auto" filled by HF), and
+ZeRO-3 with the model built by ``AutoModelForCausalLM.from_config`` under ``zero.Init``.
 
 Tolerance: 1e-5 relative (fp32). Measured: ZeRO-2 losses bitwise equal and ZeRO-3's within
 1e-7; grad norms within 4e-7 (DeepSpeed sums the squared norms of its flat partitions in
@@ -99,12 +100,21 @@ def test_trainer_with_the_configs_optimizer_and_scheduler_equals_real_deepspeed(
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_trainer_with_a_model_built_under_zero_init_equals_real_deepspeed(tmp_path):
+    """ZeRO-3, the model built after TrainingArguments by ``AutoModelForCausalLM.from_config``:
+    HF builds it under ``deepspeed.zero.Init`` and initializes each module's weights inside
+    ``GatheredParameters(modifier_rank=0)`` on rank 0."""
+    _compare(_ours(tmp_path, 3, "from_config"), _golden("zero3_from_config"))
+
+
+@pytest.mark.extended
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["zero2_client", "zero3_client", "zero2_config", "zero3_config"])
+@pytest.mark.parametrize("case", ["zero2_client", "zero3_client", "zero2_config", "zero3_config", "zero3_from_config"])
 def test_golden_file_is_what_real_deepspeed_gives_now(tmp_path, case):
     """Real DeepSpeed 0.19.8 rerun live reproduces the golden file (within RTOL)."""
     pytest.importorskip("deepspeed")
-    zero, opt = int(case[4]), case.split("_")[1]
+    zero, opt = int(case[4]), case.split("_", 1)[1]
     live = run(str(tmp_path / case), zero, opt, free_port(), env=_env(False))
     assert live["deepspeed"] == "0.19.8" and live["engine"] == "deepspeed.runtime.engine"
     _compare({**live, "deepspeed": "live+engine", "engine": "engine.engine"}, _golden(case))
