@@ -22,7 +22,10 @@ HERE = Path(__file__).resolve().parent
 # tests/distributed/test_older_torch.py runs a smoke subset with those APIs removed).
 INSTALL_REQUIRES = ["torch>=2.11", "numpy", "sentencepiece", "tqdm", "safetensors"]
 EXTRAS = {
-    "test": ["pytest>=7", "pytest-timeout", "ninja", "transformers", "tensorboard", "ruff==0.17.6", "mypy==2.4.1"],
+    # accelerate: Hugging Face's Trainer runs DeepSpeed through it (tests/distributed/test_hf_trainer_ds.py);
+    # >= 1.1 is what transformers 5 requires, < 2 the major release it was tested with (1.15)
+    "test": ["pytest>=7", "pytest-timeout", "ninja", "transformers", "accelerate>=1.1.0,<2", "tensorboard",
+             "ruff==0.17.6", "mypy==2.4.1"],
     "deepspeed": ["deepspeed"],
 }
 

@@ -1,12 +1,13 @@
 """DeepSpeed's engine queries and its manual-accumulation methods, as a mixin of
 :class:`engine.engine.Engine` (kept apart so the engine's own file holds its step logic):
 ``fp16_enabled()``, ``bfloat16_enabled()``, ``zero_optimization_stage()``, ``world_size``
-answer from the config; ``scale``, ``set_gradient_accumulation_boundary``, ``no_sync`` and
+answer from the config; ``set_gradient_accumulation_boundary`` sets the boundary by hand, as
+DeepSpeed's (accelerate calls it before every backward); ``scale``, ``no_sync`` and
 ``coalesce_grad_reduction`` are refused with the way to do it here."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -17,6 +18,7 @@ __all__ = ["DeepSpeedQueries"]
 
 class DeepSpeedQueries:
     config: Config
+    _manual_boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
@@ -39,8 +41,13 @@ class DeepSpeedQueries:
                                   "which applies the loss scale and 1/gradient_accumulation_steps")
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        raise NotImplementedError("set_gradient_accumulation_boundary is not supported: the boundary is every "
-                                  "gradient_accumulation_steps-th backward (engine.is_gradient_accumulation_boundary())")
+        """DeepSpeed's manual boundary (accelerate calls it before every backward with its
+        sync flag): from now on :meth:`is_gradient_accumulation_boundary` answers
+        ``is_boundary`` instead of counting ``step()`` calls, so the backward passes before
+        the next ``step()`` that sees ``True`` accumulate locally and that step reduces and
+        updates. Each loss is still divided by ``gradient_accumulation_steps`` unless
+        ``backward(loss, scale_wrt_gas=False)``, as DeepSpeed."""
+        self._manual_boundary = bool(is_boundary)
 
     def no_sync(self) -> Any:
         raise NotImplementedError("engine.no_sync() is not needed: gradients are reduced only on the accumulation "

@@ -198,7 +198,11 @@ class Engine(DeepSpeedQueries, nn.Module):
         return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``backward`` is the last micro-batch of the optimizer step."""
+        """True when the next ``backward`` is the last micro-batch of the optimizer step: the
+        value of :meth:`set_gradient_accumulation_boundary` once called, else every
+        ``gradient_accumulation_steps``-th ``step()`` call (DeepSpeed's rule)."""
+        if self._manual_boundary is not None:
+            return self._manual_boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def get_lr(self) -> list[float]:
@@ -301,13 +305,15 @@ class Engine(DeepSpeedQueries, nn.Module):
         with self.timers.phase("forward"), self._forward_rule():
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the loss scale); on the
-        last micro-batch of a step the gradient reductions start as buckets fill."""
+        last micro-batch of a step the gradient reductions start as buckets fill.
+        ``scale_wrt_gas=False`` (DeepSpeed's flag; Hugging Face's Trainer passes it, its loss
+        already being normalized over the step's tokens): ``loss`` as it is, times the loss scale."""
         self._require_no_pipeline("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor returned by the model")
-        ga = self.gradient_accumulation_steps()
+        ga = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         self.optimizer.set_boundary(self.is_gradient_accumulation_boundary())
         with self.timers.phase("backward"), comm.no_host_sync("backward (ZeRO gradient hooks)"):
             self.optimizer.backward(loss, retain_graph=retain_graph, num_microbatches=ga)

@@ -80,6 +80,14 @@ _TOP_LEVEL_IGNORED = tuple(k for k in IGNORED_KEYS if "." not in k)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
+def _steps_per_print(top: Section) -> Optional[int]:
+    """``steps_per_print``: a positive integer, or null / positive infinity for never. accelerate
+    (and so Hugging Face's Trainer) sets ``float("inf")`` to keep DeepSpeed from printing."""
+    if top.raw("steps_per_print") == float("inf"):
+        return None
+    return top.int("steps_per_print", 10, min=1, nullable=True)
+
+
 def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]], *, world_size: int) -> Config:
     """Load and validate a config for a run of ``world_size`` ranks.
 
@@ -135,7 +143,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         monitor=parse_monitor(top),
         gradient_clipping=top.number("gradient_clipping", 1.0, min=0.0,
                                      auto_hint=" (the Hugging Face Trainer fills it from max_grad_norm)"),
-        steps_per_print=top.int("steps_per_print", 10, min=1, nullable=True),
+        steps_per_print=_steps_per_print(top),
         wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
         dataloader_drop_last=top.bool("dataloader_drop_last", False),
         zero_force_ds_cpu_optimizer=top.bool("zero_force_ds_cpu_optimizer", True),

@@ -352,6 +352,8 @@ def test_checkpoint_data_and_misc():
     assert cfg.checkpoint.async_save is True
     assert cfg.data.train_files == ("a.txt", "b.txt") and cfg.data.tokenizer_model == "t.model"
     assert cfg.steps_per_print is None and cfg.seed == 0 and cfg.gradient_clipping == 0.0
+    # accelerate (Hugging Face's Trainer with deepspeed=) sets float("inf") to mean never
+    assert load_config(make(("steps_per_print", float("inf"))), world_size=2).steps_per_print is None
 
 
 def test_null_sections_mean_defaults():

@@ -10,6 +10,13 @@ imported later the same way, so no second copy of a module is ever loaded under 
 other name, and refuses the modules of :data:`~engine.compat.deepspeed._unsupported.UNSUPPORTED_MODULES`
 (under both prefixes) with their reason.
 
+With the alias active the same finder also answers ``importlib.metadata`` for the distribution
+``deepspeed`` (:class:`EngineDistribution`: name ``deepspeed``, version
+``engine.compat.deepspeed.__version__``, e.g. ``0.19.8+engine``), ahead of an installed real
+DeepSpeed's: libraries decide whether DeepSpeed is there and which features it has from that
+metadata (accelerate's and transformers' ``is_deepspeed_available``, their version gates), so
+they work without real DeepSpeed installed and judge the API they actually get.
+
 Real DeepSpeed must not be imported in the same process: if ``deepspeed`` is already in
 ``sys.modules`` (and is not this package) :func:`alias` raises instead of mixing the two.
 """
@@ -19,15 +26,18 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import os
 import pkgutil
+import re
 import sys
 from types import ModuleType
-from typing import Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from engine.compat.deepspeed._unsupported import UnsupportedModuleError, unsupported_module_reason
 
-__all__ = ["alias", "is_aliased", "install_finder", "PACKAGE", "ALIAS", "REDIRECTS"]
+__all__ = ["alias", "is_aliased", "install_finder", "EngineDistribution", "PACKAGE", "ALIAS", "REDIRECTS"]
 
 PACKAGE = "engine.compat.deepspeed"
 ALIAS = "deepspeed"
@@ -60,6 +70,28 @@ class _AliasLoader(importlib.abc.Loader):
         pass  # executed once, under its engine name, by create_module's import
 
 
+class EngineDistribution(importlib.metadata.Distribution):
+    """The ``importlib.metadata`` distribution ``deepspeed`` while the alias is active: this
+    package under DeepSpeed's name, at the version whose API it mirrors (``+engine``)."""
+
+    def read_text(self, filename: str) -> Optional[str]:
+        if filename in ("METADATA", "PKG-INFO"):
+            from engine.compat.deepspeed import __version__
+
+            return (f"Metadata-Version: 2.1\nName: {ALIAS}\nVersion: {__version__}\n"
+                    f"Summary: this engine installed as deepspeed by {PACKAGE}.alias()\n")
+        if filename == "top_level.txt":
+            return ALIAS + "\n"
+        return None
+
+    def locate_file(self, path: Any) -> Any:
+        return os.path.join(os.path.dirname(os.path.abspath(__file__)), str(path))
+
+
+def _is_deepspeed_name(name: Optional[str]) -> bool:
+    return name is not None and re.sub(r"[-_.]+", "-", name).lower() == ALIAS
+
+
 class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
     """Refuses unsupported DeepSpeed modules with their reason; with the alias active, serves
     ``deepspeed.<rel>`` as ``engine.compat.deepspeed.<rel>``."""
@@ -82,6 +114,13 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
         if engine_name not in sys.modules and importlib.util.find_spec(engine_name) is None:
             return None  # no such module: the import fails as usual ("No module named ...")
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(engine_name))
+
+    def find_distributions(self, context: Any = None) -> Iterable[importlib.metadata.Distribution]:
+        """``importlib.metadata``'s hook: the engine's ``deepspeed`` distribution, first (this
+        finder leads ``sys.meta_path``), when the alias is active and ``deepspeed`` is asked for."""
+        if self.aliased and _is_deepspeed_name(getattr(context, "name", None)):
+            return [EngineDistribution()]
+        return []
 
 
 _FINDER = _DeepSpeedFinder()
