@@ -22,9 +22,14 @@ routing margins are far above rounding. Qwen2-MoE has its shared expert (sigmoid
    reference is one process through the engine with gradient accumulation 2 over the same
    micro-batches (HF's loss and aux loss are per micro-batch means, so a data-parallel run
    is one process accumulating the same micro-batches, not one process on their union).
-   Losses, the global gradient norm (before clipping: every parameter counted once) and the
-   final weights equal one process's within 1e-5 relative (measured ~1e-7: only the order
-   of the gradient sums differs, amplified by AdamW's first steps).
+   Losses and the global gradient norm (before clipping: every parameter counted once)
+   equal one process's within 1e-5 relative (measured: losses 1e-7, norms 7.5e-7 at EP 2
+   ZeRO 1): only the order of the gradient sums differs. The final weights within 5e-5
+   absolute (WEIGHT_ATOL; measured 1.3e-5 on 2 of 12288 elements of one expert weight, 0
+   elsewhere above 1e-6): AdamW's update is about lr times the SIGN of a gradient's running
+   mean, so an element whose gradient is near zero turns summation-order noise into a
+   fraction of lr (3e-3); a wrong expert reduction (summed, or over the wrong ranks) moves
+   whole expert weights by ~lr and the losses and norms at once.
 3. **Refusals** (:func:`test_bad_inputs_refused_on_every_rank`): experts not divisible by
    EP, a model type without the adapter (Llama), an experts module of an unknown class: a
    ConfigError naming ``expert_parallel.size`` on every rank, before any collective.
@@ -41,6 +46,7 @@ B, S, V = 2, 16, 64
 STEPS = 3
 RTOL = 1e-5
 ATOL_EXACT = 1e-6
+WEIGHT_ATOL = 5e-5
 
 
 def tiny_model(kind: str, seed: int = 0, experts: int = 4):
@@ -204,7 +210,7 @@ def test_hf_moe_trains_equal_to_one_process(kind, ep, zero):
         assert losses == pytest.approx(want, rel=RTOL)
         assert norms == pytest.approx(ref_norms, rel=RTOL)
         for n, w in ref_w.items():
-            torch.testing.assert_close(weights[n], w, rtol=RTOL, atol=1e-6, msg=n)
+            torch.testing.assert_close(weights[n], w, rtol=0, atol=WEIGHT_ATOL, msg=n)
     assert abs(ref_losses[0] - ref_losses[4]) > 1e-3 and ref_norms[0] > 0.5  # it trains; clipping is active
 
 
