@@ -19,9 +19,10 @@ routing margins are far above rounding. Qwen2-MoE has its shared expert (sigmoid
 2. **Training through engine.initialize** (:func:`test_hf_moe_trains_equal_to_one_process`):
    3 AdamW steps with clipping at (world 2, EP 2, ZeRO 1) and (world 2, EP 1, ZeRO 3), and
    more layouts under ``ENGINE_EXTENDED_TESTS=1``, each rank given its own micro-batch; the
-   reference is one process through the engine with gradient accumulation 2 over the same
-   micro-batches (HF's loss and aux loss are per micro-batch means, so a data-parallel run
-   is one process accumulating the same micro-batches, not one process on their union).
+   reference is one process, the unsharded HF model and torch's AdamW, stepping on the mean
+   of the per-micro-batch losses of the same micro-batches (HF's loss and aux loss are
+   micro-batch means, so a data-parallel run is one process averaging the micro-batches'
+   losses, not one process on their union), clipped by the same rule.
    Losses and the global gradient norm (before clipping: every parameter counted once)
    equal one process's within 1e-5 relative (measured: losses 1e-7, norms 7.5e-7 at EP 2
    ZeRO 1): only the order of the gradient sums differs. The final weights within 5e-5
@@ -121,21 +122,27 @@ def _logits_and_grads(rank, world, kind):
     return errs, ref_out[rank].aux_loss.item(), min(routed)
 
 
+def _both_logits_and_grads(rank, world):
+    return [_logits_and_grads(rank, world, kind) for kind in ("mixtral", "qwen2_moe")]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-def test_ep2_logits_and_grads_equal_unsharded_hf(kind):
-    for errs, aux, routed in run_ranks(_logits_and_grads, 2, kind, timeout=240):
-        bad = {k: v for k, v in errs.items() if not v <= ATOL_EXACT}
-        assert not bad, bad
-        assert aux > 0.5 and routed > 0   # the aux loss is on; this rank's experts got tokens
+def test_ep2_logits_and_grads_equal_unsharded_hf():
+    for per_kind in run_ranks(_both_logits_and_grads, 2, timeout=240):
+        for errs, aux, routed in per_kind:
+            bad = {k: v for k, v in errs.items() if not v <= ATOL_EXACT}
+            assert not bad, bad
+            assert aux > 0.5 and routed > 0   # the aux loss is on; this rank's experts got tokens
 
 
 # ---------------------------------------------------- 2. training through engine.initialize
 
-def engine_config(world: int, ep: int, zero: int, ga: int = 1) -> dict:
-    return {"train_batch_size": B * world * ga, "train_micro_batch_size_per_gpu": B,
-            "gradient_accumulation_steps": ga, "gradient_clipping": 0.5,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
+LR, WD = 3e-3, 0.1
+
+
+def engine_config(world: int, ep: int, zero: int) -> dict:
+    return {"train_batch_size": B * world, "train_micro_batch_size_per_gpu": B, "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
             "zero_optimization": {"stage": zero, "reduce_bucket_size": 3000,
                                   "stage3_param_persistence_threshold": 100},
             "expert_parallel": {"size": ep}}
@@ -162,33 +169,44 @@ def _full_weights(eng, model, world):
     return out
 
 
-def _train(rank, world, kind, ep, zero, ga):
+def reference_run(kind: str, world: int):
+    """One process, the unsharded HF model, torch's AdamW: each step the mean of the losses of
+    micro-batches (step, 0 .. world-1), clipped as the engine (coef = min(1, clip / (norm + 1e-6)))."""
+    import torch
+
+    model = tiny_model(kind)
+    clip = engine_config(1, 1, 0)["gradient_clipping"]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses, norms = [], []
+    for step in range(STEPS):
+        parts = [model(input_ids=ids, labels=labels).loss for ids, labels in (batch(step, r) for r in range(world))]
+        torch.stack(parts).mean().backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        for p in model.parameters():
+            p.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+        opt.step()
+        opt.zero_grad()
+        losses.append([x.item() for x in parts])
+        norms.append(norm.item())
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(rank, world, kind, ep, zero):
     import engine
 
     model = tiny_model(kind)
-    eng, *_ = engine.initialize(model=model, config=engine_config(world, ep, zero, ga))
+    eng, *_ = engine.initialize(model=model, config=engine_config(world, ep, zero))
     losses, norms = [], []
     for step in range(STEPS):
-        for micro in range(ga):
-            ids, labels = batch(step, rank * ga + micro)
-            loss = eng(input_ids=ids, labels=labels).loss
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
+        ids, labels = batch(step, rank)
+        loss = eng(input_ids=ids, labels=labels).loss
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
         norms.append(eng.get_global_grad_norm())
     weights = _full_weights(eng, model, world)
     eng.destroy()
-    return losses, norms, weights
-
-
-_REFERENCE: dict = {}
-
-
-def reference(kind):
-    """One process, EP 1, ZeRO 0, gradient accumulation 2 over micro-batches (step, 0), (step, 1)."""
-    if kind not in _REFERENCE:
-        _REFERENCE[kind] = run_ranks(_train, 1, kind, 1, 0, 2, timeout=240)[0]
-    return _REFERENCE[kind]
+    return losses, norms, weights, reference_run(kind, world) if rank == 0 else None
 
 
 @pytest.mark.timeout(600)
@@ -203,15 +221,14 @@ def reference(kind):
 def test_hf_moe_trains_equal_to_one_process(kind, ep, zero):
     import torch
 
-    ref_losses, ref_norms, ref_w = reference(kind)
-    results = run_ranks(_train, 2, kind, ep, zero, 1, timeout=300)
-    for rank, (losses, norms, weights) in enumerate(results):
-        want = [ref_losses[2 * s + rank] for s in range(STEPS)]   # this rank's micro-batch of each step
-        assert losses == pytest.approx(want, rel=RTOL)
+    results = run_ranks(_train, 2, kind, ep, zero, timeout=300)
+    ref_losses, ref_norms, ref_w = results[0][3]
+    for rank, (losses, norms, weights, _) in enumerate(results):
+        assert losses == pytest.approx([ref_losses[s][rank] for s in range(STEPS)], rel=RTOL)
         assert norms == pytest.approx(ref_norms, rel=RTOL)
         for n, w in ref_w.items():
             torch.testing.assert_close(weights[n], w, rtol=0, atol=WEIGHT_ATOL, msg=n)
-    assert abs(ref_losses[0] - ref_losses[4]) > 1e-3 and ref_norms[0] > 0.5  # it trains; clipping is active
+    assert abs(ref_losses[0][0] - ref_losses[2][0]) > 1e-3 and ref_norms[0] > 0.5  # it trains; clipping is active
 
 
 # --------------------------------------------------------------------------- 3. refusals
