@@ -231,6 +231,63 @@ def test_hf_moe_trains_equal_to_one_process(kind, ep, zero):
     assert abs(ref_losses[0][0] - ref_losses[2][0]) > 1e-3 and ref_norms[0] > 0.5  # it trains; clipping is active
 
 
+# ------------------------------------------------------- save_16bit_model / load_hf_weights
+
+def _save_and_load(rank, world, out_dir, zero):
+    import os
+
+    import torch
+
+    import engine
+    from engine.checkpoint.hf import export_hf, load_hf_weights
+
+    model = tiny_model("mixtral")
+    eng, *_ = engine.initialize(model=model, config=engine_config(world, 2, zero))
+    ids, labels = batch(0, rank)
+    eng.backward(eng(input_ids=ids, labels=labels).loss)
+    eng.step()
+    trained = _full_weights(eng, model, world)
+    assert eng.save_16bit_model(out_dir)
+    saved = torch.load(os.path.join(out_dir, "pytorch_model.bin"))
+    try:
+        export_hf(eng, out_dir)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    eng.destroy()
+    # a fresh model (other weights) at EP 2 reads the saved file: each rank its own experts
+    fresh = tiny_model("mixtral", seed=5)
+    eng2, *_ = engine.initialize(model=fresh, config=engine_config(world, 2, zero))
+    report = load_hf_weights(eng2, saved)
+    loaded = _full_weights(eng2, fresh, world)
+    ids, labels = batch(1, rank)
+    loss = eng2(input_ids=ids, labels=labels).loss.item()
+    eng2.destroy()
+    # one process reads the same file into the unsharded HF model
+    hf = tiny_model("mixtral", seed=7)
+    hf.load_state_dict(saved)
+    hf_loss = hf(input_ids=ids, labels=labels).loss.item()
+    return trained, saved, loaded, refused, report.max_read_bytes, loss, hf_loss
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("zero", [1, pytest.param(3, marks=pytest.mark.extended)])
+def test_save_16bit_model_gathers_experts_and_load_reads_own(tmp_path, zero):
+    import torch
+
+    results = run_ranks(_save_and_load, 2, str(tmp_path), zero, timeout=300)
+    expert_bytes = 4 * 2 * 2 * 48 * 32          # this rank's 2 of 4 experts of gate_up_proj (2F, H) in fp32
+    for trained, saved, loaded, refused, max_read, loss, hf_loss in results:
+        assert set(saved) == set(trained)
+        for n, w in trained.items():             # HF layout: every expert at its global index
+            assert torch.equal(saved[n], w), n
+            assert torch.equal(loaded[n], w), n
+        assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 96, 32)
+        assert max_read <= max(expert_bytes, 4 * V * 32)   # never a whole expert tensor (4 x 96 x 32)
+        assert refused is not None and "save_16bit_model" in refused
+        assert loss == pytest.approx(hf_loss, rel=1e-6)
+
+
 # --------------------------------------------------------------------------- 3. refusals
 
 def _refusals(rank, world):
