@@ -12,7 +12,7 @@ Every rank must call it. With pipeline or
 tensor parallelism the model is spread over ranks: use ``save_checkpoint`` and
 :func:`engine.compat.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict` instead.
 
-With expert parallelism (``ep_group`` of size > 1) an expert parameter (``Placement.expert``:
+With expert parallelism (``ep_group``, the EP role's group, of size > 1; default ``NO_EP``) an expert parameter (``Placement.expert``:
 this rank's experts stacked along dim 0) is all-gathered over the EP group, one tensor at a
 time: EP rank r holds global experts ``[r * E/ep, (r+1) * E/ep)``, so the concatenation in
 EP-rank order is the whole ``(E, ...)`` tensor by global expert index, as one process (and a
@@ -32,6 +32,7 @@ import torch.nn as nn
 from engine.config import Config
 from engine.distributed import comm
 from engine.distributed.groups import AxisGroup
+from engine.moe.context import NO_EP
 from engine.placement import placement_of
 from engine.zero.init import GatheredParameters
 
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir: str,
                      save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False, *,
-                     ep_group: Optional[AxisGroup] = None) -> bool:
+                     ep_group: AxisGroup = NO_EP) -> bool:
     if config.pp > 1 or config.tp > 1:
         raise RuntimeError(f"save_16bit_model needs the whole model on each rank, but it is split over "
                            f"pipeline.stages = {config.pp} / tensor_parallel.autotp_size = {config.tp}: call "
@@ -70,7 +71,7 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
 
 @torch.no_grad()
 def _host_state_dict(module: nn.Module, zero3: Any, rank0: bool, exclude_frozen: bool,
-                     ep_group: Optional[AxisGroup] = None) -> Optional[dict]:
+                     ep_group: AxisGroup = NO_EP) -> Optional[dict]:
     """``module.state_dict()`` copied to host memory on rank 0 (None elsewhere). ``zero3``:
     the stage-3 optimizer, whose parameters are gathered one bucket at a time; ``ep_group``:
     expert shards are gathered over it (module docstring)."""
@@ -91,9 +92,9 @@ def _host_state_dict(module: nn.Module, zero3: Any, rank0: bool, exclude_frozen:
     return {k: host[id(v)] for k, v in entries} if rank0 else None
 
 
-def _all_experts(t: torch.Tensor, ep_group: Optional[AxisGroup]) -> torch.Tensor:
+def _all_experts(t: torch.Tensor, ep_group: AxisGroup) -> torch.Tensor:
     """``t`` itself, or for an expert shard (E/ep, ...) the whole (E, ...) gathered over ``ep_group``."""
-    if ep_group is None or ep_group.size == 1 or placement_of(t).expert is None:   # on the Parameter itself
+    if ep_group.size == 1 or placement_of(t).expert is None:   # on the Parameter itself
         return t.detach()
     out = t.new_empty((t.shape[0] * ep_group.size,) + tuple(t.shape[1:]))
     comm.all_gather(out, t.detach().contiguous(), ep_group)

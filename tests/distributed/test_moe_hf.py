@@ -90,7 +90,6 @@ def _hf_grads(model, ids, labels):
 def _logits_and_grads(rank, world, kind):
     import copy
 
-    import torch
     import torch.distributed as dist
 
     from engine.distributed.groups import AxisGroup
