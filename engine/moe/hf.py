@@ -127,14 +127,15 @@ class ExpertParallelExperts(nn.Module):
     def from_hf(cls, hf: nn.Module, ep_group: AxisGroup) -> "ExpertParallelExperts":
         """This rank's slice of ``hf`` (a ``MixtralExperts`` / ``Qwen2MoeExperts``), copied so that
         the full tensors go with ``hf``."""
-        e = int(hf.num_experts)
+        src: Any = hf   # transformers' experts module (checked by hf_moe_problem)
+        e = int(src.num_experts)
         count = e // ep_group.size
         lo = ep_group.rank * count
-        gate_up: torch.Tensor = hf.gate_up_proj
-        down: torch.Tensor = hf.down_proj
+        gate_up: torch.Tensor = src.gate_up_proj
+        down: torch.Tensor = src.down_proj
         with torch.no_grad():
             mine = (gate_up.detach()[lo:lo + count].clone(), down.detach()[lo:lo + count].clone())
-        out = cls(mine[0], mine[1], hf.act_fn, e, ep_group)
+        out = cls(mine[0], mine[1], src.act_fn, e, ep_group)
         out.gate_up_proj.requires_grad_(gate_up.requires_grad)
         out.down_proj.requires_grad_(down.requires_grad)
         return out
