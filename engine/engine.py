@@ -40,7 +40,6 @@ from engine.distributed.env import DistEnv, launcher_local_rank
 from engine.distributed.groups import AxisGroup, ParallelGroups
 from engine.ds_queries import DeepSpeedQueries
 from engine.errors import ConfigError
-from engine.moe.context import NO_EP
 from engine.moe.stats import MoEStepGroups, moe_step_end
 from engine.moe.wiring import moe_step_groups
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Event, Monitor
@@ -582,6 +581,8 @@ class Engine(DeepSpeedQueries, nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's: the model's weights in the training dtype, one file (see
         :mod:`engine.weights16`). Every rank must call it."""
+        from engine.moe.context import NO_EP  # here, not with the imports: a leaf, read only by this method
+
         ep = self.groups.role(Role.EP) if self.groups is not None and self.groups.ep_size > 1 else NO_EP
         return save_16bit_model(self.config, self.module, self.optimizer, save_dir, save_filename,
                                 exclude_frozen_parameters, ep_group=ep)  # experts gathered by global index
