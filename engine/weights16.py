@@ -11,6 +11,12 @@ by several modules is one tensor under each of its names (``torch.load`` gives i
 Every rank must call it. With pipeline or
 tensor parallelism the model is spread over ranks: use ``save_checkpoint`` and
 :func:`engine.compat.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict` instead.
+
+With expert parallelism (``ep_group``, the EP role's group, of size > 1; default ``NO_EP``) an expert parameter (``Placement.expert``:
+this rank's experts stacked along dim 0) is all-gathered over the EP group, one tensor at a
+time: EP rank r holds global experts ``[r * E/ep, (r+1) * E/ep)``, so the concatenation in
+EP-rank order is the whole ``(E, ...)`` tensor by global expert index, as one process (and a
+Hugging Face checkpoint) holds it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
+from engine.distributed import comm
+from engine.distributed.groups import AxisGroup
+from engine.moe.context import NO_EP
+from engine.placement import placement_of
 from engine.zero.init import GatheredParameters
 
 __all__ = ["save_16bit_model"]
@@ -32,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir: str,
-                     save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False) -> bool:
+                     save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False, *,
+                     ep_group: AxisGroup = NO_EP) -> bool:
     if config.pp > 1 or config.tp > 1:
         raise RuntimeError(f"save_16bit_model needs the whole model on each rank, but it is split over "
                            f"pipeline.stages = {config.pp} / tensor_parallel.autotp_size = {config.tp}: call "
@@ -48,7 +59,7 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
                            "save_checkpoint and convert with engine.compat.zero_to_fp32)", path)
         return False
     # a collective over the DP group at stage 3: every rank walks the same groups in order
-    state = _host_state_dict(module, optimizer if stage3 else None, rank0, exclude_frozen_parameters)
+    state = _host_state_dict(module, optimizer if stage3 else None, rank0, exclude_frozen_parameters, ep_group)
     if rank0:
         os.makedirs(save_dir, exist_ok=True)
         torch.save(state, path)
@@ -59,9 +70,11 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
 
 
 @torch.no_grad()
-def _host_state_dict(module: nn.Module, zero3: Any, rank0: bool, exclude_frozen: bool) -> Optional[dict]:
+def _host_state_dict(module: nn.Module, zero3: Any, rank0: bool, exclude_frozen: bool,
+                     ep_group: AxisGroup = NO_EP) -> Optional[dict]:
     """``module.state_dict()`` copied to host memory on rank 0 (None elsewhere). ``zero3``:
-    the stage-3 optimizer, whose parameters are gathered one bucket at a time."""
+    the stage-3 optimizer, whose parameters are gathered one bucket at a time; ``ep_group``:
+    expert shards are gathered over it (module docstring)."""
     frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
     entries = [(k, v) for k, v in module.state_dict(keep_vars=True).items() if not (exclude_frozen and k in frozen)]
     keys_of: dict[int, list[str]] = {}
@@ -72,7 +85,17 @@ def _host_state_dict(module: nn.Module, zero3: Any, rank0: bool, exclude_frozen:
     host: dict[int, torch.Tensor] = {}
     for group in groups:
         with GatheredParameters(group):  # whole inside (stage 3), released on exit
-            if rank0:
-                for t in group:
-                    host[id(t)] = t.detach().to("cpu", copy=True)
+            for t in group:
+                whole = _all_experts(t, ep_group)  # collective over EP for an expert shard
+                if rank0:
+                    host[id(t)] = whole.to("cpu", copy=True)
     return {k: host[id(v)] for k, v in entries} if rank0 else None
+
+
+def _all_experts(t: torch.Tensor, ep_group: AxisGroup) -> torch.Tensor:
+    """``t`` itself, or for an expert shard (E/ep, ...) the whole (E, ...) gathered over ``ep_group``."""
+    if ep_group.size == 1 or placement_of(t).expert is None:   # on the Parameter itself
+        return t.detach()
+    out = t.new_empty((t.shape[0] * ep_group.size,) + tuple(t.shape[1:]))
+    comm.all_gather(out, t.detach().contiguous(), ep_group)
+    return out

@@ -11,7 +11,9 @@ layers cut into pipeline stages; ``engine.train_batch(data_iter)`` runs a whole 
 Any other ``nn.Module`` (a Hugging Face decoder) with ``tensor_parallel.autotp_size > 1``
 is split by AutoTP (:mod:`engine.assembly.autotp`, docs/autotp.md); a Hugging Face Llama /
 Qwen2 / Mistral with ``context_parallel.size`` (``sequence_parallel_size``) > 1 gets the
-context-parallel attention and batch sharding of :mod:`engine.context_parallel.hf`.
+context-parallel attention and batch sharding of :mod:`engine.context_parallel.hf`; a Hugging
+Face Mixtral / Qwen2-MoE with ``expert_parallel.size`` > 1 gets this rank's experts and the
+all-to-all dispatch of :mod:`engine.moe.hf`.
 
 Assembly is explicit: one builder per kind of model (:mod:`engine.assembly.builders`,
 :func:`engine.assembly.autotp.autotp_parts`, :func:`engine.pipe.build.pipeline_module_parts`)
@@ -44,6 +46,7 @@ from engine.distributed.groups import ParallelGroups
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.models import GPT
+from engine.moe.hf import hf_moe_problem, prepare_hf_moe_model
 from engine.monitor import build_monitor
 from engine.optim.build import OptimizerInputs
 from engine.optim.client import agree_on_error, check_client_objects, mpu_mismatch
@@ -133,6 +136,17 @@ def _check_cp_model(cfg: Config, model: Any, loss_fn: Optional[LossFn]) -> None:
                           "normalises the token loss over the context-parallel shards); drop loss_fn")
 
 
+def _check_hf_moe_model(cfg: Config, model: Any) -> None:
+    """A Hugging Face model at ``expert_parallel.size`` > 1 must be a Mixtral or Qwen2-MoE the
+    expert-parallel adapter can split (:mod:`engine.moe.hf`). Reads only the model's config and
+    classes, so every rank raises together, before any collective."""
+    ep = cfg.expert_parallel.size
+    if ep > 1 and is_hf_model(model):
+        problem = hf_moe_problem(model, ep, cfg.tp, cfg.pp)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
 def _is_layer_list(model: Any) -> bool:
     return isinstance(model, (list, tuple, nn.ModuleList))
 
@@ -186,6 +200,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
     log_ignored_keys(cfg.ignored_keys, dist.get_rank(), logger)  # once, rank 0: accepted, no effect
     _check_fp8_model(cfg, model)  # on every rank, before any collective
     _check_cp_model(cfg, model, loss_fn)
+    _check_hf_moe_model(cfg, model)
     check_client_objects(cfg, optimizer, lr_scheduler)
     device = dist_env.device if dist_env is not None else _device_of_default_group()
     if mpu is not None:
@@ -218,6 +233,8 @@ def _build_parts(cfg: Config, model: Union[nn.Module, Sequence[nn.Module], None]
             and not (cfg.cp > 1 and isinstance(model, GPT)):  # a GPT under CP: the reference chunks
         if cp is not None:  # a Hugging Face model (_check_cp_model): its attention and batches go CP
             prepare_hf_model(model, cp, groups[Axis.CP])  # type: ignore[arg-type]
+        if groups.ep_size > 1 and is_hf_model(model):  # _check_hf_moe_model: a Mixtral / Qwen2-MoE
+            prepare_hf_moe_model(model, groups.role(Role.EP))  # type: ignore[arg-type]
         return module_parts(cfg, model, optimizer, model_parameters, device, loss_fn)  # type: ignore[arg-type]
     if isinstance(model, nn.Module) and not _is_layer_list(model) and not isinstance(model, GPT) and cfg.tp > 1:
         return autotp_parts(cfg, model, optimizer, model_parameters, groups, device, loss_fn)  # a model we did not write

@@ -1,7 +1,8 @@
 """Hugging Face weights in and out of an engine (AutoTP or plain DP).
 
 - :func:`load_hf_weights`: a full HF state dict (safetensors files or a CPU state dict)
-  into a built engine, each rank reading only its TP slice of each weight and writing it
+  into a built engine, each rank reading only its TP slice of each weight (of an expert
+  weight under expert parallelism, only its own experts' rows) and writing it
   straight into its fp32 master shard (the model's parameters are then published from the
   masters, as after a step). Build the model on the meta device so that no rank ever
   holds the whole model: ``with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)``,
@@ -16,7 +17,8 @@ At ZeRO-3, :func:`load_hf_weights` streams the source into the partitioned model
 rank reads one tensor at a time (its TP slice) and copies only the elements of its own DP
 shard into its fp32 master shard, so no rank ever holds more than its shards plus one
 tensor (tests/distributed/test_zero_peak.py). :func:`export_hf` refuses ZeRO-3 (save with
-``engine.save_checkpoint`` and consolidate, docs/autotp.md).
+``engine.save_checkpoint`` and consolidate, docs/autotp.md) and expert parallelism
+(``engine.save_16bit_model`` gathers the experts into the HF layout: engine/weights16.py).
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ def export_hf(engine: Checkpointable, out_dir: str, *, dtype: Optional[torch.dty
     parameters'). Returns the safetensors path on rank 0, None elsewhere."""
     _refuse_zero3(engine, "export_hf")
     groups = _groups(engine)
+    if groups.ep_size > 1:
+        raise ValueError(f"export_hf at expert_parallel.size = {groups.ep_size} is not supported (each rank holds "
+                         "its own experts): use engine.save_16bit_model, which gathers the experts by global index "
+                         "into the Hugging Face layout, or engine.save_checkpoint + engine.checkpoint.consolidate")
     model = engine.module
     if not groups.speaks_for(Role.GRAD):   # the other replicas of the weights have nothing to add
         dist.barrier()

@@ -8,7 +8,9 @@ range, so that full tensor is never materialised; a row-parallel weight's column
 is a strided read whose peak is at most that one weight. An in-memory state dict (an HF
 checkpoint already loaded on CPU) is sliced the same way (its full tensors are the
 caller's). Peak memory per rank: its shard plus one full weight (measured in
-tests/distributed/test_autotp_ckpt.py).
+tests/distributed/test_autotp_ckpt.py). An expert shard (``Placement.expert``, expert
+parallelism) reads only its experts' rows ``[first, first + count)`` along dim 0, so no rank
+reads another rank's experts from a safetensors file.
 
 The slice a parameter needs is read off its placement (its :class:`~engine.placement.TPShard`:
 dim and fused parts; :mod:`engine.placement`), so the same
@@ -128,7 +130,11 @@ def _source_name(name: str, names: set[str], prefix: str) -> Optional[str]:
 
 def read_local(src: WeightSource, key: str, param: torch.Tensor, tp_rank: int, tp_world: int,
                full_shape: tuple[int, ...]) -> torch.Tensor:
-    """This rank's TP-local value of parameter ``param`` from source tensor ``key``."""
+    """This rank's TP-local value of parameter ``param`` from source tensor ``key``; for an
+    expert shard (``Placement.expert``) its experts' rows along dim 0 only."""
+    experts = placement_of(param).expert
+    if experts is not None:   # never also TP-sharded (engine.checkpoint.layout refuses it)
+        return src.read(key, 0, [(experts.first, experts.first + experts.count)])
     shard = placement_of(param).tp
     if shard is None:
         return src.read(key, None, [])
@@ -149,6 +155,9 @@ def full_shape_of(param: torch.Tensor, tp_world: int, local_shape: Optional[tupl
     """The unsharded shape of ``param`` (``local_shape``: its TP-local shape when ``param``
     does not carry it, e.g. partitioned by ZeRO-3)."""
     shape = list(param.shape if local_shape is None else local_shape)
+    experts = placement_of(param).expert
+    if experts is not None:   # this rank's experts stacked along dim 0
+        shape[0] = experts.num_experts
     shard = placement_of(param).tp
     if shard is not None:
         shape[shard.dim] *= tp_world
