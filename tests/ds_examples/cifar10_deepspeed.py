@@ -16,14 +16,12 @@ ends the epoch early.
 
 import argparse
 
+import _losslog
+import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import deepspeed
 from deepspeed.accelerator import get_accelerator
-
-import _losslog
 
 
 def add_argument():

@@ -21,18 +21,16 @@ import logging
 import pathlib
 import random
 
+import _losslog
+import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from transformers import RobertaConfig
-from transformers.models.roberta.modeling_roberta import RobertaLMHead, RobertaModel
-
-import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import log_dist
-
-import _losslog
+from transformers import RobertaConfig
+from transformers.models.roberta.modeling_roberta import RobertaLMHead, RobertaModel
 
 
 def is_rank_0():
@@ -80,7 +78,7 @@ def create_data_iterator(mask_prob, random_replace_prob, unmask_replace_prob, ma
         yield {"src_tokens": src, "attention_mask": torch.ones_like(src), "tgt_tokens": tgt}
 
 
-def train(checkpoint_dir=None, load_checkpoint_dir=None, mask_prob=0.15, random_replace_prob=0.1,
+def train(checkpoint_dir=None, load_checkpoint_dir=None, mask_prob=0.15, random_replace_prob=0.1,  # noqa: PLR0913
           unmask_replace_prob=0.1, max_seq_length=512, num_layers=6, num_heads=8, ff_dim=512, h_dim=256,
           dropout=0.1, batch_size=8, num_iterations=10000, checkpoint_every=1000, log_every=10, local_rank=-1,
           dtype="bf16", vocab_size=1000, loss_log_file=None):
@@ -140,7 +138,7 @@ def train(checkpoint_dir=None, load_checkpoint_dir=None, mask_prob=0.15, random_
         losses.append(loss.item())
         steps.append(step)
         if step % log_every == 0:
-            log_dist("Loss: {0:.4f}".format(np.mean(losses)), ranks=[0], level=logging.INFO)
+            log_dist(f"Loss: {np.mean(losses):.4f}", ranks=[0], level=logging.INFO)
         if step % checkpoint_every == 0:
             model.save_checkpoint(save_dir=exp_dir, client_state={"checkpoint_step": step})
     if step % checkpoint_every != 0:

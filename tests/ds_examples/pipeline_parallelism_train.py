@@ -15,14 +15,12 @@ stream: the losses could not be compared).
 import argparse
 import os
 
+import _losslog
+import deepspeed
 import torch
 import torch.nn as nn
-
-import deepspeed
 from deepspeed.pipe import PipelineModule
 from deepspeed.utils import RepeatingLoader  # noqa: F401 (imported by the original)
-
-import _losslog
 
 
 def get_args():
@@ -89,7 +87,7 @@ def train_pipe(args, part="parameters"):
                                            model_parameters=[p for p in net.parameters() if p.requires_grad],
                                            training_data=trainset)
     losses = []
-    for step in range(args.steps):
+    for _step in range(args.steps):
         loss = engine.train_batch()
         losses.append(loss.item())
     _losslog.write(args.loss_log_file, {"losses": losses, "lr": engine.get_lr()})
