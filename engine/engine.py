@@ -548,13 +548,21 @@ class Engine(DeepSpeedQueries, nn.Module):
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True) -> str:
         """DeepSpeed's ``save_checkpoint``: sharded, atomic, loadable at any layout
-        (:func:`engine.checkpoint.save_checkpoint`, docs/checkpoints.md). Collective."""
+        (:func:`engine.checkpoint.save_checkpoint`, docs/checkpoints.md). Collective. Rank 0 also
+        writes ``zero_to_fp32.py`` into ``save_dir``, as DeepSpeed does: ``python
+        zero_to_fp32.py SAVE_DIR OUTPUT_DIR`` writes the fp32 weights
+        (:mod:`engine.compat.zero_to_fp32`)."""
         if self.config.checkpoint.async_save:  # snapshot now, written in the background
             path, _ = self.checkpoint_saver().save(save_dir, tag, client_state, save_latest=save_latest)
-            return path
-        from engine.checkpoint import save_checkpoint
+        else:
+            from engine.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+            path = save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+        if self.global_rank == 0:  # DeepSpeed's recovery script next to the checkpoints
+            from engine.compat.zero_to_fp32 import write_recovery_script
+
+            write_recovery_script(save_dir)
+        return path
 
     def checkpoint_saver(self) -> AsyncSaver:
         """This engine's one asynchronous saver (host buffers made once; at most one save in

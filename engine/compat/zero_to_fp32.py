@@ -16,12 +16,19 @@ checkpoint) or a checkpoint itself. Names are the trained module's (``fc1.weight
 files :func:`convert_zero_checkpoint_to_fp32_state_dict` writes; ``exclude_frozen_parameters``
 leaves them out. Not under tensor parallelism, where checkpoints do not hold them (a warning
 at save names them); nor in checkpoints saved before 2026-11.
+
+From the command line, as DeepSpeed's script (and the ``zero_to_fp32.py`` that
+``engine.save_checkpoint`` writes next to its checkpoints, as DeepSpeed's does)::
+
+    python -m engine.compat.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+                                         [--max_shard_size 5GB] [--exclude_frozen_parameters]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -31,7 +38,22 @@ from engine.checkpoint.format import read_metadata
 from engine.checkpoint.reader import iter_frozen_params, iter_full_params
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
-           "load_state_dict_from_zero_checkpoint"]
+           "load_state_dict_from_zero_checkpoint", "main", "write_recovery_script", "RECOVERY_SCRIPT"]
+
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+# what write_recovery_script puts next to the checkpoints: this module's command line, so the
+# documented `python zero_to_fp32.py . OUTPUT_DIR` works in a save directory of this engine
+_RECOVERY_TEXT = """#!/usr/bin/env python
+# Written by the engine's save_checkpoint, as DeepSpeed writes its zero_to_fp32.py next to its
+# checkpoints: the full fp32 weights of a checkpoint in this directory.
+#   python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+import sys
+
+from engine.compat.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+"""
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,
@@ -73,3 +95,39 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str, 
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
+
+
+def write_recovery_script(save_dir: str) -> str:
+    """Write ``zero_to_fp32.py`` (executable) into ``save_dir``, as DeepSpeed's
+    ``save_checkpoint`` does on rank 0; returns its path. Written to a temporary name and
+    renamed, so a reader never sees half a script."""
+    path = os.path.join(save_dir, RECOVERY_SCRIPT)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(_RECOVERY_TEXT)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """DeepSpeed's ``zero_to_fp32.py`` command line: ``CHECKPOINT_DIR OUTPUT_DIR`` and its options."""
+    p = argparse.ArgumentParser(prog="zero_to_fp32", description="write the fp32 weights of a checkpoint of this "
+                                "engine (DeepSpeed's zero_to_fp32 command line)")
+    p.add_argument("checkpoint_dir", help="the save directory (its `latest` picks the tag) or a checkpoint")
+    p.add_argument("output_dir", help="where pytorch_model.bin (or model.safetensors) is written")
+    p.add_argument("--max_shard_size", default="5GB", help="accepted for DeepSpeed's command line; one file is written")
+    p.add_argument("--safe_serialization", action="store_true", help="write model.safetensors")
+    p.add_argument("-t", "--tag", default=None, help="the checkpoint tag (default: the `latest` file)")
+    p.add_argument("--exclude_frozen_parameters", action="store_true", help="leave out frozen parameters")
+    p.add_argument("-d", "--debug", action="store_true", help="accepted for DeepSpeed's command line")
+    args = p.parse_args(argv)
+    path = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir,
+                                                      max_shard_size=args.max_shard_size,
+                                                      safe_serialization=args.safe_serialization, tag=args.tag,
+                                                      exclude_frozen_parameters=args.exclude_frozen_parameters)
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
