@@ -1,7 +1,9 @@
 """DeepSpeed's engine queries and its manual-accumulation methods, as a mixin of
 :class:`engine.engine.Engine` (kept apart so the engine's own file holds its step logic):
-``fp16_enabled()``, ``bfloat16_enabled()``, ``zero_optimization_stage()``, ``world_size``
-answer from the config; ``set_gradient_accumulation_boundary`` sets the boundary by hand, as
+``fp16_enabled()``, ``bfloat16_enabled()``, ``zero_optimization_stage()``,
+``zero_gather_16bit_weights_on_model_save()``, ``world_size`` answer from the config;
+``_zero3_consolidated_16bit_state_dict()`` gathers the model's weights on rank 0 (accelerate's
+``get_state_dict`` and so HF Trainer's ``save_model`` at ZeRO-3); ``set_gradient_accumulation_boundary`` sets the boundary by hand, as
 DeepSpeed's (accelerate calls it before every backward); ``scale``, ``no_sync`` and
 ``coalesce_grad_reduction`` are refused with the way to do it here."""
 
@@ -10,14 +12,22 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 
 from engine.config import Config
+from engine.moe.context import NO_EP
+from engine.topology import Role
+from engine.weights16 import _host_state_dict
 
 __all__ = ["DeepSpeedQueries"]
 
 
 class DeepSpeedQueries:
     config: Config
+    module: nn.Module
+    optimizer: Any
+    groups: Any  # engine.distributed.groups.ParallelGroups, None after destroy()
     _manual_boundary: Optional[bool] = None  # set_gradient_accumulation_boundary's value
 
     def fp16_enabled(self) -> bool:
@@ -28,6 +38,26 @@ class DeepSpeedQueries:
 
     def zero_optimization_stage(self) -> int:
         return self.config.zero.stage
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+        """DeepSpeed's: the whole model's ``state_dict`` in the training dtype on rank 0's host
+        (``None`` on the other ranks), gathered one bucket at a time; ZeRO-3 only, every rank
+        must call it (a collective over the data-parallel group)."""
+        if self.config.zero.stage != 3:
+            raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO-3 (zero_optimization.stage = "
+                             f"{self.config.zero.stage}): read module.state_dict() instead")
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        return _host_state_dict(self.module, self.optimizer, rank0, exclude_frozen_parameters,
+                                self._expert_gather_group())
+
+    def _expert_gather_group(self) -> Any:
+        """The EP role's group when experts are split over ranks (a whole-model state dict
+        gathers their shards over it, by global expert index), else ``NO_EP``."""
+        groups = self.groups
+        return groups.role(Role.EP) if groups is not None and groups.ep_size > 1 else NO_EP
 
     @property
     def world_size(self) -> int:

@@ -598,11 +598,8 @@ class Engine(DeepSpeedQueries, nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's: the model's weights in the training dtype, one file (see
         :mod:`engine.weights16`). Every rank must call it."""
-        from engine.moe.context import NO_EP  # here, not with the imports: a leaf, read only by this method
-
-        ep = self.groups.role(Role.EP) if self.groups is not None and self.groups.ep_size > 1 else NO_EP
         return save_16bit_model(self.config, self.module, self.optimizer, save_dir, save_filename,
-                                exclude_frozen_parameters, ep_group=ep)  # experts gathered by global index
+                                exclude_frozen_parameters, ep_group=self._expert_gather_group())
 
     # ------------------------------------------------------------------ memory
     def memory_breakdown(self) -> dict[str, int]:

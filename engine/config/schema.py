@@ -482,6 +482,12 @@ class Config:
         """``"fp16"``, ``"bf16"`` or ``"fp32"``: the dtype of the model's compute and its gradients."""
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """``key`` of :meth:`to_dict` (DeepSpeed's JSON schema), or ``default``. DeepSpeed's
+        ``engine.config`` is the user's config dict and libraries read it as one (HF Trainer's
+        ``save_model``: ``engine.config.get("zero_optimization", {}).get("stage")``)."""
+        return self.to_dict().get(key, default)
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config in DeepSpeed's JSON schema (JSON types only)."""
         d: dict[str, Any] = {

@@ -9,7 +9,7 @@ gets. Run under torchrun on CPU (gloo), each ZeRO stage of ``--zero`` in its own
 transformers and accelerate gives the engine). Every rank records the loss of each micro-batch
 it computed (``compute_loss``'s value, before the Trainer averages and rounds it for its log),
 the learning rate and grad norm HF logs each step, and rank 0 writes them with the resolved
-config and the trained weights' norms to ``--out``.
+config, the trained weights' norms and those of the file ``trainer.save_model`` wrote to ``--out``.
 
 Origin: written for this repository against the documented Trainer / TrainingArguments API.
 """
@@ -154,7 +154,15 @@ def main() -> None:
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, trainer.micro_losses)
     norms = weight_norms(trainer, a.zero)
+    # what a user keeps: save_model writes model.safetensors (ZeRO-3: gathered, as the config's
+    # stage3_gather_16bit_weights_on_model_save asks); rank 0 reads it back
+    saved_dir = os.path.join(workdir, f"saved_zero{a.zero}")
+    trainer.save_model(saved_dir)
     if torch.distributed.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(saved_dir, "model.safetensors"))
+        saved_norms = {n: t.float().norm().item() for n, t in saved.items()}
         import accelerate
         import transformers
 
@@ -162,7 +170,8 @@ def main() -> None:
                   "accelerate": accelerate.__version__, "zero": a.zero, "config_optimizer": a.config_optimizer,
                   "from_config": a.from_config,
                   "world_size": len(gathered), "micro_losses": gathered, "logs": recorder.logs,
-                  "weight_norms": norms, "engine": type(trainer.model_wrapped).__module__}
+                  "weight_norms": norms, "saved_norms": saved_norms,
+                  "engine": type(trainer.model_wrapped).__module__}
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
 

@@ -76,6 +76,12 @@ def _compare(ours: dict, ref: dict) -> None:
     assert set(ours["weight_norms"]) == set(ref["weight_norms"])
     for name, norm in ref["weight_norms"].items():
         _close(ours["weight_norms"][name], norm, f"trained {name} norm")
+    # trainer.save_model wrote the trained weights (every rank's ZeRO-3 shards gathered)
+    assert set(ours["saved_norms"]) == set(ours["weight_norms"])
+    for name, norm in ours["weight_norms"].items():
+        assert ours["saved_norms"][name] == norm, f"saved {name}: {ours['saved_norms'][name]!r} vs trained {norm!r}"
+    if "saved_norms" in ref:  # golden files recorded before the script saved have none
+        assert ref["saved_norms"] == ref["weight_norms"]
 
 
 def _ours(tmp_path: Path, zero: int, opt: str) -> dict:

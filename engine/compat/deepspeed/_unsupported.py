@@ -70,6 +70,9 @@ _OFFLOAD_ONLY = "NVMe / asynchronous I/O offload is " + _NI + " (ZeRO-Offload to
 
 # Relative to the package: "inference" is deepspeed.inference. A listed package refuses its
 # submodules too (the most specific entry gives the reason).
+_UNIVERSAL = ("DeepSpeed's universal-checkpoint tools are " + _NI + ": the engine's checkpoints reshape across "
+              "layouts themselves (engine.checkpoint); zero_to_fp32 is deepspeed.utils.zero_to_fp32 "
+              "(deepspeed.checkpoint.utils.clone_tensors_for_torch_save is supported)")
 UNSUPPORTED_MODULES: Mapping[str, str] = {
     "inference": "DeepSpeed-Inference (init_inference, kernel injection) is " + _NI + ": this is a training engine",
     "module_inject": "kernel injection / AutoTP for inference is " + _NI + " (AutoTP training is: "
@@ -111,8 +114,14 @@ UNSUPPORTED_MODULES: Mapping[str, str] = {
     "runtime.zero.config": "DeepSpeed's pydantic config models are not reproduced: the engine's typed config is "
                            "engine.config (Config.zero for zero_optimization)",
     "runtime.zero.tiling": "TiledLinear is " + _NI,
-    "checkpoint": "DeepSpeed's universal-checkpoint tools are " + _NI + ": the engine's checkpoints reshape "
-                  "across layouts themselves (engine.checkpoint); zero_to_fp32 is deepspeed.utils.zero_to_fp32",
+    "checkpoint.deepspeed_checkpoint": _UNIVERSAL,
+    "checkpoint.universal_checkpoint": _UNIVERSAL,
+    "checkpoint.ds_to_universal": _UNIVERSAL,
+    "checkpoint.zero_checkpoint": _UNIVERSAL,
+    "checkpoint.reshape_meg_2d": _UNIVERSAL,
+    "checkpoint.reshape_3d_utils": _UNIVERSAL,
+    "checkpoint.reshape_utils": _UNIVERSAL,
+    "checkpoint.constants": _UNIVERSAL,
 }
 
 
