@@ -25,13 +25,14 @@ So warm-up is forwards on chunk 0 then chunk 1, and the steady state interleaves
 Each admitted chunk-0 forward may be followed by its chunk-1 forward before a ``W`` frees a
 slot, so a rank holds at most ``cap + 1`` chunk activations. :func:`zb_v_orders` runs the
 scheduler with every cap from ``2p`` down to ``p`` and with stage 0 planned whole or split
-(the original uniform-cost plan, its ``I`` then made the ``B``), and keeps the plan with the
-shortest makespan under the default cost table, then the smallest peak: at most ``2p + 1``
-chunk activations (``p + 1/2`` stages; 1F1B's rank 0 holds ``p`` stages). The makespan is the
-lower bound ``6m + p - 1`` chunk-forward times (rank ``p - 1`` must wait ``p - 1`` forwards
-at the start: the bubble of :func:`engine.pipeline.simulate.bubble_formula`) for ``m`` in
-``{p, 2p}`` at p = 2, 3, 4, for every ``m >= 4`` at p = 2 and for ``m = 8`` at p = 3, 4;
-above it for other ``m`` (p = 4, m = 9: 0.129 against 0.053; tests/unit/test_vshape.py and
+(the original uniform-cost plan, its ``I`` then made the ``B``), then seeded randomised runs
+(a rank sometimes takes a pending ``W`` before a forward it could run), and keeps a plan holding
+at most ``2p`` chunk activations (``p`` stages, as 1F1B's rank 0) first, then the shortest
+makespan under the default cost table, then the smallest peak. The makespan's lower bound is
+``6m + p - 1`` chunk-forward times (rank ``p - 1`` must wait ``p - 1`` forwards at the start:
+the bubble of :func:`engine.pipeline.simulate.bubble_formula`, derived in docs/training.md);
+the kept plan reaches it at p = 4, m = 8 (peaks 7, 8, 8, 8) and for most ``m`` at p = 2, 3, 4,
+one unit above it for a few (p = 2, m = 5 and 16; tests/unit/test_vshape.py and
 benchmarks/results/). The order is only a list per rank: the simulator checks it (and the
 communication placed around it) under any cost model.
 """
