@@ -42,7 +42,7 @@ def _config(args: argparse.Namespace, schedule: str) -> dict:
         "train_batch_size": args.micro * args.microbatches, "train_micro_batch_size_per_gpu": args.micro,
         "seed": 3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 0},
-        "pipeline": {"stages": args.stages, "partition": "uniform", "schedule": schedule, "virtual_stages": v},
+        "pipeline": {"stages": args.stages, "partition": args.partition, "schedule": schedule, "virtual_stages": v},
         "model": {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_layers": args.layers,
                   "num_heads": 4, "seq_len": args.seq},
     }
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"a rank failed: {e}") from None
         out[schedule] = [dict(r, predicted_chunks=sim.peak_activations[r["rank"]]) for r in ranks]
     return {"stages": args.stages, "microbatches": args.microbatches, "micro": args.micro, "seq": args.seq,
+            "partition": args.partition,
             "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "schedules": out}
 
 
@@ -93,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=6, help="blocks (zb-v at p stages needs 2p pieces)")
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--partition", default="uniform", choices=["uniform", "blocks", "parameters"],
+                    help="pipeline.partition: 'blocks' with --layers 2p gives every zb-v chunk one block and "
+                         "every 1F1B stage two (equal pieces, the ZB paper's comparison)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     return ap.parse_args(argv)
 

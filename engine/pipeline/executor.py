@@ -75,7 +75,7 @@ from engine.distributed.groups import AxisGroup
 from engine.pipeline.actions import Action, ActionKind, comm_batches, is_local_hop, next_hop, prev_hop, stage_and_chunk
 from engine.pipeline.clock import make_clock
 from engine.pipeline.schedule import build_schedule, forward_only, placement_of
-from engine.pipeline.split_backward import backward_input, backward_weight, full_backward
+from engine.pipeline.split_backward import SavedStore, backward_input, backward_weight, full_backward
 from engine.zero.step import GradientStep, LocalGradients
 
 __all__ = ["ActionRecord", "PipelineExecutor", "last_grad_actions"]
@@ -169,6 +169,9 @@ class PipelineExecutor:
                              "with the first and last stage's group (ParallelGroups.embedding_group) to sum "
                              "their gradients over")
         self._last_grad = _boundary_actions(self.actions, self.chunks)  # chunk -> its boundary action
+        # (microbatch, chunk) whose backward is split (I now, W later): their forwards save
+        # into a SavedStore, so the input pass can drop what only it reads
+        self._split = {(a.microbatch, a.chunk) for a in self.actions if a.kind is K.BACKWARD_INPUT}
         self._eval = False  # running the forward-only schedule
         self._m = num_microbatches  # microbatches of the run in progress
         self.broadcast_loss = broadcast_loss
@@ -302,7 +305,7 @@ class PipelineExecutor:
         self._losses: list[torch.Tensor] = []
         # per (microbatch, chunk): stage input, forward root (output edge or scaled loss),
         # output kept for its send, input grad to send, zero-bubble W state
-        self._state: dict[str, dict] = {n: {} for n in ("input", "root", "out", "dx", "w")}
+        self._state: dict[str, dict] = {n: {} for n in ("input", "root", "out", "dx", "w", "saved")}
         self._recvs: dict[tuple, tuple[torch.Tensor, int]] = {}  # key -> (buffer, batch index)
         self._posted: list[_Posted] = []
         self._arrived: dict[tuple, torch.Tensor] = {}  # received and waited for, not yet consumed
@@ -419,7 +422,14 @@ class PipelineExecutor:
         # a received buffer of its own (not the user's batch, not a V turn's output) is not read
         # again once copied (only its grad is), so its storage goes and the copy costs no memory
         own = not self._is_first(chunk) and not is_local_hop(self.stage, self._prev(chunk))
-        out = self._run_chunk(chunk, x, self._side_kwargs(mb), free_input=own)
+        if (key in self._split and not self._eval and not self.activation_checkpointing
+                and isinstance(x, torch.Tensor) and x.requires_grad):
+            # (a checkpoint keeps only its input already; the first chunk's W is a whole backward)
+            saved = st["saved"][key] = SavedStore()
+            with saved.hooks():
+                out = self._run_chunk(chunk, x, self._side_kwargs(mb), free_input=own)
+        else:
+            out = self._run_chunk(chunk, x, self._side_kwargs(mb), free_input=own)
         if self._is_last(chunk):
             loss = self._step_loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
             if loss.dim() != 0:
@@ -484,6 +494,7 @@ class PipelineExecutor:
         key, st = (mb, chunk), self._state
         grad = self._output_grad(mb, chunk)
         x = st["input"].pop(key, None)
+        st["saved"].pop(key, None)  # (the graph holds the store until it is freed)
         full_backward(st["root"].pop(key), grad)
         st["out"].pop(key, None)
         if x is not None:
@@ -494,7 +505,7 @@ class PipelineExecutor:
         grad = self._output_grad(mb, chunk)
         x = st["input"].pop(key, None)
         params = [p for p in self.chunks[chunk].parameters()]
-        dx, st["w"][key] = backward_input(st["root"].pop(key), grad, x, params)
+        dx, st["w"][key] = backward_input(st["root"].pop(key), grad, x, params, st["saved"].pop(key, None))
         st["out"].pop(key, None)
         self._keep_input_grad(mb, chunk, dx)
 

@@ -24,9 +24,10 @@ compute only that half, so the junction's backward does not run its GEMMs twice.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -34,7 +35,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from engine.precision.backward_phase import backward_phase
 from engine.precision.backward_phase import in_phase as _in_phase
 
-__all__ = ["WeightGradState", "backward_input", "backward_weight", "full_backward", "backward_phase"]
+__all__ = ["SavedStore", "WeightGradState", "backward_input", "backward_weight", "full_backward", "backward_phase"]
 
 Root = Union[torch.Tensor, GradientEdge]
 
@@ -44,6 +45,73 @@ class _Group:
     params: list[torch.nn.Parameter]
     junctions: list[Node]
     grads: dict[int, tuple] = field(default_factory=dict)  # junction index -> captured grad_outputs
+
+
+class SavedStore:
+    """The tensors one chunk's forward saved for backward, held here instead of in autograd's
+    nodes (``saved_tensors_hooks``: a node keeps only a key), so that after the input pass the
+    ones only the input path needs can be dropped (:meth:`drop_input_only`).
+
+    Why: the input pass keeps the graph (``retain_graph``) for the weight pass, which by
+    default keeps EVERY saved tensor from the chunk's ``I`` to its ``W``: attention's and the
+    activations' internals too, which only the input gradient reads. The weight pass needs only
+    what its junctions and parameter branches saved (a Linear's input, a norm's normalised
+    tensor). Between a chunk's ``I`` and ``W`` (the zero-bubble schedules defer W), that is what
+    the chunk costs, beside the captured gradients.
+
+    Which node reads which key is recorded during the input pass: each node of the chunk's
+    graph gets a pre-hook naming it the running node (autograd runs a node's pre-hooks, then
+    the node, which unpacks its saved tensors, on one thread)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.readers: Optional[dict[int, set[Node]]] = None  # key -> nodes that read it (input pass)
+        self._running = threading.local()
+        self.dropped = 0  # keys dropped after the input pass (for tests)
+        self._next_key = 0
+
+    def hooks(self) -> Any:
+        """The context manager to run the chunk's forward in."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> int:
+        key = self._next_key
+        self._next_key += 1
+        # a detached alias (same storage and version counter, as autograd's own saved copy):
+        # keeping the tensor itself would keep an output's grad_fn, which holds this key (a cycle)
+        self.tensors[key] = t.detach()
+        return key
+
+    def _unpack(self, key: int) -> torch.Tensor:
+        if self.readers is not None:
+            node = getattr(self._running, "node", None)
+            if node is not None:
+                self.readers.setdefault(key, set()).add(node)
+        t = self.tensors.get(key)
+        if t is None:
+            raise RuntimeError("a tensor saved for backward was dropped after the input pass but the weight pass "
+                               "reads it (engine.pipeline.split_backward.SavedStore): please report this graph")
+        return t
+
+    def record(self, nodes: set[Node]) -> list[Any]:
+        """Start recording readers: pre-hooks on ``nodes`` (returns their handles)."""
+        self.readers = {}
+
+        def running(_grad_outputs: Any, node: Node) -> None:
+            self._running.node = node
+
+        return [n.register_prehook(lambda go, n=n: running(go, n)) for n in nodes]
+
+    def drop_input_only(self, keep_readers: set[Node]) -> None:
+        """Drop the tensors read during the input pass by no node in ``keep_readers`` (those the
+        weight pass may run); tensors nobody read stay (parameter branches read them in W)."""
+        assert self.readers is not None  # record() was called before the input pass
+        for key, nodes in self.readers.items():
+            if key in self.tensors and nodes.isdisjoint(keep_readers):
+                del self.tensors[key]
+                self.dropped += 1
+        self.readers = None
+        self._running.node = None
 
 
 @dataclass
@@ -84,8 +152,9 @@ def _upstream(starts: Sequence[Node], rev: dict[Node, list[Node]], stop: set[Nod
     return seen, met
 
 
-def _groups(root: Node, input_node: Node, params: Sequence[torch.nn.Parameter]) -> list[_Group]:
-    rev = _reverse_edges(root)
+def _groups(root: Node, input_node: Node, params: Sequence[torch.nn.Parameter],
+            rev: Optional[dict[Node, list[Node]]] = None) -> list[_Group]:
+    rev = _reverse_edges(root) if rev is None else rev
     on_input_path, _ = _upstream([input_node], rev, stop=set())
     # union-find of parameters through shared junctions
     owner: dict[Node, int] = {}
@@ -108,23 +177,50 @@ def _groups(root: Node, input_node: Node, params: Sequence[torch.nn.Parameter]) 
     return [g for g in groups if g.params]
 
 
+def _downstream(starts: Sequence[Node]) -> set[Node]:
+    """``starts`` and every node they feed gradient to (towards the leaves)."""
+    seen, q = set(starts), deque(starts)
+    while q:
+        for nxt, _ in q.popleft().next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                q.append(nxt)
+    return seen
+
+
+def _weight_pass_nodes(groups: Sequence[_Group], rev: dict[Node, list[Node]]) -> set[Node]:
+    """The nodes :func:`backward_weight` may run: below a group's junctions and above one of
+    its parameters (the junctions, the parameter branches, and the input-path nodes between
+    two junctions of one group, whose outputs the pins discard)."""
+    out: set[Node] = set()
+    for g in groups:
+        acc = [get_gradient_edge(p).node for p in g.params]
+        above, _ = _upstream(acc, rev, stop=set())
+        out |= above & _downstream(g.junctions)
+    return out
+
+
 def full_backward(root: Root, grad: Optional[torch.Tensor]) -> None:
     """One ordinary backward from ``root`` (a tensor or the GradientEdge of a freed output)."""
     torch.autograd.backward(root, grad_tensors=None if grad is None else [grad])
 
 
 def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Optional[torch.Tensor],
-                   params: Sequence[torch.nn.Parameter]) -> tuple[Optional[torch.Tensor], WeightGradState]:
+                   params: Sequence[torch.nn.Parameter],
+                   saved: Optional[SavedStore] = None) -> tuple[Optional[torch.Tensor], WeightGradState]:
     """d(root)/d(stage_input) (None without an input that requires grad) and the state for W.
 
-    ``grad`` is d(loss)/d(output) (None when ``root`` is the scalar loss itself).
+    ``grad`` is d(loss)/d(output) (None when ``root`` is the scalar loss itself). ``saved``:
+    the store the chunk's forward saved its tensors in; those only the input pass reads are
+    dropped after it (:class:`SavedStore`).
     """
     if stage_input is None or not stage_input.requires_grad:
         return None, WeightGradState([], root=root, root_grad=grad)
     root_node = root.node if isinstance(root, GradientEdge) else root.grad_fn
     assert root_node is not None  # the root depends on stage_input, which requires grad
-    groups = _groups(root_node, get_gradient_edge(stage_input).node, [p for p in params if p.requires_grad])
-    handles = []
+    rev = _reverse_edges(root_node)
+    groups = _groups(root_node, get_gradient_edge(stage_input).node, [p for p in params if p.requires_grad], rev)
+    handles = [] if saved is None else saved.record(set(rev) | {root_node})
     for g in groups:
         for i, j in enumerate(g.junctions):
             def capture(grad_outputs, g=g, i=i):
@@ -138,6 +234,8 @@ def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Option
     finally:
         for h in handles:
             h.remove()
+    if saved is not None:
+        saved.drop_input_only(_weight_pass_nodes(groups, rev))
     return dx, WeightGradState(groups)
 
 

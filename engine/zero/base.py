@@ -372,8 +372,13 @@ class ZeroOptimizer:
             self._drain_through(b)  # the previous pass's reduction of this bucket must land first
         if i in b.arrived:
             # a new backward pass reached a bucket the previous one left incomplete (a
-            # parameter unused there): reduce what the previous pass left first
+            # parameter unused there, or one of another pipeline chunk): reduce what the
+            # previous pass left first, and complete that reduction before this gradient is
+            # added: the accumulator (and ``arrived``) belong to the reduction until then, and
+            # an add into it in flight is either reduced or lost depending on timing (on gloo
+            # and NCCL alike)
             self._launch_sharded(b)
+            self._drain_through(b)
         g = p.grad if grad is None else grad
         assert g is not None  # a post-accumulate-grad hook: the gradient is there
         if len(b.params) == 1 and b.grad_acc is None and g.numel() == b.layout.padded_numel:

@@ -45,8 +45,8 @@ def test_zb_v_every_compute_once_and_simulated(p, m):
         for kind, pairs in want.items():
             assert sorted((a.microbatch, a.chunk) for a in compute if a.kind is kind) == pairs, (r, kind)
     res = simulate(per_rank, m, 2, placement="v")
-    # memory: at most 2p + 1 half-stage chunks (p + 1/2 stages; 1F1B's rank 0 holds p stages)
-    assert max(res.peak_activations) <= 2 * p + 1
+    # memory: at most 2p half-stage chunks (p stages, as 1F1B's rank 0)
+    assert max(res.peak_activations) <= 2 * p
     # uneven costs and communication latency: still valid, no deadlock
     simulate(per_rank, m, 2, costs=lambda r, a: 1.0 + 0.3 * r + (0.7 if a.kind is K.BACKWARD_WEIGHT else 0.0),
              comm_cost=0.4, placement="v")
@@ -55,7 +55,9 @@ def test_zb_v_every_compute_once_and_simulated(p, m):
 COSTS = {"F": 0.5, "B": 1.0, "I": 0.5, "W": 0.5}  # a chunk is half of a stage (f=1, b=2)
 
 
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (2, 5), (2, 8), (2, 16), (3, 3), (3, 6), (3, 8), (4, 4), (4, 8)])
+# (within 2p chunks the order search does not reach the bound at every m, e.g. p = 2, m = 5 and
+# 16: one unit above; test_zb_v_bubble_above_the_bound_below_1f1b covers those)
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (2, 8), (3, 3), (3, 6), (3, 8), (4, 4), (4, 8), (4, 12)])
 def test_zb_v_bubble_is_the_analytic_lower_bound(p, m):
     res = simulate(build_all("zb-v", p, m, 2), m, 2, costs=COSTS, placement="v")
     assert res.bubble_fraction == pytest.approx(bubble_formula("zb-v", p, m), abs=1e-9)
@@ -74,7 +76,8 @@ def test_zb_v_bubble_above_the_bound_below_1f1b(p, m):
 def test_zb_v_p4_m8_figures():
     res = simulate(build_all("zb-v", 4, 8, 2), 8, 2, placement="v")
     assert res.bubble_fraction == pytest.approx(3 / 51)  # (p-1)/(6m+p-1); 1F1B: 3/11
-    assert res.peak_activations == (9, 9, 9, 9)  # 2p + 1 chunks = 4.5 stages; 1F1B: 4, 3, 2, 1
+    # 2p chunks = p stages at most, 1F1B's rank 0 (1F1B: 4, 3, 2, 1 stages)
+    assert res.peak_activations == (7, 8, 8, 8)
 
 
 def test_local_hop_has_no_transfer_and_keeps_its_order():
