@@ -13,9 +13,10 @@ Strict NCCL-rules mode (``engine.distributed.strict``) is on in every rank when
 
 ``fn`` must be importable by the child (module level in a test file).
 
-Start-up cost: the ranks are forked by a fork server that has imported torch once per pytest
-process (spawn's ``"forkserver"`` start method; ``engine`` and the test module are still
-imported fresh in every rank), instead of each rank spending 2-3 s of CPU importing torch.
+Start-up cost: the ranks are forked by a fork server that has imported torch, the engine's
+training modules and pytest once per pytest process (spawn's ``"forkserver"`` start method and
+``PRELOAD``; the test module is still imported fresh in every rank), instead of each rank
+spending 3-4 s of CPU importing them.
 ``ENGINE_TEST_START_METHOD=spawn`` runs every rank as a fresh interpreter instead (slower; its
 interpreter finalisation is where a leaked gloo group can abort a rank at exit).
 

@@ -20,11 +20,14 @@ rank connects to it as a client. Two ways to bring a rank up (``rendezvous``):
 How a rank process starts (``start_method``):
 
 - ``"forkserver"`` (the default in ``"gloo"`` mode, the tests): ``multiprocessing``'s fork server,
-  started once per parent process with torch, torch.distributed and torch._dynamo imported
-  (:data:`PRELOAD`; no process group, no thread pool, nothing of ``engine``), forks each rank.
-  A fresh interpreter spends 2-3 s of CPU importing exactly these modules (the first optimizer
-  step imports torch._dynamo), once per rank per call: most of a short test's time on two cores.
-  Everything else is as in a spawned rank: ``engine`` and ``fn``'s module are imported fresh in
+  started once per parent process with torch, torch.distributed, torch._dynamo and the engine's
+  training modules imported (:data:`PRELOAD`, plus pytest when the parent has imported it; no
+  process group, no thread pool, no engine state: importing them runs no engine code but
+  definitions), forks each rank. A fresh interpreter spends 2-3 s of CPU importing torch (the
+  first optimizer step imports torch._dynamo) and about 1 s more importing the engine and
+  pytest, once per rank per call: most of a short test's time on two cores. The engine reads
+  its environment variables when it runs, never at import, so a preloaded module behaves as a
+  fresh one. Everything else is as in a spawned rank: ``fn``'s module is imported fresh in
   every rank, the rank gets the parent's environment and working directory as they are at the
   call, and its stdout/stderr are the parent's at the call (pytest's capture of the running
   test), not the fork server's. A forked rank ends with ``os._exit`` after its result has left
@@ -65,6 +68,7 @@ import pickle
 import queue as queue_mod
 import socket
 import subprocess
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -78,10 +82,12 @@ __all__ = ["spawn", "start_script", "free_port", "SpawnError", "RankFailure", "R
 Rendezvous = Literal["gloo", "env"]
 StartMethod = Literal["forkserver", "spawn"]
 _HOST = "127.0.0.1"
-# What the fork server imports before it forks ranks: torch only (engine stays fresh per rank).
+# What the fork server imports before it forks ranks: torch, and the engine's training modules
+# (module-level definitions only; no engine module reads the environment at import).
 # torch.distributed.nn.functional before any process group exists, as
 # engine.distributed.teardown.bind_world_defaults_early wants it.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.nn.functional", "torch._dynamo")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.nn.functional", "torch._dynamo",
+           "engine.training.trainer", "engine.checkpoint", "engine.generate")
 
 
 class SpawnError(RuntimeError):
@@ -272,7 +278,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), kwargs:
                    dict(os.environ) if forked else None)
     ctx: Any = mp.get_context(method)  # a ForkServerContext or a SpawnContext
     if forked:
-        ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server first starts
+        # takes effect when the server first starts; pytest too under pytest (test modules import it)
+        ctx.set_forkserver_preload(list(PRELOAD) + (["pytest"] if "pytest" in sys.modules else []))
     results = ctx.Queue()
     procs = [ctx.Process(target=_child_main, name=f"rank{r}", daemon=True,
                          args=(_ParentStdio() if forked else None, fn, r, results, tuple(args),
