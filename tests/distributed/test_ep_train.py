@@ -33,20 +33,28 @@ NORM_RTOL = 1e-6
 STD = sysconfig.get_paths()["stdlib"]
 
 
+# Muon on the dense matrices; the experts' stacked (E, in, out) weights stay in its AdamW group
+MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.1, "ns_dtype": "float32"}}
+
+
 def moe_config(cache_dir: str, **k) -> dict:
     """The tiny MoE GPT at a layout: ``ep``, ``dp`` (implied by the world), ``tp``, ``pp``,
-    ``cp``, ``zero``, ``sp``, ``ga`` (gradient accumulation)."""
+    ``cp``, ``zero``, ``sp``, ``ga`` (gradient accumulation); ``schedule`` / ``virtual``
+    (pipeline), ``recompute`` (activation_checkpointing.granularity), ``muon``, ``layers``."""
     ga = k.get("ga", 1)
     return {
         "train_batch_size": 8, "gradient_accumulation_steps": ga, "seed": 7, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
+        "optimizer": MUON if k.get("muon") else {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1,
+                                                                             "torch_adam": True}},
         "zero_optimization": {"stage": k.get("zero", 0), "reduce_bucket_size": 5000,
                               "stage3_param_persistence_threshold": 100},
         "tensor_parallel": {"autotp_size": k.get("tp", 1), "sequence_parallel": k.get("sp", False)},
-        "pipeline": {"stages": k.get("pp", 1), "partition": "uniform"},
+        "pipeline": {"stages": k.get("pp", 1), "partition": "uniform", "schedule": k.get("schedule", "1f1b"),
+                     "virtual_stages": k.get("virtual", 1)},
+        "activation_checkpointing": {"granularity": k.get("recompute", "none")},
         "context_parallel": {"size": k.get("cp", 1)},
         "expert_parallel": {"size": k.get("ep", 1)},
-        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "seq_len": 16,
+        "model": {"vocab_size": 256, "hidden_size": 32, "num_layers": k.get("layers", 2), "num_heads": 4, "seq_len": 16,
                   "moe": {"num_experts": 4, "top_k": 2, "expert_hidden_size": 32, "aux_loss_coef": 0.01}},
         "data": {"train_files": [os.path.join(STD, "textwrap.py"), os.path.join(STD, "argparse.py")],
                  "cache_dir": cache_dir},
@@ -117,3 +125,16 @@ def test_ep_layouts_train_as_one_process_over_20_steps(cache_dir):
     _run_layouts(cache_dir, 4, [dict(ep=2, zero=1), dict(ep=2, zero=3), dict(ep=4, zero=1), dict(ep=4, zero=3),
                                 dict(ep=2, tp=2, zero=1), dict(ep=2, pp=2, zero=1), dict(ep=2, cp=2, zero=1)],
                  LONG_STEPS, ref)
+
+
+def test_ep_composes_with_muon_v_and_interleaved_schedules_and_recompute(cache_dir):
+    """EP 2 with Muon (ZeRO 1 and 3), with the zb-v and interleaved-1f1b pipeline schedules
+    (4 layers over 2 ranks x 2 chunks) and with full and selective recompute: each the losses
+    of one process running the same model and optimizer (same tolerances as above)."""
+    muon_ref = _reference(cache_dir, STEPS, muon=True)
+    _run_layouts(cache_dir, 2, [dict(ep=2, zero=1, muon=True), dict(ep=2, zero=3, muon=True)], STEPS, muon_ref)
+    deep_ref = _reference(cache_dir, STEPS, layers=4)
+    _run_layouts(cache_dir, 4, [dict(ep=2, pp=2, zero=1, layers=4, schedule="zb-v", virtual=2, ga=2),
+                                dict(ep=2, pp=2, zero=1, layers=4, schedule="interleaved-1f1b", virtual=2, ga=2),
+                                dict(ep=2, zero=3, layers=4, recompute="full"),
+                                dict(ep=2, zero=1, layers=4, recompute="selective")], STEPS, deep_ref)
