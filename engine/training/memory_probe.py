@@ -19,6 +19,8 @@ accumulators and optimizer state the rank held already.
 from __future__ import annotations
 
 import contextlib
+import gc
+import warnings
 from typing import Iterator
 
 import torch
@@ -63,6 +65,15 @@ def memory_probe(engine: Engine, on: bool) -> Iterator[None]:
             engine.memory_probe = None
         return
     with LiveMemoryTracker() as tracker:
+        # every tensor alive now (parameters, gradient accumulators, flat ZeRO buffers,
+        # optimizer state) counts as held before the phase: the tracker registers a storage
+        # it has not seen when an operator first returns a view of it (a weight's .t(), a
+        # slice of a flat buffer), which would otherwise count state as activations
+        with warnings.catch_warnings():  # isinstance on deprecated torch.distributed names warns
+            warnings.simplefilter("ignore")
+            tracker.track([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
+        tracker.current = 0  # the phase's peak is then over the bytes alive now (as on CUDA)
+        tracker.reset_peak()
         engine.memory_probe = tracker
         try:
             yield

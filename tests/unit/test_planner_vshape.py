@@ -58,7 +58,7 @@ def test_zb_v_bubble_and_activations_come_from_the_v_simulation():
 
 
 def test_the_search_takes_zb_v_when_named():
-    plans = plan(SMALL, FREE, 8, micro_batches=(1,), zero_stages=(0,), recompute=(False,),
+    plans = plan(SMALL, FREE, 8, micro_batches=(1,), zero_stages=(0,), recompute=("none",),
                  schedules=("1f1b", "zb-v"))
     found = {(p.layout.schedule, p.layout.virtual_stages) for p in plans if p.layout.pp == 4 and not p.reasons}
     assert ("zb-v", 2) in found and ("1f1b", 1) in found
