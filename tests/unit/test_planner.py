@@ -174,21 +174,27 @@ def llama70b_plans():
 
 
 def test_llama70b_on_64_h100(llama70b_plans):
-    """The answer: a layout with TP inside the node (4 or 8) and PP > 1, at an MFU in the
-    range published runs report (Llama 3: 38-43 %; Megatron-LM on H100 40-50 %)."""
+    """The answer with the measured activation formula (54.75 h bytes per token and block in
+    bf16, docs/activation_memory.md; the planner used 33.5 h before): a 4M-token step at an
+    MFU in the range published runs report (Llama 3: 38-43 %; Megatron-LM on H100 40-50 %).
+    At sequence 8192 no-recompute activations no longer fit TP 4 x PP 4 (NeMo's recipe fits
+    it with context parallelism 2, which the planner does not search), so the top of the list
+    trades recompute against TP communication: DP 64 + ZeRO-3 with full recompute (no TP
+    all-gathers, one forward rerun), then TP 8 x PP 2 with selective recompute a few percent
+    behind (exposed TP collectives, not overlapped by this engine)."""
     ok = [p for p in llama70b_plans if p.feasible]
     best = ok[0]
-    assert best.layout.pp > 1 and best.layout.tp in (4, 8)
     assert 0.30 <= best.time.mfu <= 0.55
-    assert best.memory.total <= H100x8.memory_bytes
-    # TP = 8 with PP > 1 fits and is close: exposed TP all-reduces (not overlapped by this
-    # engine) are what makes TP = 4 win by a few percent on H100's compute/NVLink ratio
+    assert best.memory.total <= H100x8.memory_bytes and best.peak <= H100x8.memory_bytes
+    # without recomputation nothing with TP <= 4 fits: the activations of a 8192-token sequence
+    assert not [p for p in ok if p.layout.recompute == "none" and p.layout.tp <= 4]
+    # TP = 8 with PP > 1 fits and is close
     tp8 = [p for p in ok if p.layout.tp == 8 and p.layout.pp > 1]
     assert tp8 and 0.30 <= tp8[0].time.mfu <= 0.55
-    assert tp8[0].time.step_s <= 1.2 * best.time.step_s
+    assert tp8[0].time.step_s <= 1.1 * best.time.step_s
     # plain data parallelism fits only with ZeRO-3 (70B of Adam states are > 1 TB replicated)
     dp_only = [p for p in llama70b_plans if p.layout.tp == 1 and p.layout.pp == 1 and p.feasible]
-    assert all(p.layout.zero_stage == 3 for p in dp_only)
+    assert dp_only and all(p.layout.zero_stage == 3 and p.layout.recompute != "none" for p in dp_only)
 
 
 def test_llama70b_tokens_per_second_is_consistent(llama70b_plans):
