@@ -10,7 +10,9 @@ accumulators and optimizer state the rank held already.
 
 - CPU (and any non-CUDA device): :class:`engine.zero.peak.LiveMemoryTracker`, a dispatch
   mode counting every storage an operator returns, exactly (a Python call per operator,
-  so that step's tokens/s is lower);
+  so that step's tokens/s is lower); every tensor alive when the probe starts is
+  registered first and the phase counts over those bytes, so that state first touched in
+  the step through a view (a weight's ``.t()``, a slice of a flat buffer) is not counted;
 - CUDA: :class:`CudaPeakProbe`, the caching allocator's own counters
   (``max_memory_allocated`` over ``memory_allocated`` at the phase's entry; no dispatch mode,
   which compiled kernels such as flex attention would not run under).
