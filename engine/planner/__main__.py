@@ -26,6 +26,7 @@ from typing import Optional
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
 from engine.pipeline.stages import reference_layer_params
+from engine.planner.activations import RECOMPUTE_POLICIES
 from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
 from engine.planner.cluster import CLUSTERS, MODELS, Cluster, GiB, cluster_preset, model_preset
 from engine.planner.search import DEFAULT_SCHEDULES, format_plans, plan
@@ -106,7 +107,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     b.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
     b.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES))
-    b.add_argument("--no-recompute", action="store_true", help="do not consider activation recomputation")
+    b.add_argument("--recompute", nargs="+", default=list(RECOMPUTE_POLICIES), choices=list(RECOMPUTE_POLICIES),
+                   help="activation recompute policies to search (activation_checkpointing granularity)")
+    b.add_argument("--no-recompute", action="store_true", help="only --recompute none")
     b.add_argument("--unbalanced", action="store_true", help="also pipeline degrees that do not divide the layers")
     b.add_argument("--bytes", type=float, default=2.0, help="compute-dtype bytes (2 = bf16)")
     b.add_argument("--top", type=int, default=15)
@@ -130,7 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch = args.global_batch_tokens // model.seq_len
     plans = plan(model, cluster, batch, param_bytes=args.bytes, micro_batches=args.micro_batches,
                  zero_stages=args.zero, schedules=args.schedules,
-                 recompute=(False,) if args.no_recompute else (False, True), balanced_stages=not args.unbalanced)
+                 recompute=("none",) if args.no_recompute else tuple(args.recompute), balanced_stages=not args.unbalanced)
     n_params = sum(reference_layer_params(model)) - (model.vocab_size * model.hidden_size if model.tie_embeddings else 0)
     print(f"model: {n_params / 1e9:.1f}B parameters, {model.num_layers} layers, hidden {model.hidden_size}, "
           f"{model.num_heads} heads ({model.num_kv_heads} kv), ffn {model.ffn_hidden_size}, vocab "

@@ -8,23 +8,19 @@ Conventions (ours, i.e. this engine's; the Megatron-LM practice where they agree
   a TP group stays inside a node and DP / PP groups span nodes once ``tp*dp`` (resp. the
   world) exceeds a node;
 - TP > 1 uses sequence parallelism (activations between TP regions are split over the
-  sequence), so every activation term below is divided by ``tp``;
+  sequence);
 - compute dtype ``param_bytes`` (2 = bf16); gradients accumulate and are reduced in fp32
   (4 bytes), Adam keeps fp32 master weights and two moments (12 bytes): the ZeRO paper's
   K = 12 with our fp32 gradients (:func:`engine.zero.memory.zero_state_bytes`); ZeRO-1
   also holds its fp32 master-gradient shard (4 Psi / N_d, our stage 1);
-- activations saved per transformer block and token, in compute-dtype bytes, counted from
-  what the reference block keeps for its backward (flash/SDPA attention: no S x S scores)::
-
-      2 (norm in) + 2 (QKV in) + 2 (Q) + 4 kv*d/h (K, V) + 2 (attention out)
-      + 2 (norm in) + 2 (MLP in) + 6 f/h (gate, up, down in)    [x h bytes, / tp]
-
-  which for Llama shapes (f = 3.5h, kv = h/8) is 33.5 h - Korthikanti et al.'s 34 h
-  without dropout masks. Full recomputation keeps only each block's input (2 h / tp) and
-  one block's activations during its backward;
-- the LM head's logits: compute dtype plus fp32 log-softmax and its gradient, one
-  micro-batch at a time on the last stage;
-- micro-batches in flight per stage: the simulator's peak for the schedule.
+- activations: :mod:`engine.planner.activations` - the bytes each block keeps for backward
+  under the layout's recompute policy (``none`` / ``selective`` / ``full``) from the one
+  formula of :mod:`engine.models.activation_memory` (docs/activation_memory.md; for Llama
+  shapes in bf16 ~54.75 h bytes per token and layer without recomputation, measured exact),
+  the head's logits and the loss's fp32 temporaries, a backward's working set (and the
+  recomputed block), and the micro-batch chunks each rank holds, walked from the schedule's
+  own compute order; checked against the measured ``activation_peak_bytes`` by
+  benchmarks/activation_memory_planner.py (tests/unit/test_planner_activations.py).
 
 Time per step: the pipeline makespan from :func:`engine.pipeline.simulate.simulate` with
 per-stage forward/backward costs (compute at ``peak * compute_efficiency``, plus the TP
@@ -42,21 +38,27 @@ from typing import Optional, Sequence
 
 from engine.errors import ConfigError
 from engine.models import flops_per_token
-from engine.models.config import ModelConfig
+from engine.models.activation_memory import BlockDims, block_bytes_per_token
+from engine.models.config import DEFAULT_SELECTIVE, ModelConfig
 from engine.pipeline.partition import partition_layers
 from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args, placement_of, stage_index
 from engine.pipeline.simulate import bubble_fraction, per_stage_costs, simulate
 from engine.pipeline.stages import reference_layer_params
+from engine.planner.activations import (
+    RECOMPUTE_POLICIES,
+    ActivationShape,
+    inflight_peaks,
+    recompute_forward_fraction,
+)
 from engine.planner.cluster import Cluster
 from engine.zero.memory import zero_state_bytes as engine_state_bytes
 
 __all__ = ["Layout", "MemoryEstimate", "TimeEstimate", "StageShape", "stage_shapes", "memory_estimate",
-           "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "check_layout", "model_states_bytes", "zero_state_bytes", "peak_estimate", "layout_peak_bytes",
+           "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "activation_peaks", "check_layout", "model_states_bytes", "zero_state_bytes", "peak_estimate", "layout_peak_bytes",
            "memory_lower_bound",
            "ADAM_STEP_BYTES"]
 
 ADAM_STEP_BYTES = 34.0  # per master element: read grad, master, m, v; write master, m, v, param; norm pass
-LOGIT_BYTES = 10.0      # per logit element: compute-dtype logits + fp32 log-softmax + its gradient
 SIM_MICROBATCH_MIN = 8  # pipelines longer than max(p + 2, this) are simulated at that length and extrapolated
 
 
@@ -64,7 +66,9 @@ SIM_MICROBATCH_MIN = 8  # pipelines longer than max(p + 2, this) are simulated a
 class Layout:
     """One parallel layout of a training step. ``micro_batch`` sequences per micro-batch,
     ``num_microbatches`` per optimizer step and DP replica; ``schedule`` is ``"none"``
-    without a pipeline; ``recompute``: full activation checkpointing of every block."""
+    without a pipeline; ``recompute``: the activation recompute policy, one of
+    :data:`engine.planner.activations.RECOMPUTE_POLICIES` (``"none"``, ``"selective"`` with
+    the default modules, ``"full"`` one block per unit)."""
 
     dp: int
     tp: int
@@ -74,7 +78,12 @@ class Layout:
     zero_stage: int
     schedule: str = "none"
     virtual_stages: int = 1
-    recompute: bool = False
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f"Layout.recompute={self.recompute!r}: use one of {RECOMPUTE_POLICIES} "
+                             "(an activation_checkpointing granularity)")
 
     @property
     def world_size(self) -> int:
@@ -83,7 +92,7 @@ class Layout:
     def describe(self) -> str:
         sched = self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} {sched} mb{self.micro_batch}x{self.num_microbatches} "
-                f"ZeRO-{self.zero_stage}" + (" recompute" if self.recompute else ""))
+                f"ZeRO-{self.zero_stage}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,8 @@ class MemoryEstimate:
     params: float
     grads: float
     optimizer_state: float
-    activations: float
-    logits: float
+    activations: float  # the activation peak (schedule walk), the head's logits included
+    logits: float  # 0: counted in ``activations`` (kept for the breakdown's shape)
     transient: float  # ZeRO-3 gathered parameters and their fp32 gradients
     reserved: float
     inflight_microbatches: int
@@ -176,13 +185,28 @@ def _block_matmul_params(model: ModelConfig) -> int:
 
 
 def activation_bytes_per_token(model: ModelConfig, tp: int, param_bytes: float = 2.0,
-                               recompute: bool = False) -> float:
-    """Saved activations of ONE block per token (see the module docstring), sharded by TP."""
-    h, f = model.hidden_size, model.ffn_size
-    kvd = model.kv_heads * model.head_dim
-    if recompute:
-        return param_bytes * h / tp
-    return param_bytes * (6 * h + 2 * kvd + 3 * f) / tp  # elements: 6 of size h, K and V, 3 of size f
+                               recompute: str = "none") -> float:
+    """Saved activations of ONE block per token under a recompute policy, TP ``tp`` with
+    sequence parallelism when tp > 1: :func:`engine.models.activation_memory.block_bytes_per_token`
+    (the per-block constant, the fp32 norm weight copies, left out)."""
+    if recompute == "full":  # one block per unit: its input, on the residual stream
+        return param_bytes * model.hidden_size / (tp if tp > 1 else 1)
+    modules = DEFAULT_SELECTIVE if recompute == "selective" else ()
+    return block_bytes_per_token(BlockDims.of(model), elem=param_bytes, tp=tp, sp=tp > 1, modules=modules)[0]
+
+
+def activation_peaks(model: ModelConfig, layout: Layout, param_bytes: float = 2.0) -> list[float]:
+    """Activation peak bytes of each pipeline rank (:mod:`engine.planner.activations`); a
+    schedule's peak is reached within its first micro-batches, so it is walked at the
+    simulated length (all of GPipe's)."""
+    sched = "1f1b" if layout.schedule == "none" else layout.schedule
+    m = layout.num_microbatches
+    if sched != "gpipe":
+        m = _sim_length(sched, layout.pp, m, layout.virtual_stages)
+    a = ActivationShape(layout.micro_batch * model.seq_len, layout.tp, layout.tp > 1, int(param_bytes),
+                        layout.recompute)
+    pieces = [(s.blocks, s.has_head) for s in stage_shapes(model, layout.pp, layout.virtual_stages)]
+    return inflight_peaks(model, a, sched, layout.pp, m, layout.virtual_stages, pieces)
 
 
 def _ring(bytes_: float, n: int, bw: float, latency: float, factor: float) -> float:
@@ -238,24 +262,18 @@ def memory_lower_bound(model: ModelConfig, layout: Layout, cluster: Cluster, *, 
 
 def memory_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0,
                     inflight: Optional[list[int]] = None) -> MemoryEstimate:
-    """Bytes per device on the stage that needs most. ``inflight[k]``: micro-batch chunks
-    held by pipeline rank k at its peak (default: the simulator's)."""
+    """Bytes per device on the stage that needs most (activations: :func:`activation_peaks`).
+    ``inflight[k]``: micro-batch chunks pipeline rank k holds at its peak, reported in the
+    breakdown (default: the simulator's count)."""
     shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
     if inflight is None:
         inflight = list(_simulate(model, layout, cluster, param_bytes).peak_activations)
-    tokens = layout.micro_batch * model.seq_len
-    act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
-    full_act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, False)
+    peaks = activation_peaks(model, layout, param_bytes)
     per_block_params = reference_layer_params(model)[1]
     best: Optional[MemoryEstimate] = None
     for rank in range(layout.pp):
-        mine = _rank_pieces(layout, shapes, rank)
         params, grads, opt = _rank_states(model, layout, shapes, rank, param_bytes)
-        blocks_per_chunk = max(s.blocks for s in mine)
-        acts = inflight[rank] * blocks_per_chunk * tokens * act_tok
-        if layout.recompute:
-            acts += tokens * full_act_tok  # the block being recomputed
-        logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if any(s.has_head for s in mine) else 0.0
+        acts, logits = peaks[rank], 0.0
         transient = 0.0
         if layout.zero_stage == 3:  # current + prefetched block gathered, and the block's fp32 grads
             transient = per_block_params / layout.tp * (2 * param_bytes + 4)
@@ -277,13 +295,21 @@ def _piece_costs(model: ModelConfig, layout: Layout, cluster: Cluster, param_byt
     act_bytes = tokens * h * param_bytes  # one full (unsharded) activation
     # 2 all-reduces per block forward (attention out, MLP out) = 2 AG + 2 RS with sequence parallelism
     tp_fwd_block = 2 * _ring(act_bytes, tp, cluster.intra_node_bw, cluster.latency_s, 2.0)
+    # selective recompute reruns only elementwise ops (zero GEMM FLOPs): memory-bound, the bytes
+    # it frees written again and read once more, at the device's memory bandwidth
+    rewrite = 0.0
+    if layout.recompute == "selective":
+        freed = (activation_bytes_per_token(model, tp, param_bytes) -
+                 activation_bytes_per_token(model, tp, param_bytes, "selective"))
+        rewrite = 2 * freed / cluster.hbm_bw
     out = []
     for piece in stage_shapes(model, layout.pp, layout.virtual_stages):
         fwd_flops = tokens * (piece.blocks * f_block + (f_head if piece.has_head else 0)) / tp
         c_f = fwd_flops / rate
-        c_b = 2 * c_f + (piece.blocks * tokens * f_block / tp / rate if layout.recompute else 0.0)
+        rerun = recompute_forward_fraction(layout.recompute)  # of each block's forward, rerun in backward
+        c_b = 2 * c_f + rerun * piece.blocks * tokens * f_block / tp / rate + piece.blocks * tokens * rewrite
         tp_f = piece.blocks * tp_fwd_block + (tp_fwd_block / 2 if piece.has_embedding else 0.0)
-        tp_b = tp_f * (2.0 if layout.recompute else 1.0)
+        tp_b = tp_f + rerun * piece.blocks * tp_fwd_block
         z3_f = z3_b = 0.0
         if layout.zero_stage == 3 and layout.dp > 1:  # gathered in forward and again in backward
             g = _ring(piece.params / tp * param_bytes, layout.dp, _dp_bandwidth(layout, cluster),
@@ -441,10 +467,9 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[s
 
 def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.0, bucket_numel: int = 500_000_000,
                   prefetch_numel: int = 50_000_000, torch_adam: bool = False,
-                  inflight: Optional[Sequence[int]] = None, first_step: bool = False) -> dict[str, float]:
+                  first_step: bool = False) -> dict[str, float]:
     """Predicted per-rank PEAK bytes during a step, on the pipeline rank that needs most, by
-    term (``inflight[k]``: micro-batch chunks pipeline rank k holds at its peak, e.g. the
-    schedule simulator's; default 1F1B's ``min(pp - k, micro-batches)``):
+    term:
 
     - ``states`` and the step-only terms of :func:`engine.zero.memory.zero_peak_formula`
       (three pooled fp32 buckets and two receive shards at stages 2/3; the largest
@@ -452,8 +477,9 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
       copies of a tied embedding summed by autograd, two at stage 3, which takes each use's
       contribution apart; at stage 3 the gathered unit (the tied embedding's owner
       included) and the prefetch window);
-    - ``activations``: the blocks' saved activations (:func:`activation_bytes_per_token`)
-      plus the logits (compute dtype, fp32 log-softmax and its gradient).
+    - ``activations``: :func:`activation_peaks` (the layout's recompute policy, the
+      micro-batch chunks the schedule keeps in flight on the rank, the logits and the
+      backward's working set).
 
     ``bucket_numel``: ``reduce_bucket_size`` (or the largest bucket when a single parameter
     is larger; in fp32 the pooled buckets are the multi-parameter ones); ``prefetch_numel``: ``stage3_prefetch_bucket_size``; ``torch_adam``: the
@@ -465,9 +491,7 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
     from engine.zero.memory import zero_peak_formula
 
     shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
-    tokens = layout.micro_batch * model.seq_len
-    act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
-    full_act_tok = activation_bytes_per_token(model, layout.tp, param_bytes, False)
+    peaks = activation_peaks(model, layout, param_bytes)
     vh = model.vocab_size * model.hidden_size // layout.tp
     h, f = model.hidden_size, model.ffn_size
     largest_block_unit = max(2 * f * h, (h + 2 * model.kv_heads * model.head_dim) * h) // layout.tp
@@ -478,11 +502,6 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
         has_embed = rank == 0
         has_head = any(s.has_head for s in mine)
         tied_here = model.tie_embeddings and has_embed and has_head
-        held = inflight[rank] if inflight is not None else min(layout.pp - rank, layout.num_microbatches)
-        acts = held * max(s.blocks for s in mine) * tokens * act_tok
-        if layout.recompute:
-            acts += tokens * full_act_tok  # the block being recomputed
-        logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES if has_head else 0.0
         largest = vh if (has_embed or has_head) else largest_block_unit
         pooled = min(int(bucket_numel), max(int(numel), largest)) if layout.zero_stage >= 1 else 0
         # the gradient of a one-parameter bucket is reduced where autograd left it (fp32) or
@@ -495,7 +514,7 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
                                 largest_param_numel=largest,
                                 unit_numel=largest_block_unit if tied_here else largest,  # the tied one counts below
                                 prefetch_numel=int(prefetch_numel) if layout.zero_stage == 3 else 0,
-                                tied_numel=vh if tied_here else 0, activation_bytes=acts + logits,
+                                tied_numel=vh if tied_here else 0, activation_bytes=peaks[rank],
                                 torch_adam=torch_adam, first_step=first_step)
         if best is None or out["peak"] > best["peak"]:
             best = out
@@ -504,9 +523,8 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
 
 
 def layout_peak_bytes(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_bytes: float = 2.0) -> float:
-    """What the planner's search ranks and rejects by: :func:`peak_estimate` with the
-    schedule simulator's micro-batches in flight per pipeline rank, DeepSpeed's default
-    bucket sizes, the fused Adam (no step temporary), plus the cluster's reserved bytes."""
-    inflight = _simulate(model, layout, cluster, param_bytes).peak_activations
-    peak = peak_estimate(model, layout, param_bytes=param_bytes, inflight=inflight)["peak"]
+    """What the planner's search ranks and rejects by: :func:`peak_estimate` (activations by
+    the schedule's own compute order), DeepSpeed's default bucket sizes, the fused Adam (no
+    step temporary), plus the cluster's reserved bytes."""
+    peak = peak_estimate(model, layout, param_bytes=param_bytes)["peak"]
     return peak + cluster.reserved_bytes

@@ -5,8 +5,9 @@ the rest.
 first; rejected ones after, each with its reasons (a structural problem, or memory). The
 enumeration covers (dp, tp, pp) with ``dp*tp*pp`` = the cluster's devices, the
 micro-batch size (the number of micro-batches follows from the global batch), the ZeRO
-stage, the pipeline schedule (``virtual_stages`` 2 for interleaved 1F1B) and full
-activation recomputation.
+stage, the pipeline schedule (``virtual_stages`` 2 for interleaved 1F1B) and the activation
+recompute policy (``none``, ``selective``, ``full``: its memory in the predicted peak, its
+recomputed FLOPs in the step time).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Iterable, Optional, Sequence
 
 from engine.models.config import ModelConfig
 from engine.pipeline.schedule import V_SCHEDULES
+from engine.planner.activations import RECOMPUTE_POLICIES
 from engine.planner.cluster import Cluster, GiB
 from engine.planner.cost import (
     Layout,
@@ -61,7 +63,7 @@ def divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, *,
                       micro_batches: Sequence[int] = (1, 2, 4, 8), zero_stages: Sequence[int] = (0, 1, 2, 3),
-                      schedules: Sequence[str] = DEFAULT_SCHEDULES, recompute: Sequence[bool] = (False, True),
+                      schedules: Sequence[str] = DEFAULT_SCHEDULES, recompute: Sequence[str] = RECOMPUTE_POLICIES,
                       tp_sizes: Optional[Sequence[int]] = None, pp_sizes: Optional[Sequence[int]] = None,
                       balanced_stages: bool = True) -> Iterable[tuple[Layout, list[str]]]:
     """Every candidate with the reasons found before any cost is computed (batch
@@ -114,8 +116,8 @@ def evaluate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param_byte
     if peak > cluster.memory_bytes:
         why.append(f"out of memory on stage {mem.stage}: the predicted peak needs {peak / GiB:.1f} GiB of "
                    f"{cluster.memory_bytes / GiB:.1f} (states {mem.model_states / GiB:.1f}, activations "
-                   f"{mem.activations / GiB:.1f} for {mem.inflight_microbatches} micro-batches in flight, "
-                   f"logits {mem.logits / GiB:.1f}, reserved {mem.reserved / GiB:.1f}, plus the step's buckets, "
+                   f"{mem.activations / GiB:.1f} for {mem.inflight_microbatches} micro-batches in flight "
+                   f"(logits included), reserved {mem.reserved / GiB:.1f}, plus the step's buckets, "
                    f"gathered parameters and gradients in flight)")
     return Plan(layout, mem, t, tuple(why), peak)
 
@@ -153,6 +155,6 @@ def _row(i: int, p: Plan) -> str:
     lay, t = p.layout, p.feasible_time  # only feasible plans get a row
     sched = lay.schedule + (f"(v{lay.virtual_stages})" if lay.virtual_stages > 1 else "")
     return (f"{i:>3} {lay.dp:>3} {lay.tp:>3} {lay.pp:>3} {sched:<18} {lay.micro_batch:>3} {lay.num_microbatches:>4} "
-            f"{lay.zero_stage:>1} {'y' if lay.recompute else 'n':>2} {(p.peak or 0.0) / GiB:>8.1f} {t.step_s:>8.3f} "
+            f"{lay.zero_stage:>1} {lay.recompute[0]:>2} {(p.peak or 0.0) / GiB:>8.1f} {t.step_s:>8.3f} "
             f"{t.tokens_per_s:>10.0f} {100 * t.mfu:>5.1f}% {100 * t.bubble_fraction:>5.1f}% "
             f"{100 * t.tp_comm_s / t.step_s:>6.1f}% {t.dp_comm_s:>7.3f}")

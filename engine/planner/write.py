@@ -5,8 +5,8 @@ onto the config keys the engine reads: ``dp`` follows from the world size (world
 ``tp`` -> ``tensor_parallel.autotp_size`` (with sequence parallelism, which the cost model
 assumes for TP > 1), ``pp``/``schedule``/``virtual_stages`` -> ``pipeline``, the micro-batch
 and the number of micro-batches -> ``train_micro_batch_size_per_gpu`` /
-``gradient_accumulation_steps``, ``recompute`` -> ``pipeline.activation_checkpoint_interval``
-1 (every block), the ZeRO stage -> ``zero_optimization.stage``. The optimizer and schedule
+``gradient_accumulation_steps``, ``recompute`` -> ``activation_checkpointing.granularity``
+(``selective`` with the default modules; ``full`` one block per unit), the ZeRO stage -> ``zero_optimization.stage``. The optimizer and schedule
 are the Llama recipe (AdamW 3e-4, betas 0.9/0.95, cosine with warmup, clipping 1.0): change
 them to taste; they do not enter the plan.
 """
@@ -16,7 +16,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.models.config import ModelConfig
+from engine.errors import ConfigError
+from engine.models.config import DEFAULT_SELECTIVE, ModelConfig
+from engine.models.recompute import policy_from_config
+from engine.planner.activations import policy_config
 from engine.planner.cost import Layout
 
 __all__ = ["layout_config", "layout_of_config", "config_text"]
@@ -25,13 +28,11 @@ __all__ = ["layout_config", "layout_of_config", "config_text"]
 def layout_config(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.0,
                   total_steps: int = 10000) -> dict[str, Any]:
     """The config dict that runs ``model`` in ``layout`` (bf16 when ``param_bytes`` is 2, else fp32)."""
-    pipeline: dict[str, Any] = {"stages": layout.pp, "partition": "uniform"}
+    pipeline: dict[str, Any] = {"stages": layout.pp, "partition": "blocks"}  # the pieces the cost model has
     if layout.pp > 1:
         pipeline["schedule"] = layout.schedule
         if layout.virtual_stages > 1:
             pipeline["virtual_stages"] = layout.virtual_stages
-    if layout.recompute:
-        pipeline["activation_checkpoint_interval"] = 1
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": layout.micro_batch,
         "gradient_accumulation_steps": layout.num_microbatches,
@@ -49,6 +50,9 @@ def layout_config(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
         "checkpoint": {"tag_validation": "Fail", "save_interval": 1000, "keep_last": 3},
         "model": model.to_dict(),
     }
+    section = policy_config(layout.recompute)
+    if section is not None:
+        cfg["activation_checkpointing"] = section
     return cfg
 
 
@@ -66,4 +70,21 @@ def layout_of_config(cfg: Any) -> Layout:
                   num_microbatches=cfg.gradient_accumulation_steps, zero_stage=cfg.zero.stage,
                   schedule=pipe.schedule if cfg.pp > 1 else "none",
                   virtual_stages=pipe.virtual_stages if cfg.pp > 1 else 1,
-                  recompute=pipe.activation_checkpoint_interval > 0)
+                  recompute=_policy_of(cfg))
+
+
+def _policy_of(cfg: Any) -> str:
+    """The searched policy a config's ``activation_checkpointing`` is; an error for one the
+    planner does not model (other modules, several blocks per unit, offloaded or partitioned)."""
+    pol = policy_from_config(cfg)
+    if pol.cpu_checkpointing or pol.partition_activations:
+        raise ConfigError("activation_checkpointing: the planner does not model cpu_checkpointing or "
+                          "partition_activations; rank the config without them")
+    if pol.granularity == "none":
+        return "none"
+    if pol.granularity == "selective" and tuple(pol.modules) == tuple(DEFAULT_SELECTIVE):
+        return "selective"
+    if pol.granularity == "full" and pol.method == "uniform" and pol.num_layers == 1:
+        return "full"
+    raise ConfigError(f"activation_checkpointing {pol}: the planner models granularity none, selective with "
+                      f"the default modules {list(DEFAULT_SELECTIVE)}, and full with one block per unit")

@@ -10,7 +10,9 @@ accumulators and optimizer state the rank held already.
 
 - CPU (and any non-CUDA device): :class:`engine.zero.peak.LiveMemoryTracker`, a dispatch
   mode counting every storage an operator returns, exactly (a Python call per operator,
-  so that step's tokens/s is lower);
+  so that step's tokens/s is lower); every tensor alive when the probe starts is
+  registered first and the phase counts over those bytes, so that state first touched in
+  the step through a view (a weight's ``.t()``, a slice of a flat buffer) is not counted;
 - CUDA: :class:`CudaPeakProbe`, the caching allocator's own counters
   (``max_memory_allocated`` over ``memory_allocated`` at the phase's entry; no dispatch mode,
   which compiled kernels such as flex attention would not run under).
@@ -19,6 +21,8 @@ accumulators and optimizer state the rank held already.
 from __future__ import annotations
 
 import contextlib
+import gc
+import warnings
 from typing import Iterator
 
 import torch
@@ -63,6 +67,15 @@ def memory_probe(engine: Engine, on: bool) -> Iterator[None]:
             engine.memory_probe = None
         return
     with LiveMemoryTracker() as tracker:
+        # every tensor alive now (parameters, gradient accumulators, flat ZeRO buffers,
+        # optimizer state) counts as held before the phase: the tracker registers a storage
+        # it has not seen when an operator first returns a view of it (a weight's .t(), a
+        # slice of a flat buffer), which would otherwise count state as activations
+        with warnings.catch_warnings():  # isinstance on deprecated torch.distributed names warns
+            warnings.simplefilter("ignore")
+            tracker.track([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
+        tracker.current = 0  # the phase's peak is then over the bytes alive now (as on CUDA)
+        tracker.reset_peak()
         engine.memory_probe = tracker
         try:
             yield

@@ -42,7 +42,9 @@ def test_write_config_writes_the_top_layout_as_a_loadable_config(tmp_path, capsy
 
 def test_multinode_config_is_near_the_top_of_the_planners_list():
     """configs/multinode.json (2 nodes x 8 H100, 64 sequences of 4096 per step): the planner's
-    #2. #1 (dp16 ZeRO-3, no pipeline) is ~6% faster but peaks at ~75 of 80 GiB; #2 peaks at ~28."""
+    #1 (pp2 zb-h1 ZeRO-3, peak ~48 of 80 GiB). It was #2 behind dp16 ZeRO-3 until the planner
+    took the measured activation formula (54.75 h per token and block, not 33.5 h): dp16
+    without a pipeline now needs recompute and falls behind."""
     cfg = load_config(CONFIGS / "multinode.json", world_size=16)
     plans = plan(cfg.model, cluster_preset("h100", nodes=2), cfg.train_batch_size)
     ok = [p for p in plans if p.feasible]
@@ -53,8 +55,10 @@ def test_multinode_config_is_near_the_top_of_the_planners_list():
 
 @pytest.mark.slow  # the 64-GPU search: ~20 s of CPU
 def test_llama_70b_config_is_the_planners_pick():
-    """configs/llama-70b.json (8 nodes x 8 H100, 4M tokens per step): the planner's #2, 1.5%
-    slower than #1 (ZeRO-2), which peaks at 79.3 of 79.6 GiB; ZeRO-3 leaves ~12 GiB."""
+    """configs/llama-70b.json (8 nodes x 8 H100, 4M tokens per step): the planner's #1, dp64
+    ZeRO-3 with full activation recompute (peak ~68 of 80 GiB). It was tp4 pp4 1F1B without
+    recompute until the planner took the measured activation formula (54.75 h per token and
+    block, not 33.5 h): that layout's activations no longer fit at sequence 8192."""
     cfg = load_config(CONFIGS / "llama-70b.json", world_size=64)
     assert cfg.model == model_preset("llama3-70b") and cfg.ignored_keys == ()
     plans = plan(cfg.model, cluster_preset("h100", nodes=8), cfg.train_batch_size)

@@ -68,7 +68,7 @@ def test_layout_search_ranks_and_rejects_by_the_predicted_peak():
     assert not p.feasible and any("predicted peak" in r for r in p.reasons)
     ok = evaluate(model, layout, base)
     assert ok.feasible and ok.peak == peak
-    plans = [q for q in plan(model, base, 16, micro_batches=(1,), zero_stages=(0, 3), recompute=(False,),
+    plans = [q for q in plan(model, base, 16, micro_batches=(1,), zero_stages=(0, 3), recompute=("none",),
                              tp_sizes=(1,), pp_sizes=(1,)) if q.feasible]
     assert plans and all(q.peak is not None and q.peak <= base.memory_bytes for q in plans)
     keys = [(q.time.step_s, q.peak) for q in plans]

@@ -1,0 +1,166 @@
+"""The planner's predicted activation peak next to the measured one, for a table of small
+layouts covering every recompute policy and every pipeline schedule.
+
+Each row runs the real engine (``engine.initialize`` + ``train_batch``) on CPU gloo ranks:
+one warm-up step (so that lazily made state counts as held before), then one step under the
+memory probe of ``memory.json`` (``engine.training.memory_probe``: the exact live-tensor
+high-water mark of the step's forward + backward over what was held at its start,
+``activation_peak_bytes``). The prediction is
+:func:`engine.planner.activations.activation_peak` for the same layout, per pipeline rank:
+the saved activations of the micro-batch chunks the schedule's own compute order keeps in
+flight on that rank, plus the transient working set of the forward or backward running at
+the peak. Rows compare every rank (the worst pipeline rank is what the planner ranks by).
+
+    python benchmarks/activation_memory_planner.py [--out benchmarks/results/activation_peak_planner.json]
+    python benchmarks/activation_memory_planner.py --rows 1f1b-none zb-h1-full   # a subset
+
+Shapes: fp32 (the probe's exact count on CPU), hidden 64, 8 heads, 2 KV heads, 4 layers,
+vocabulary 256, sequence 128, micro-batch 2; the activations then dominate the step's
+transient bytes as they do on a real model (at hidden 64 the logits are ~6% of a block's
+activations at no recompute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MODEL = {"vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "seq_len": 128}
+MICRO = 2
+
+POLICIES: dict[str, Optional[dict]] = {
+    "none": None,
+    "selective": {"granularity": "selective"},
+    "full": {"granularity": "full"},
+}
+
+# name -> (dp, tp, sp, pp, schedule, virtual stages, micro-batches, policy)
+ROWS: dict[str, tuple[int, int, bool, int, str, int, int, str]] = {
+    "single-none": (1, 1, False, 1, "none", 1, 2, "none"),
+    "single-selective": (1, 1, False, 1, "none", 1, 2, "selective"),
+    "single-full": (1, 1, False, 1, "none", 1, 2, "full"),
+    "tp2sp-none": (1, 2, True, 1, "none", 1, 2, "none"),
+    "tp2sp-selective": (1, 2, True, 1, "none", 1, 2, "selective"),
+    "tp2sp-full": (1, 2, True, 1, "none", 1, 2, "full"),
+    "gpipe-none": (1, 1, False, 2, "gpipe", 1, 4, "none"),
+    "1f1b-none": (1, 1, False, 2, "1f1b", 1, 4, "none"),
+    "1f1b-selective": (1, 1, False, 2, "1f1b", 1, 4, "selective"),
+    "1f1b-full": (1, 1, False, 2, "1f1b", 1, 4, "full"),
+    "interleaved-none": (1, 1, False, 2, "interleaved-1f1b", 2, 4, "none"),
+    "interleaved-full": (1, 1, False, 2, "interleaved-1f1b", 2, 4, "full"),
+    "zb-h1-none": (1, 1, False, 2, "zb-h1", 1, 4, "none"),
+    "zb-h1-selective": (1, 1, False, 2, "zb-h1", 1, 4, "selective"),
+    "zb-v-none": (1, 1, False, 2, "zb-v", 2, 4, "none"),
+    "zb-v-full": (1, 1, False, 2, "zb-v", 2, 4, "full"),
+    "dualpipe-v-none": (1, 1, False, 2, "dualpipe-v", 2, 4, "none"),
+    "dualpipe-v-selective": (1, 1, False, 2, "dualpipe-v", 2, 4, "selective"),
+    "dualpipe-v-full": (1, 1, False, 2, "dualpipe-v", 2, 4, "full"),
+}
+
+
+def row_config(name: str) -> dict[str, Any]:
+    dp, tp, sp, pp, sched, v, m, policy = ROWS[name]
+    pipeline: dict[str, Any] = {"stages": pp, "partition": "blocks"}  # the pieces the planner models
+    if pp > 1:
+        pipeline["schedule"] = sched
+        if v > 1:
+            pipeline["virtual_stages"] = v
+    cfg: dict[str, Any] = {
+        "train_batch_size": MICRO * m * dp, "train_micro_batch_size_per_gpu": MICRO, "seed": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 0},
+        "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp},
+        "pipeline": pipeline,
+        "model": dict(MODEL),
+    }
+    if POLICIES[policy] is not None:
+        cfg["activation_checkpointing"] = dict(POLICIES[policy])  # type: ignore[arg-type]
+    return cfg
+
+
+def _measure_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    import engine
+    from engine.config import load_config
+    from engine.training.memory_probe import memory_probe
+
+    conf = load_config(cfg, world_size=world)
+    eng, *_ = engine.initialize(config=conf)
+    s, ga = conf.model.seq_len, conf.gradient_accumulation_steps
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, conf.model.vocab_size, (MICRO, s + 1), generator=gen) for _ in range(ga)]
+    batches = [(x[:, :-1], x[:, 1:]) for x in ids]
+    eng.train_batch(iter(batches))
+    with memory_probe(eng, True):
+        eng.train_batch(iter(batches))
+    out = {"rank": rank, "activation_peak_bytes": eng.activation_peak_bytes}
+    eng.destroy()
+    return out
+
+
+def measure(name: str) -> list[dict[str, Any]]:
+    from engine.distributed.spawn import spawn
+
+    dp, tp, sp, pp, *_ = ROWS[name]
+    return spawn(_measure_rank, dp * tp * pp, (row_config(name),), timeout=900)
+
+
+def predict(name: str) -> list[float]:
+    """The planner's activation peak per pipeline rank for row ``name``."""
+    from engine.models.config import ModelConfig
+    from engine.planner.activations import ActivationShape, inflight_peaks
+    from engine.planner.cost import stage_shapes
+
+    dp, tp, sp, pp, sched, v, m, policy = ROWS[name]
+    model = ModelConfig(**MODEL)
+    a = ActivationShape(MICRO * model.seq_len, tp, sp, 4, policy)
+    pieces = [(s.blocks, s.has_head) for s in stage_shapes(model, pp, v)]
+    return inflight_peaks(model, a, sched, pp, m, v, pieces)
+
+
+def row_record(name: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """One JSON row: the layout, the measured peak of every pipeline rank (the max over its
+    TP/DP ranks), the prediction and their ratio."""
+    dp, tp, sp, pp, sched, v, m, policy = ROWS[name]
+    by_stage: dict[int, int] = {}
+    for r in measured:
+        k = r["rank"] // (dp * tp)  # TP innermost, then DP, then PP (engine.topology)
+        by_stage[k] = max(by_stage.get(k, 0), int(r["activation_peak_bytes"]))
+    meas = [by_stage[k] for k in range(pp)]
+    pred = predict(name)
+    return {"name": name, "dp": dp, "tp": tp, "sp": sp, "pp": pp, "schedule": sched, "virtual_stages": v,
+            "num_microbatches": m, "micro_batch": MICRO, "policy": policy, "measured": meas,
+            "predicted": [round(x) for x in pred], "ratio": [round(p / q, 4) for p, q in zip(pred, meas)]}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--out", default=None, help="write the rows as JSON")
+    args = ap.parse_args(argv)
+    rows = []
+    print("| row | policy | schedule | measured MB per pipeline rank | predicted MB | predicted/measured |")
+    print("|---|---|---|---|---|---|")
+    for name in args.rows:
+        r = row_record(name, measure(name))
+        rows.append(r)
+        print(f"| {name} | {r['policy']} | {r['schedule']} | {' '.join(f'{x / 2**20:.3f}' for x in r['measured'])} | "
+              f"{' '.join(f'{x / 2**20:.3f}' for x in r['predicted'])} | {' '.join(f'{x:.3f}' for x in r['ratio'])} |",
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": MODEL, "micro_batch": MICRO, "dtype": "float32", "device": "cpu (gloo ranks)",
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The planner's activation term: bytes one pipeline rank holds at its activation peak
+during a step's forward + backward, by recompute policy, TP/SP, CP and the micro-batch
+chunks the schedule keeps in flight (what ``memory.json``'s ``activation_peak_bytes``
+measures; checked against it by benchmarks/activation_memory_planner.py).
+
+Saved bytes per block come from the one formula, :mod:`engine.models.activation_memory`
+(docs/activation_memory.md, measured exact per layer). On top of the blocks:
+
+- the LM head's piece keeps what the final norm and the head linear keep (the same terms as
+  one norm + linear of a block) and the logits, compute dtype, T·V/t; its loss adds an fp32
+  temporary of the logits (logits − max), and an fp32 copy of them below fp32, at the end of
+  the forward; all of it is released by the head's backward, before the blocks' backward;
+- a backward's working set, on top of what is held: the gradients inside the MLP it starts
+  with (gate, up and product gradients, 3·F·e/t per token) and two residual-stream
+  gradients (2·H·e/s); under ``full`` recomputation also one block's recomputed activations
+  (its no-recompute bytes), under ``selective`` the recomputed parts of one block;
+- a zero-bubble input-gradient pass (``I``) keeps the graph until its weight pass (``W``):
+  the micro-batch's bytes (the head's included) stay held until ``W``, plus the output
+  gradients captured at each junction (every linear's and norm's output, the logits); a
+  fully recomputed block is one autograd function, whose whole backward the input pass runs
+  (nothing of it kept until ``W``), and the loss releases its saved logits in the input pass.
+
+Micro-batches in flight come from the schedule itself: each rank's compute order
+(:func:`engine.pipeline.schedule.compute_order`) is walked, a forward adding its piece's
+bytes and a backward (or weight pass) releasing them, so a schedule added to the engine is
+covered as soon as it has a compute order.
+
+Policies searched by the planner (:data:`RECOMPUTE_POLICIES`): ``none``, ``selective`` (the
+default modules, :data:`engine.models.config.DEFAULT_SELECTIVE`) and ``full`` (uniform, one
+block per unit) — the ``activation_checkpointing`` configs :func:`policy_config` writes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from engine.models.activation_memory import BlockDims, block_saved_bytes, policy_saved_bytes
+from engine.models.config import DEFAULT_SELECTIVE, ModelConfig
+from engine.pipeline.actions import ActionKind, virtual_stage
+from engine.pipeline.schedule import compute_order, placement_of
+
+__all__ = ["RECOMPUTE_POLICIES", "ActivationShape", "policy_config", "piece_saved_bytes", "inflight_peaks",
+           "recompute_forward_fraction"]
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+K = ActionKind
+
+
+def policy_config(policy: str) -> Optional[dict[str, Any]]:
+    """The ``activation_checkpointing`` section of a searched policy (None: no section)."""
+    if policy not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown recompute policy {policy!r}; use one of {RECOMPUTE_POLICIES}")
+    return None if policy == "none" else {"granularity": policy}
+
+
+def recompute_forward_fraction(policy: str) -> float:
+    """The share of a block's forward GEMM/attention FLOPs its backward reruns: ``full`` all of
+    it; the default ``selective`` parts (norms, silu(gate)) none (elementwise only: zero
+    FLOPs counted by FlopCounterMode, docs/activation_memory.md)."""
+    return 1.0 if policy == "full" else 0.0
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the bytes depend on: tokens of one micro-batch on this rank (B·S/cp), TP degree,
+    sequence parallelism, compute-dtype bytes and the policy."""
+
+    tokens: int
+    tp: int
+    sp: bool
+    elem: int
+    policy: str
+
+    @property
+    def s(self) -> int:
+        return self.tp if self.sp and self.tp > 1 else 1
+
+
+def _modules(policy: str) -> tuple[str, ...]:
+    return DEFAULT_SELECTIVE if policy == "selective" else ()
+
+
+def block_bytes(model: ModelConfig, a: ActivationShape, blocks: int) -> float:
+    """Saved bytes of ``blocks`` blocks of one micro-batch (one stage piece) under the policy."""
+    if blocks == 0:
+        return 0.0
+    per = policy_saved_bytes(BlockDims.of(model), a.tokens, elem=a.elem, granularity=a.policy,
+                             modules=_modules(a.policy), layers=blocks, tp=a.tp, sp=a.sp)
+    return per * blocks
+
+
+def head_saved_bytes(model: ModelConfig, a: ActivationShape) -> float:
+    """Final norm + head input (one norm + linear term of the formula) and the logits."""
+    h, t = model.hidden_size, a.tokens
+    norm = t * ((4 * h + 4 + 4 * h) / a.s + a.elem * h) + (0 if a.elem == 4 else 4 * h)
+    return norm + t * model.vocab_size / a.tp * a.elem
+
+
+def loss_temporary_bytes(model: ModelConfig, a: ActivationShape) -> float:
+    """The cross-entropy's fp32 logits − max (and an fp32 copy of the logits below fp32)."""
+    return a.tokens * model.vocab_size / a.tp * (4 + (4 if a.elem < 4 else 0))
+
+
+def backward_working_bytes(model: ModelConfig, a: ActivationShape, blocks: int) -> float:
+    """On top of what is held while a piece's backward runs (module docstring)."""
+    if blocks == 0:
+        return 0.0
+    h, f, t = model.hidden_size, model.ffn_size, a.tokens
+    grads = t * a.elem * (2 * f / a.tp + 2 * h / a.s)
+    dims = BlockDims.of(model)
+    none = block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp)
+    if a.policy == "full":
+        return grads + none
+    if a.policy == "selective":
+        return grads + none - block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp, modules=DEFAULT_SELECTIVE)
+    return grads
+
+
+def captured_grad_bytes(model: ModelConfig, a: ActivationShape, blocks: int, has_head: bool) -> float:
+    """Output gradients a zero-bubble input pass captures for the weight pass, per block:
+    q/k/v (a + 2g) and gate/up (2F) /t, the output and down projections' (H, whole sequence
+    before the reduce-scatter under SP) and the two norms' (H/s); the head's logits (V/t)
+    and the final norm's (H/s)."""
+    qkv = (model.num_heads + 2 * model.kv_heads) * model.head_dim
+    h = model.hidden_size
+    # a fully recomputed block is one autograd function: the input pass runs its whole backward
+    per_block = 0.0 if a.policy == "full" else (qkv + 2 * model.ffn_size) / a.tp + 2 * h + 2 * h / a.s
+    head = model.vocab_size / a.tp + h / a.s if has_head else 0.0
+    return a.tokens * a.elem * (blocks * per_block + head)
+
+
+def piece_saved_bytes(model: ModelConfig, a: ActivationShape, blocks: int, has_head: bool) -> float:
+    """Bytes one micro-batch keeps on a stage piece from its forward to its backward."""
+    return block_bytes(model, a, blocks) + (head_saved_bytes(model, a) if has_head else 0.0)
+
+
+def inflight_peaks(model: ModelConfig, a: ActivationShape, schedule: str, pp: int, num_microbatches: int,
+                   virtual_stages: int, pieces: Sequence[tuple[int, bool]]) -> list[float]:
+    """Peak activation bytes of each pipeline rank: ``pieces[k]`` = (blocks, has_head) of model
+    piece ``k`` (``pp * virtual_stages`` of them; without a pipeline, one). Walks each rank's
+    compute order (module docstring)."""
+    saved = tuple(piece_saved_bytes(model, a, b, h) for b, h in pieces)
+    # what an input pass frees at once: fully recomputed blocks (their backward is whole) and the
+    # loss's saved logits (its gradient, captured, takes their place)
+    logits = a.tokens * model.vocab_size / a.tp * a.elem
+    freed_by_i = tuple((block_bytes(model, a, b) if a.policy == "full" else 0.0) + (logits if h else 0.0)
+                       for b, h in pieces)
+    fwd_tmp = tuple(loss_temporary_bytes(model, a) if h else 0.0 for _, h in pieces)
+    bwd_tmp = tuple(backward_working_bytes(model, a, b) for b, _ in pieces)
+    caught = tuple(captured_grad_bytes(model, a, b, h) for b, h in pieces)
+    # what the head keeps goes with its backward, before the blocks' backward starts
+    head_release = tuple(head_saved_bytes(model, a) if h else 0.0 for _, h in pieces)
+    if pp == 1:
+        return [max(saved[0] + fwd_tmp[0], saved[0] - head_release[0] + bwd_tmp[0])]
+    return list(_walk(schedule, pp, num_microbatches, virtual_stages, saved, fwd_tmp, bwd_tmp, caught, head_release,
+                      freed_by_i))
+
+
+@functools.lru_cache(maxsize=1024)
+def _walk(schedule: str, p: int, m: int, v: int, saved: tuple, fwd_tmp: tuple, bwd_tmp: tuple, caught: tuple,
+          head_release: tuple, freed_by_i: tuple) -> tuple[float, ...]:
+    placement = placement_of(schedule)
+    out = []
+    for rank in range(p):
+        held = peak = 0.0
+        for act in compute_order(schedule, rank, p, m, v):
+            k = virtual_stage(rank, act.chunk, p, placement)
+            if act.kind is K.FORWARD:
+                peak = max(peak, held + saved[k] + fwd_tmp[k])
+                held += saved[k]
+            elif act.kind is K.BACKWARD:
+                peak = max(peak, held - head_release[k] + bwd_tmp[k])
+                held -= saved[k]
+            elif act.kind is K.BACKWARD_INPUT:
+                if k == 0:  # no input gradient on the first piece: the weight pass is the backward
+                    continue
+                peak = max(peak, held + caught[k] + bwd_tmp[k])
+                held += caught[k] - freed_by_i[k]
+            elif k == 0:
+                peak = max(peak, held - head_release[k] + bwd_tmp[k])
+                held -= saved[k]
+            else:  # the weight pass: the graph and the captured gradients go (its working set is smaller)
+                held -= saved[k] + caught[k] - freed_by_i[k]
+        out.append(peak)
+    return tuple(out)
