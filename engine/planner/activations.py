@@ -14,11 +14,14 @@ Saved bytes per block come from the one formula, :mod:`engine.models.activation_
   with (gate, up and product gradients, 3·F·e/t per token) and two residual-stream
   gradients (2·H·e/s); under ``full`` recomputation also one block's recomputed activations
   (its no-recompute bytes), under ``selective`` the recomputed parts of one block;
-- a zero-bubble input-gradient pass (``I``) keeps the graph until its weight pass (``W``):
-  the micro-batch's bytes (the head's included) stay held until ``W``, plus the output
-  gradients captured at each junction (every linear's and norm's output, the logits); a
-  fully recomputed block is one autograd function, whose whole backward the input pass runs
-  (nothing of it kept until ``W``), and the loss releases its saved logits in the input pass.
+- a zero-bubble input-gradient pass (``I``) keeps the graph until its weight pass (``W``),
+  but the executor's SavedStore (engine.pipeline.split_backward) drops every saved tensor the
+  weight pass does not read, so from ``I`` to ``W`` a piece holds :func:`weight_pass_bytes`
+  (its linears' inputs and its norms' weight-gradient inputs), plus the output gradients
+  captured at each junction (every linear's and norm's output, the logits); under ``full``
+  recomputation (no SavedStore) a recomputed block is one autograd function, whose whole
+  backward the input pass runs (nothing of it kept until ``W``), and the loss releases its
+  saved logits in the input pass.
 
 Micro-batches in flight come from the schedule itself: each rank's compute order
 (:func:`engine.pipeline.schedule.compute_order`) is walked, a forward adding its piece's
@@ -131,6 +134,21 @@ def captured_grad_bytes(model: ModelConfig, a: ActivationShape, blocks: int, has
     return a.tokens * a.elem * (blocks * per_block + head)
 
 
+def weight_pass_bytes(model: ModelConfig, a: ActivationShape, blocks: int, has_head: bool) -> float:
+    """What a deferred weight pass reads, all a split chunk keeps of its forward from its ``I``
+    to its ``W`` (the executor's SavedStore drops the rest after ``I``), per block: each norm's
+    weight-gradient input (its normalised fp32 tensor, 4H/s; under ``norm`` recomputation the
+    recompute's input, e H/s), the q/k/v and gate/up linears' input (e H, gathered under SP),
+    the output projection's (e a/t) and the down projection's (e F/t); the head: the final
+    norm's and the head linear's input."""
+    h, t = model.hidden_size, a.tokens
+    norm = a.elem * h / a.s if "norm" in _modules(a.policy) else 4 * h / a.s
+    attn = model.num_heads * model.head_dim
+    per_block = 2 * norm + 2 * a.elem * h + a.elem * (attn + model.ffn_size) / a.tp
+    head = norm + a.elem * h if has_head else 0.0
+    return t * (blocks * per_block + head)
+
+
 def piece_saved_bytes(model: ModelConfig, a: ActivationShape, blocks: int, has_head: bool) -> float:
     """Bytes one micro-batch keeps on a stage piece from its forward to its backward."""
     return block_bytes(model, a, blocks) + (head_saved_bytes(model, a) if has_head else 0.0)
@@ -145,8 +163,10 @@ def inflight_peaks(model: ModelConfig, a: ActivationShape, schedule: str, pp: in
     # what an input pass frees at once: fully recomputed blocks (their backward is whole) and the
     # loss's saved logits (its gradient, captured, takes their place)
     logits = a.tokens * model.vocab_size / a.tp * a.elem
-    freed_by_i = tuple((block_bytes(model, a, b) if a.policy == "full" else 0.0) + (logits if h else 0.0)
-                       for b, h in pieces)
+    if a.policy == "full":  # no SavedStore under a checkpoint: what the input pass frees at once
+        kept = tuple(s_ - block_bytes(model, a, b) - (logits if h else 0.0) for s_, (b, h) in zip(saved, pieces))
+    else:  # the SavedStore keeps only what the weight pass reads
+        kept = tuple(weight_pass_bytes(model, a, b, h) for b, h in pieces)
     fwd_tmp = tuple(loss_temporary_bytes(model, a) if h else 0.0 for _, h in pieces)
     bwd_tmp = tuple(backward_working_bytes(model, a, b) for b, _ in pieces)
     caught = tuple(captured_grad_bytes(model, a, b, h) for b, h in pieces)
@@ -155,12 +175,12 @@ def inflight_peaks(model: ModelConfig, a: ActivationShape, schedule: str, pp: in
     if pp == 1:
         return [max(saved[0] + fwd_tmp[0], saved[0] - head_release[0] + bwd_tmp[0])]
     return list(_walk(schedule, pp, num_microbatches, virtual_stages, saved, fwd_tmp, bwd_tmp, caught, head_release,
-                      freed_by_i))
+                      kept))
 
 
 @functools.lru_cache(maxsize=1024)
 def _walk(schedule: str, p: int, m: int, v: int, saved: tuple, fwd_tmp: tuple, bwd_tmp: tuple, caught: tuple,
-          head_release: tuple, freed_by_i: tuple) -> tuple[float, ...]:
+          head_release: tuple, kept: tuple) -> tuple[float, ...]:
     placement = placement_of(schedule)
     out = []
     for rank in range(p):
@@ -177,11 +197,11 @@ def _walk(schedule: str, p: int, m: int, v: int, saved: tuple, fwd_tmp: tuple, b
                 if k == 0:  # no input gradient on the first piece: the weight pass is the backward
                     continue
                 peak = max(peak, held + caught[k] + bwd_tmp[k])
-                held += caught[k] - freed_by_i[k]
+                held += caught[k] - (saved[k] - kept[k])
             elif k == 0:
                 peak = max(peak, held - head_release[k] + bwd_tmp[k])
                 held -= saved[k]
             else:  # the weight pass: the graph and the captured gradients go (its working set is smaller)
-                held -= saved[k] + caught[k] - freed_by_i[k]
+                held -= kept[k] + caught[k]
         out.append(peak)
     return tuple(out)
