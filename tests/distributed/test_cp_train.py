@@ -277,10 +277,10 @@ def _long_config(cache, files, cp):
 def test_activation_peak_at_cp4_is_under_030_of_cp1(corpus, tmp_path, mode):
     """memory.json's activation_peak_bytes (exact live-tensor high-water mark of one step's
     forward + backward over the state held before it) on a 1,024-token sequence: every rank
-    at CP 4 holds at most 0.30 of CP 1's activations. The floor is the one-process model on
-    256 tokens: 0.279 of its 1,024-token peak (4.51 / 16.18 MB; the rest is state-sized
-    gradient temporaries); the attention adds what it keeps of the other ranks' tokens
-    (measured: Ulysses 0.295, ring 0.294)."""
+    at CP 4 holds at most 0.30 of CP 1's activations (measured since the CPU probe counts over
+    every tensor alive at its start: Ulysses 0.248, ring 0.247, 3.86 of 15.56 MB; the bound
+    dates from the earlier probe, which also counted state first touched through a view and
+    gave 0.295 / 0.294 against a one-process floor of 0.279)."""
     cache, files = corpus
     one = run_ranks(_memory, 1, _long_config(cache, files, 1), str(tmp_path), timeout=300)[0]
     cfg = _long_config(cache, files, 4)
