@@ -50,6 +50,8 @@ _NOT_OURS = {"train.py", "my_script.py"}
 _RUNNERS = {"engine.compat.deepspeed"}
 # run by setuptools, not argparse: only checked to exist
 _FILE_ONLY = {"setup.py"}
+# scripts the engine writes at run time (not in the checkout): checked as the module they run
+_WRITTEN = {"SAVE_DIR/zero_to_fp32.py": "engine.compat.zero_to_fp32"}  # engine.save_checkpoint writes it
 
 
 def _blocks(text: str) -> list[str]:
@@ -195,6 +197,8 @@ def test_documented_command(doc, cmd):
         return  # a bare launcher option (`srun --kill-on-bad-exit=1`) or an install line
     if name in _NOT_OURS:
         return
+    if kind == "script" and name in _WRITTEN:
+        kind, name = "module", _WRITTEN[name]
     if kind == "module" and name == "pytest":
         markers = re.findall(r"^\s+(\w+):", (ROOT / "pytest.ini").read_text(), re.M)
         for i, a in enumerate(args):
