@@ -559,7 +559,7 @@ class Engine(DeepSpeedQueries, nn.Module):
 
             path = save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
         if self.global_rank == 0:  # DeepSpeed's recovery script next to the checkpoints
-            from engine.compat.zero_to_fp32 import write_recovery_script
+            from engine.checkpoint.recovery_script import write_recovery_script
 
             write_recovery_script(save_dir)
         return path

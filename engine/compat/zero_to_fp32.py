@@ -36,24 +36,10 @@ import torch.nn as nn
 from engine.checkpoint.export import TORCH_FILE, consolidate, resolve_checkpoint
 from engine.checkpoint.format import read_metadata
 from engine.checkpoint.reader import iter_frozen_params, iter_full_params
+from engine.checkpoint.recovery_script import RECOVERY_SCRIPT, write_recovery_script  # re-exported
 
 __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
            "load_state_dict_from_zero_checkpoint", "main", "write_recovery_script", "RECOVERY_SCRIPT"]
-
-RECOVERY_SCRIPT = "zero_to_fp32.py"
-# what write_recovery_script puts next to the checkpoints: this module's command line, so the
-# documented `python zero_to_fp32.py . OUTPUT_DIR` works in a save directory of this engine
-_RECOVERY_TEXT = """#!/usr/bin/env python
-# Written by the engine's save_checkpoint, as DeepSpeed writes its zero_to_fp32.py next to its
-# checkpoints: the full fp32 weights of a checkpoint in this directory.
-#   python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
-import sys
-
-from engine.compat.zero_to_fp32 import main
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
-"""
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,
@@ -95,19 +81,6 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str, 
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
-
-
-def write_recovery_script(save_dir: str) -> str:
-    """Write ``zero_to_fp32.py`` (executable) into ``save_dir``, as DeepSpeed's
-    ``save_checkpoint`` does on rank 0; returns its path. Written to a temporary name and
-    renamed, so a reader never sees half a script."""
-    path = os.path.join(save_dir, RECOVERY_SCRIPT)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(_RECOVERY_TEXT)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, path)
-    return path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

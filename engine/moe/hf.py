@@ -42,6 +42,7 @@ from engine.distributed.groups import AxisGroup
 from engine.moe.dispatch import dispatch_compute_combine
 from engine.moe.experts import grouped_mm
 from engine.placement import ExpertShard, set_expert_placement
+from engine.validate import as_int
 
 __all__ = ["SUPPORTED_MOE_MODEL_TYPES", "ExpertParallelExperts", "hf_moe_problem", "prepare_hf_moe_model",
            "hf_experts_modules"]
@@ -82,7 +83,8 @@ def hf_moe_problem(model: nn.Module, ep: int, tp: int = 1, pp: int = 1) -> Optio
         return (f"{KEY} = {ep} with a Hugging Face {kind} model runs the DeepSpeed loop with data (and expert) "
                 f"parallelism only: set tensor_parallel.autotp_size ({tp}) and pipeline.stages ({pp}) to 1")
     e = getattr(cfg, _FAMILIES[kind][2], None)
-    if not isinstance(e, int) or e < 1 or e % ep:
+    n = as_int(e)
+    if n is None or n < 1 or n % ep:
         return (f"{KEY} = {ep} does not divide the {kind} model's number of experts ({_FAMILIES[kind][2]} = {e}): "
                 f"every expert-parallel rank holds num_experts / size experts; choose a size that divides {e}")
     want = _experts_class(kind)

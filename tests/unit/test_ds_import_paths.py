@@ -61,6 +61,10 @@ WORKING = [
     "deepspeed.DeepSpeedEngine.is_gradient_accumulation_boundary", "deepspeed.DeepSpeedEngine.save_checkpoint",
     "deepspeed.DeepSpeedEngine.load_checkpoint", "deepspeed.DeepSpeedEngine.save_16bit_model",
     "deepspeed.DeepSpeedEngine.empty_partition_cache",
+    # what Hugging Face's Trainer.save_model reaches through accelerate's get_state_dict
+    "deepspeed.checkpoint.utils.clone_tensors_for_torch_save",
+    "deepspeed.DeepSpeedEngine.zero_gather_16bit_weights_on_model_save",
+    "deepspeed.DeepSpeedEngine._zero3_consolidated_16bit_state_dict",
     # the MoE layer and activation checkpointing (engine/compat/deepspeed/moe/, checkpointing.py)
     "deepspeed.moe.layer.MoE", "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer",
     "deepspeed.checkpointing", "deepspeed.checkpointing.configure", "deepspeed.checkpointing.is_configured",
@@ -110,7 +114,8 @@ REFUSED = [
     "deepspeed.inference.config.DeepSpeedInferenceConfig", "deepspeed.inference.config.DeepSpeedTPConfig",
     "deepspeed.inference.config.DeepSpeedMoEConfig", "deepspeed.inference.config.QuantizationConfig",
     "deepspeed.inference.config.InferenceCheckpointConfig",
-    "deepspeed.checkpoint.utils.clone_tensors_for_torch_save", "deepspeed.autotuning.autotuner",
+    "deepspeed.checkpoint.deepspeed_checkpoint.DeepSpeedCheckpoint",
+    "deepspeed.checkpoint.ds_to_universal", "deepspeed.autotuning.autotuner",
 ]
 
 # engine methods DeepSpeed documents that raise NotImplementedError here, with the way to do it
