@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from engine.distributed.spawn import RankFailure, RankTimeout, spawn
 
-__all__ = ["run_ranks", "dense_adamw_run", "RankFailure", "RankTimeout", "time_scale", "scaled", "wait_for",
+__all__ = ["run_ranks", "script_env", "dense_adamw_run", "RankFailure", "RankTimeout", "time_scale", "scaled", "wait_for",
            "TIME_SCALE_ENV", "START_METHOD_ENV", "start_method"]
 
 TIME_SCALE_ENV = "ENGINE_TEST_TIME_SCALE"
@@ -125,3 +125,14 @@ def watch_gathered_numel(opt: Any) -> list[int]:
 
     opt._start_gather = watched
     return peak
+
+
+def script_env(engine: bool) -> dict[str, str]:
+    """The environment for a user's script launched in a subprocess (one thread per rank,
+    unbuffered): with ``engine``, this checkout's engine on ``PYTHONPATH``; without, no
+    ``PYTHONPATH`` at all, so the script runs against what is installed (real DeepSpeed)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)
+    if engine:
+        env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
+    return env

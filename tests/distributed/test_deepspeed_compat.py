@@ -24,7 +24,6 @@ drive the engine, or a missing 1/DP shows up at the lr scale (1e-2 .. 1e-3).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import types
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import scaled
+from harness import scaled, script_env
 
 from engine.distributed.spawn import free_port
 
@@ -53,14 +52,6 @@ def _ours(tmp_path: Path) -> Path:
     return out
 
 
-def _env(engine: bool) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("PYTHONPATH", None)
-    if engine:
-        env["PYTHONPATH"] = str(ROOT)  # this checkout's engine
-    return env
-
-
 def _launch(launcher: str, script: Path, world: int, workdir: Path, engine: bool, timeout: int = 280,
             via_alias: bool = False) -> dict:
     """``via_alias``: the unmodified script, every rank started through ``-m engine.compat.deepspeed``
@@ -75,7 +66,7 @@ def _launch(launcher: str, script: Path, world: int, workdir: Path, engine: bool
     if via_alias:
         cmd += ["-m" if launcher == "torchrun" else "--module", "engine.compat.deepspeed"]
     cmd += [str(script), "--deepspeed", "--zero_stages", STAGES, "--workdir", str(workdir), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=str(workdir), env=_env(engine), capture_output=True, text=True, timeout=scaled(timeout))
+    proc = subprocess.run(cmd, cwd=str(workdir), env=script_env(engine), capture_output=True, text=True, timeout=scaled(timeout))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 

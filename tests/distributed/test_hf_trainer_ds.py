@@ -24,13 +24,12 @@ wrong learning rate or a skipped reduction moves the losses after step 2 by 1e-3
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from harness import scaled
+from harness import scaled, script_env
 
 pytest.importorskip("transformers", reason="Hugging Face transformers is not installed (pip install -e .[test])")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e .[test])")
@@ -44,14 +43,6 @@ from engine.distributed.spawn import free_port  # noqa: E402
 
 GOLDEN = ASSETS / "hf_trainer_ds_deepspeed.json"
 RTOL = 1e-5
-
-
-def _env(engine: bool) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("PYTHONPATH", None)
-    if engine:
-        env["PYTHONPATH"] = str(ROOT)  # this checkout's engine
-    return env
 
 
 def _close(a: float, b: float, what: str) -> None:
@@ -85,7 +76,7 @@ def _compare(ours: dict, ref: dict) -> None:
 
 
 def _ours(tmp_path: Path, zero: int, opt: str) -> dict:
-    return run(str(tmp_path / f"zero{zero}_{opt}"), zero, opt, free_port(), via_alias=True, env=_env(True))
+    return run(str(tmp_path / f"zero{zero}_{opt}"), zero, opt, free_port(), via_alias=True, env=script_env(True))
 
 
 def _golden(case: str) -> dict:
@@ -121,7 +112,7 @@ def test_golden_file_is_what_real_deepspeed_gives_now(tmp_path, case):
     """Real DeepSpeed 0.19.8 rerun live reproduces the golden file (within RTOL)."""
     pytest.importorskip("deepspeed")
     zero, opt = int(case[4]), case.split("_", 1)[1]
-    live = run(str(tmp_path / case), zero, opt, free_port(), env=_env(False))
+    live = run(str(tmp_path / case), zero, opt, free_port(), env=script_env(False))
     assert live["deepspeed"] == "0.19.8" and live["engine"] == "deepspeed.runtime.engine"
     _compare({**live, "deepspeed": "live+engine", "engine": "engine.engine"}, _golden(case))
 
@@ -140,6 +131,6 @@ def test_alias_reports_the_engine_as_the_deepspeed_distribution():
              "assert a() and t()\n"
              "import deepspeed; assert deepspeed is ds\n"
              "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", probe], env=_env(True), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", probe], env=script_env(True), capture_output=True, text=True,
                           timeout=scaled(120))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
