@@ -12,13 +12,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from engine.config import Config
 from engine.moe.context import NO_EP
 from engine.topology import Role
-from engine.weights16 import _host_state_dict
+from engine.weights16 import consolidated_state_dict
 
 __all__ = ["DeepSpeedQueries"]
 
@@ -49,9 +48,8 @@ class DeepSpeedQueries:
         if self.config.zero.stage != 3:
             raise ValueError("_zero3_consolidated_16bit_state_dict requires ZeRO-3 (zero_optimization.stage = "
                              f"{self.config.zero.stage}): read module.state_dict() instead")
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        return _host_state_dict(self.module, self.optimizer, rank0, exclude_frozen_parameters,
-                                self._expert_gather_group())
+        return consolidated_state_dict(self.config, self.module, self.optimizer, exclude_frozen_parameters,
+                                       self._expert_gather_group())
 
     def _expert_gather_group(self) -> Any:
         """The EP role's group when experts are split over ranks (a whole-model state dict

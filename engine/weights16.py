@@ -36,7 +36,7 @@ from engine.moe.context import NO_EP
 from engine.placement import placement_of
 from engine.zero.init import GatheredParameters
 
-__all__ = ["save_16bit_model"]
+__all__ = ["save_16bit_model", "consolidated_state_dict"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,22 +44,16 @@ logger = logging.getLogger(__name__)
 def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir: str,
                      save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False, *,
                      ep_group: AxisGroup = NO_EP) -> bool:
-    if config.pp > 1 or config.tp > 1:
-        raise RuntimeError(f"save_16bit_model needs the whole model on each rank, but it is split over "
-                           f"pipeline.stages = {config.pp} / tensor_parallel.autotp_size = {config.tp}: call "
-                           "save_checkpoint and convert it with engine.compat.zero_to_fp32."
-                           "convert_zero_checkpoint_to_fp32_state_dict")
+    _require_whole_model(config, "save_16bit_model")
     path = os.path.join(save_dir, save_filename)
-    stage3 = config.zero.stage == 3
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if stage3 and not config.zero.stage3_gather_16bit_weights_on_model_save:
+    rank0 = _is_rank0()
+    if config.zero.stage == 3 and not config.zero.stage3_gather_16bit_weights_on_model_save:
         if rank0:
             logger.warning("save_16bit_model wrote nothing to %s: at ZeRO-3 the weights are gathered only when "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is true (set it, or "
                            "save_checkpoint and convert with engine.compat.zero_to_fp32)", path)
         return False
-    # a collective over the DP group at stage 3: every rank walks the same groups in order
-    state = _host_state_dict(module, optimizer if stage3 else None, rank0, exclude_frozen_parameters, ep_group)
+    state = consolidated_state_dict(config, module, optimizer, exclude_frozen_parameters, ep_group)
     if rank0:
         os.makedirs(save_dir, exist_ok=True)
         torch.save(state, path)
@@ -67,6 +61,29 @@ def save_16bit_model(config: Config, module: nn.Module, optimizer: Any, save_dir
     if dist.is_initialized():
         dist.barrier()  # the file exists on return, on every rank
     return True
+
+
+def consolidated_state_dict(config: Config, module: nn.Module, optimizer: Any, exclude_frozen_parameters: bool,
+                            ep_group: AxisGroup = NO_EP) -> Optional[dict]:
+    """The whole model's ``state_dict`` in the training dtype on rank 0's host, None on the
+    other ranks (``save_16bit_model``'s content; DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict``). A collective over the DP group at stage 3 (every
+    rank walks the same buckets in order) and over ``ep_group`` for expert shards."""
+    _require_whole_model(config, "a consolidated 16-bit state dict")
+    zero3 = optimizer if config.zero.stage == 3 else None
+    return _host_state_dict(module, zero3, _is_rank0(), exclude_frozen_parameters, ep_group)
+
+
+def _require_whole_model(config: Config, what: str) -> None:
+    if config.pp > 1 or config.tp > 1:
+        raise RuntimeError(f"{what} needs the whole model on each rank, but it is split over "
+                           f"pipeline.stages = {config.pp} / tensor_parallel.autotp_size = {config.tp}: call "
+                           "save_checkpoint and convert it with engine.compat.zero_to_fp32."
+                           "convert_zero_checkpoint_to_fp32_state_dict")
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @torch.no_grad()

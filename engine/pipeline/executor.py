@@ -60,6 +60,7 @@ values). ``activation_checkpointing=True`` recomputes each chunk's forward in ba
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -422,13 +423,13 @@ class PipelineExecutor:
         # a received buffer of its own (not the user's batch, not a V turn's output) is not read
         # again once copied (only its grad is), so its storage goes and the copy costs no memory
         own = not self._is_first(chunk) and not is_local_hop(self.stage, self._prev(chunk))
-        if (key in self._split and not self._eval and not self.activation_checkpointing
-                and isinstance(x, torch.Tensor) and x.requires_grad):
-            # (a checkpoint keeps only its input already; the first chunk's W is a whole backward)
-            saved = st["saved"][key] = SavedStore()
-            with saved.hooks():
-                out = self._run_chunk(chunk, x, self._side_kwargs(mb), free_input=own)
-        else:
+        # (a checkpoint keeps only its input already; the first chunk's W is a whole backward)
+        split = (key in self._split and not self._eval and not self.activation_checkpointing
+                 and isinstance(x, torch.Tensor) and x.requires_grad)
+        saved = SavedStore() if split else None
+        if saved is not None:
+            st["saved"][key] = saved
+        with saved.hooks() if saved is not None else contextlib.nullcontext():
             out = self._run_chunk(chunk, x, self._side_kwargs(mb), free_input=own)
         if self._is_last(chunk):
             loss = self._step_loss_fn(out, self._take(mb, 1))  # type: ignore[misc]
