@@ -139,9 +139,12 @@ class _Adapter:
             raise ValueError("context parallelism (Hugging Face adapter): input_ids must be a (B, S) tensor of the "
                              f"whole sequence, got {getattr(ids, 'shape', type(ids))}")
         b, s = ids.shape
-        shifted = self._shifted_labels(kwargs, ids)
-        self._check_mask_and_positions(kwargs, b, s, ids.device)
-        self._check_same_batch(ids, shifted)
+        try:  # a refused batch is raised after the fingerprint exchange, on every CP rank together
+            shifted, problem = self._shifted_labels(kwargs, ids), None
+            self._check_mask_and_positions(kwargs, b, s, ids.device)
+        except ValueError as e:
+            shifted, problem = None, e
+        self._check_same_batch(ids, shifted, problem)
         idx = head_tail_indices(s, self.layout.size, self.layout.rank, device=ids.device)   # (S/C,)
         kwargs["input_ids"] = ids.index_select(1, idx)
         kwargs["position_ids"] = idx.expand(b, -1)                                          # global positions
@@ -193,17 +196,28 @@ class _Adapter:
             raise ValueError("context parallelism (Hugging Face adapter): position_ids must be None or 0..S-1 on "
                              "every row (packed documents with restarting positions are not supported)")
 
-    def _check_same_batch(self, ids: torch.Tensor, shifted: Optional[torch.Tensor]) -> None:
+    def _check_same_batch(self, ids: torch.Tensor, shifted: Optional[torch.Tensor],
+                          problem: Optional[ValueError] = None) -> None:
         """Every CP rank must hold the same whole batch: all-gather a fingerprint (shape,
-        weighted sums of ids and labels) and compare; every rank sees the same answer and
-        raises together."""
+        weighted sums of ids and labels, whether this rank refused its batch: ``problem``) and
+        compare; every rank sees the same answer and raises together, so none is left waiting
+        in the collective."""
         w = torch.arange(1, ids.shape[1] + 1, device=ids.device)
         lab = shifted if shifted is not None else torch.zeros_like(ids)
-        mine = torch.stack([torch.tensor(ids.shape[0], device=ids.device), torch.tensor(ids.shape[1], device=ids.device),
-                            (ids * w).sum(), (lab * w).sum(), torch.tensor(int(shifted is None), device=ids.device)])
-        every = mine.new_empty((self.group.size * 5,))
-        comm.all_gather(every, mine, self.group)
-        if not bool((every.view(self.group.size, 5) == every[:5]).all()):
+        dev = ids.device
+        mine = torch.stack([torch.tensor(ids.shape[0], device=dev), torch.tensor(ids.shape[1], device=dev),
+                            (ids * w).sum(), (lab * w).sum(), torch.tensor(int(shifted is None), device=dev),
+                            torch.tensor(int(problem is not None), device=dev)])
+        rows = mine.new_empty((self.group.size * 6,))
+        comm.all_gather(rows, mine, self.group)
+        rows = rows.view(self.group.size, 6)
+        if problem is not None:
+            raise problem
+        if bool(rows[:, 5].any()):
+            raise ValueError("context parallelism (Hugging Face adapter): another context-parallel rank of this "
+                             "replica refused its batch (its error names the problem); every CP rank must be given "
+                             "the same whole batch")
+        if not bool((rows[:, :5] == rows[0, :5]).all()):
             raise ValueError(f"context parallelism: the {self.group.size} context-parallel ranks of a replica must "
                              "be given the same whole batch (the engine cuts it along the sequence); they got "
                              "different ones. Feed every CP rank the same rows (engine.initialize's training_data "

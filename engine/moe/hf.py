@@ -153,15 +153,15 @@ class ExpertParallelExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` (T, H), ``top_k_index`` (T, K) global experts, ``top_k_weights``
         (T, K) -> (T, H) in ``hidden_states``' dtype, as HF's experts module."""
-        t, k = top_k_index.shape
+        k = top_k_index.shape[1]
         flat_e = top_k_index.reshape(-1)                                    # (T*K,)
-        token_of = torch.arange(t, device=hidden_states.device).repeat_interleave(k)
         order = torch.argsort(flat_e, stable=True)                          # by expert, token order within
+        src = order // k                                                    # (A,) the token of each sorted slot
         counts = torch.bincount(flat_e, minlength=self.num_experts)         # (E,)
-        out = dispatch_compute_combine(hidden_states[token_of[order]], counts, self.ep_group, self._local)  # (A, H)
+        out = dispatch_compute_combine(hidden_states[src], counts, self.ep_group, self._local)  # (A, H)
         w = top_k_weights.reshape(-1)[order].unsqueeze(1)                   # (A, 1)
         contrib = (out * w).to(hidden_states.dtype)                         # HF: times the weight, then its dtype
-        return torch.zeros_like(hidden_states).index_add(0, token_of[order], contrib)
+        return torch.zeros_like(hidden_states).index_add(0, src, contrib)
 
     def extra_repr(self) -> str:
         return (f"experts [{self.first_expert}, {self.first_expert + self.gate_up_proj.shape[0]}) of "

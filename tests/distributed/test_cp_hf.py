@@ -106,3 +106,36 @@ def test_hf_llama_under_context_parallel_equals_one_process(reference, world, se
     weights = results[0][3]
     for k, w in ref_w.items():
         torch.testing.assert_close(weights[k], w, rtol=0, atol=1e-6, msg=k)
+
+
+def _refusals(rank, world):
+    """Rank 0 is given a padding mask (refused), rank 1 a valid batch; then both are given
+    different batches. Each rank reports the message it raised: none may wait in the
+    fingerprint's collective for a peer that raised before it."""
+    import torch
+
+    import engine.compat.deepspeed as deepspeed
+
+    model = _model()
+    config = {"train_batch_size": B, "train_micro_batch_size_per_gpu": B, "sequence_parallel_size": 2}
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=_sgd, config=config)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(5))
+    got = []
+    mask = torch.ones(B, S, dtype=torch.long)
+    if rank == 0:
+        mask[0, -4:] = 0
+    for kwargs in ({"attention_mask": mask}, {"input_ids": ids + rank}):
+        try:
+            eng(**{"input_ids": ids, "labels": ids, **kwargs})
+            got.append("accepted")
+        except ValueError as e:
+            got.append(str(e))
+    eng.destroy()
+    return got
+
+
+def test_a_refused_batch_on_one_cp_rank_is_raised_on_every_rank():
+    (mask0, diff0), (mask1, diff1) = run_ranks(_refusals, 2, timeout=300)
+    assert "padding masks are not supported" in mask0
+    assert "another context-parallel rank of this replica refused its batch" in mask1
+    assert "same whole batch" in diff0 and "same whole batch" in diff1
