@@ -45,7 +45,7 @@ from engine.pipeline.actions import ActionKind, virtual_stage
 from engine.pipeline.schedule import compute_order, placement_of
 
 __all__ = ["RECOMPUTE_POLICIES", "ActivationShape", "policy_config", "piece_saved_bytes", "inflight_peaks",
-           "recompute_forward_fraction"]
+           "recompute_forward_fraction", "policy_modules"]
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 K = ActionKind
@@ -81,7 +81,8 @@ class ActivationShape:
         return self.tp if self.sp and self.tp > 1 else 1
 
 
-def _modules(policy: str) -> tuple[str, ...]:
+def policy_modules(policy: str) -> tuple[str, ...]:
+    """The block parts a searched policy recomputes (selective: the default modules)."""
     return DEFAULT_SELECTIVE if policy == "selective" else ()
 
 
@@ -90,7 +91,7 @@ def block_bytes(model: ModelConfig, a: ActivationShape, blocks: int) -> float:
     if blocks == 0:
         return 0.0
     per = policy_saved_bytes(BlockDims.of(model), a.tokens, elem=a.elem, granularity=a.policy,
-                             modules=_modules(a.policy), layers=blocks, tp=a.tp, sp=a.sp)
+                             modules=policy_modules(a.policy), layers=blocks, tp=a.tp, sp=a.sp)
     return per * blocks
 
 
@@ -142,7 +143,7 @@ def weight_pass_bytes(model: ModelConfig, a: ActivationShape, blocks: int, has_h
     the output projection's (e a/t) and the down projection's (e F/t); the head: the final
     norm's and the head linear's input."""
     h, t = model.hidden_size, a.tokens
-    norm = a.elem * h / a.s if "norm" in _modules(a.policy) else 4 * h / a.s
+    norm = a.elem * h / a.s if "norm" in policy_modules(a.policy) else 4 * h / a.s
     attn = model.num_heads * model.head_dim
     per_block = 2 * norm + 2 * a.elem * h + a.elem * (attn + model.ffn_size) / a.tp
     head = norm + a.elem * h if has_head else 0.0

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 from engine.errors import ConfigError
 from engine.models import flops_per_token
 from engine.models.activation_memory import BlockDims, block_bytes_per_token
-from engine.models.config import DEFAULT_SELECTIVE, ModelConfig
+from engine.models.config import ModelConfig
 from engine.pipeline.partition import partition_layers
 from engine.pipeline.schedule import SCHEDULES, build_all, check_schedule_args, placement_of, stage_index
 from engine.pipeline.simulate import bubble_fraction, per_stage_costs, simulate
@@ -48,6 +48,7 @@ from engine.planner.activations import (
     RECOMPUTE_POLICIES,
     ActivationShape,
     inflight_peaks,
+    policy_modules,
     recompute_forward_fraction,
 )
 from engine.planner.cluster import Cluster
@@ -191,8 +192,8 @@ def activation_bytes_per_token(model: ModelConfig, tp: int, param_bytes: float =
     (the per-block constant, the fp32 norm weight copies, left out)."""
     if recompute == "full":  # one block per unit: its input, on the residual stream
         return param_bytes * model.hidden_size / (tp if tp > 1 else 1)
-    modules = DEFAULT_SELECTIVE if recompute == "selective" else ()
-    return block_bytes_per_token(BlockDims.of(model), elem=param_bytes, tp=tp, sp=tp > 1, modules=modules)[0]
+    return block_bytes_per_token(BlockDims.of(model), elem=param_bytes, tp=tp, sp=tp > 1,
+                                 modules=policy_modules(recompute))[0]
 
 
 def activation_peaks(model: ModelConfig, layout: Layout, param_bytes: float = 2.0) -> list[float]:
