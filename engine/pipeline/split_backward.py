@@ -49,8 +49,9 @@ class _Group:
 
 class SavedStore:
     """The tensors one chunk's forward saved for backward, held here instead of in autograd's
-    nodes (``saved_tensors_hooks``: a node keeps only a key), so that after the input pass the
-    ones only the input path needs can be dropped (:meth:`drop_input_only`).
+    nodes (``saved_tensors_hooks``: a node keeps only a key), so that the ones only the input
+    path needs are dropped during the input pass, node by node as autograd passes them
+    (:meth:`record`), and any left after it (:meth:`drop_input_only`).
 
     Why: the input pass keeps the graph (``retain_graph``) for the weight pass, which by
     default keeps EVERY saved tensor from the chunk's ``I`` to its ``W``: attention's and the

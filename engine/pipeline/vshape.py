@@ -16,25 +16,30 @@ whenever a rank is free it takes, in this priority,
 
 1. the ready ``I`` (``B`` on stage 0) of the oldest micro-batch (chunk 1 first): gradients
    flow back without delay;
-2. a ready chunk-1 ``F`` (it leads to the loss, so to the next ``I``); else the next chunk-0
+2. with the option ``eager_loss_w``, on rank 0 the pending ``W`` of the loss chunk (chunk 1):
+   what it keeps is the logits' gradient, vocabulary-sized per token;
+3. a ready chunk-1 ``F`` (it leads to the loss, so to the next ``I``); else the next chunk-0
    ``F`` while the rank's chunk activations (held, plus the chunk-1 forwards still owed to
-   micro-batches already in chunk 0) stay within ``2p``;
-3. the oldest pending ``W``.
+   micro-batches already in chunk 0) stay within a cap;
+4. the oldest pending ``W``.
 
 So warm-up is forwards on chunk 0 then chunk 1, and the steady state interleaves F, I and W.
 Each admitted chunk-0 forward may be followed by its chunk-1 forward before a ``W`` frees a
 slot, so a rank holds at most ``cap + 1`` chunk activations. :func:`zb_v_orders` runs the
-scheduler with every cap from ``2p`` down to ``p`` and with stage 0 planned whole or split
-(the original uniform-cost plan, its ``I`` then made the ``B``), then seeded randomised runs
-(a rank sometimes takes a pending ``W`` before a forward it could run), and keeps a plan holding
-at most ``2p`` chunk activations (``p`` stages, as 1F1B's rank 0) first, then the shortest
-makespan under the default cost table, then the smallest peak. The makespan's lower bound is
+scheduler with every cap from ``2p`` down to ``p``, with stage 0 planned whole or split (the
+original uniform-cost plan, its ``I`` then made the ``B``) and the loss chunk's ``W`` deferred
+or eager, then seeded randomised runs (a rank sometimes takes a pending ``W`` before a forward
+it could run), and keeps a plan within the memory budget first (at most ``2p`` chunk
+activations held, ``p`` stages as 1F1B's rank 0, and a modelled peak, :func:`_memory_peak`,
+of at most ``2p`` chunks plus one input pass's working memory), then the shortest makespan
+under the default cost table, then the smallest modelled peak. The makespan's lower bound is
 ``6m + p - 1`` chunk-forward times (rank ``p - 1`` must wait ``p - 1`` forwards at the start:
 the bubble of :func:`engine.pipeline.simulate.bubble_formula`, derived in docs/training.md);
-the kept plan reaches it at p = 4, m = 8 (peaks 7, 8, 8, 8) and for most ``m`` at p = 2, 3, 4,
-one unit above it for a few (p = 2, m = 5 and 16; tests/unit/test_vshape.py and
-benchmarks/results/). The order is only a list per rank: the simulator checks it (and the
-communication placed around it) under any cost model.
+the kept plan reaches it at p = 4, m = 4, 5, 8, 9; at p = 2 the budget costs one unit for every
+m (the plans on the bound keep the loss chunk's ``W`` pending while rank 0 holds 2p chunks),
+at p = 3 and for larger m at p = 4 a few (tests/unit/test_vshape.py and
+benchmarks/results/zb-v_memory_cpu-2core_2026-11-27b.md). The order is only a list per rank:
+the simulator checks it (and the communication placed around it) under any cost model.
 """
 
 from __future__ import annotations
