@@ -49,9 +49,8 @@ class _Group:
 
 class SavedStore:
     """The tensors one chunk's forward saved for backward, held here instead of in autograd's
-    nodes (``saved_tensors_hooks``: a node keeps only a key), so that the ones only the input
-    path needs are dropped during the input pass, node by node as autograd passes them
-    (:meth:`record`), and any left after it (:meth:`drop_input_only`).
+    nodes (``saved_tensors_hooks``: a node keeps only a key), so that after the input pass the
+    ones only the input path needs can be dropped (:meth:`drop_input_only`).
 
     Why: the input pass keeps the graph (``retain_graph``) for the weight pass, which by
     default keeps EVERY saved tensor from the chunk's ``I`` to its ``W``: attention's and the
@@ -68,8 +67,7 @@ class SavedStore:
         self.tensors: dict[int, torch.Tensor] = {}
         self.readers: Optional[dict[int, set[Node]]] = None  # key -> nodes that read it (input pass)
         self._running = threading.local()
-        self._read_by: defaultdict[Node, list[int]] = defaultdict(list)  # node -> keys it read (input pass)
-        self.dropped = 0  # keys dropped during or after the input pass (for tests)
+        self.dropped = 0  # keys dropped after the input pass (for tests)
         self._next_key = 0
 
     def hooks(self) -> Any:
@@ -89,39 +87,20 @@ class SavedStore:
             node = getattr(self._running, "node", None)
             if node is not None:
                 self.readers.setdefault(key, set()).add(node)
-                self._read_by[node].append(key)
         t = self.tensors.get(key)
         if t is None:
             raise RuntimeError("a tensor saved for backward was dropped after the input pass but the weight pass "
                                "reads it (engine.pipeline.split_backward.SavedStore): please report this graph")
         return t
 
-    def record(self, nodes: set[Node], keep_readers: Optional[set[Node]] = None) -> list[Any]:
-        """Start recording readers: pre-hooks on ``nodes`` (returns their handles). With
-        ``keep_readers`` (the nodes the weight pass may run), every other node drops the tensors
-        it read once it has run (a post-hook), as a backward without ``retain_graph`` frees a
-        node's saved tensors: the input pass then no longer holds the chunk's whole forward
-        beside the gradients it captures for ``W`` (its peak falls by about the captured bytes)."""
+    def record(self, nodes: set[Node]) -> list[Any]:
+        """Start recording readers: pre-hooks on ``nodes`` (returns their handles)."""
         self.readers = {}
-        self._read_by = defaultdict(list)
 
         def running(_grad_outputs: Any, node: Node) -> None:
             self._running.node = node
 
-        def ran(node: Node, keep: set[Node]) -> None:
-            # each saved tensor has its own key, unpacked by the one node that saved it
-            assert self.readers is not None
-            for key in self._read_by.pop(node, ()):
-                if key in self.tensors and self.readers[key].isdisjoint(keep):
-                    del self.tensors[key]
-                    self.dropped += 1
-            self._running.node = None
-
-        handles = [n.register_prehook(lambda go, n=n: running(go, n)) for n in nodes]
-        if keep_readers is not None:
-            keep = keep_readers
-            handles += [n.register_hook(lambda gi, go, n=n: ran(n, keep)) for n in nodes if n not in keep]
-        return handles
+        return [n.register_prehook(lambda go, n=n: running(go, n)) for n in nodes]
 
     def drop_input_only(self, keep_readers: set[Node]) -> None:
         """Drop the tensors read during the input pass by no node in ``keep_readers`` (those the
@@ -132,7 +111,6 @@ class SavedStore:
                 del self.tensors[key]
                 self.dropped += 1
         self.readers = None
-        self._read_by.clear()
         self._running.node = None
 
 
@@ -242,8 +220,7 @@ def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Option
     assert root_node is not None  # the root depends on stage_input, which requires grad
     rev = _reverse_edges(root_node)
     groups = _groups(root_node, get_gradient_edge(stage_input).node, [p for p in params if p.requires_grad], rev)
-    keep = _weight_pass_nodes(groups, rev)
-    handles = [] if saved is None else saved.record(set(rev) | {root_node}, keep)
+    handles = [] if saved is None else saved.record(set(rev) | {root_node})
     for g in groups:
         for i, j in enumerate(g.junctions):
             def capture(grad_outputs, g=g, i=i):
@@ -258,7 +235,7 @@ def backward_input(root: Root, grad: Optional[torch.Tensor], stage_input: Option
         for h in handles:
             h.remove()
     if saved is not None:
-        saved.drop_input_only(keep)
+        saved.drop_input_only(_weight_pass_nodes(groups, rev))
     return dx, WeightGradState(groups)
 
 
