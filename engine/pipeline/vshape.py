@@ -174,13 +174,13 @@ def _held_peak(order: list[Action]) -> int:
 # forward saves), measured with the live tracker on the benchmark's model (hidden 128, vocab 512;
 # benchmarks/pipeline_memory.py, benchmarks/results/zb-v_memory_cpu-2core_2026-11-27b.md):
 # after its I a chunk still holds 0.9 of it until its W (the weight pass's inputs beside the
-# output gradients captured for it); an input pass needs 0.4 more while it runs (the gradients
-# it captures, before autograd has passed the tensors it frees), a whole backward 0.25. The loss
-# chunk (rank 0, chunk 1) saves 1.2 (the head's logits too) and keeps 1.15 until its W (the
+# output gradients captured for it); an input pass needs 0.75 more while it runs (the gradients
+# it captures, beside the saved tensors it drops only at its end), a whole backward 0.25. The
+# loss chunk (rank 0, chunk 1) saves 1.2 (the head's logits too) and keeps 1.15 until its W (the
 # logits' gradient: vocabulary-sized per token, the largest thing a deferred W holds), its
-# input pass needs 0.6.
-_PENDING_W, _I_WORK, _B_WORK = 0.9, 0.4, 0.25
-_LOSS_F, _LOSS_PENDING_W, _LOSS_I_WORK = 1.2, 1.15, 0.6
+# input pass needs 1.0.
+_PENDING_W, _I_WORK, _B_WORK = 0.9, 0.75, 0.25
+_LOSS_F, _LOSS_PENDING_W, _LOSS_I_WORK = 1.2, 1.15, 1.0
 
 
 def _memory_peak(order: Sequence[Action], rank: int) -> float:
