@@ -50,4 +50,3 @@ def test_input_pass_drops_what_only_it_reads_and_gradients_are_exact():
     assert torch.equal(dx, want_dx)
     for got, ref in zip(_grads(model), want):
         assert torch.equal(got, ref)
-
