@@ -170,7 +170,8 @@ def optimizer_inputs(cfg: Config, params: Any, client: Any = None,
 def precision_policy(cfg: Config) -> PrecisionPolicy:
     check = cfg.bf16.check_grad_overflow if cfg.bf16.enabled else None
     return PrecisionPolicy.from_name(cfg.precision, check_nonfinite=check, grad_accum=cfg.data_types.grad_accum_dtype,
-                                     comm=cfg.communication_data_type)
+                                     comm=cfg.communication_data_type,
+                                     master="bf16" if cfg.bf16.bf16_master_weights_and_grads else "fp32")
 
 
 def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, *,

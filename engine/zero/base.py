@@ -197,7 +197,7 @@ class ZeroOptimizer:
                 buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
             options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
             group = FlatGroup(key, buckets, options, self._device, reduce_group, offload=offload.optimizer,
-                              pin_memory=offload.pin_memory)
+                              pin_memory=offload.pin_memory, master_dtype=self.precision.master_dtype)
             self.groups.append(group)
             self.buckets.extend(buckets)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
