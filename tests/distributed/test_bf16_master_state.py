@@ -1,0 +1,81 @@
+"""DeepSpeed's bf16 master state (``bf16.bf16_master_weights_and_grads`` +
+``bf16_optimizer_states``) on the tiny reference GPT, ZeRO-3, 2 gloo ranks:
+
+1. Memory: the optimizer's flat master shards, their gradient shards and the Adam moments
+   are bf16 tensors, counted in bytes: the optimizer state is exactly half the fp32-master
+   run's (2 + 2 + 2 bytes per element against 4 + 4 + 4, plus one fp32 step counter per
+   group); the engine answers DeepSpeed's queries.
+2. Checkpoints: save after 2 steps, load into a fresh engine, 2 more steps: losses and
+   master shards equal the uninterrupted run's bit for bit (the bf16 masters and moments are
+   saved as they are, not rounded through another dtype).
+3. zero_to_fp32 on that checkpoint: ``convert_zero_checkpoint_to_fp32_state_dict`` writes
+   fp32 weights, the bf16 masters upcast exactly (DeepSpeed's converter's default dtype,
+   float32); ``get_fp32_state_dict_from_zero_checkpoint`` gives them in fp32 too here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import _ckpt_common as C
+from harness import run_ranks
+
+BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}  # FusedAdamW: DeepSpeed's CPU Adam arithmetic
+
+
+def _cfg(bf16: dict) -> dict:
+    return C.config(dp=2, zero=3, layers=2, bf16=bf16, optimizer=ADAMW)
+
+
+def _run(rank, world, root):
+    import torch
+
+    from engine.checkpoint import load_checkpoint, save_checkpoint
+    from engine.compat.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                            get_fp32_state_dict_from_zero_checkpoint)
+
+    eng = C.build(_cfg(BF16))
+    zero = eng.optimizer
+    out = {"queries": (eng.bfloat16_enabled(), eng.bf16_master_weights_and_gradients(), eng.bf16_optimizer_states())}
+    full = C.train(eng, 2)
+    save_checkpoint(eng, root)
+    masters_at_save = [g.master.detach().clone() for g in zero.groups]
+    full += C.train(eng, 2)
+    dtypes = {str(t.dtype) for g in zero.groups for t in (g.master, g.master.grad)}
+    dtypes |= {str(v.dtype) for st in zero.optimizer.state.values() for k, v in st.items() if k != "step"}
+    numel = sum(g.master.numel() for g in zero.groups)
+    out.update(full=full, dtypes=dtypes, numel=numel, groups=len(zero.groups), bytes=zero.memory_bytes())
+    ref = C.build(_cfg({"enabled": True}))
+    C.train(ref, 1)
+    out["fp32_bytes"] = ref.optimizer.memory_bytes()
+    resumed = C.build(_cfg(BF16))
+    load_checkpoint(resumed, root)
+    out["loaded_equal"] = all(torch.equal(g.master, m) for g, m in zip(resumed.optimizer.groups, masters_at_save))
+    out["resumed"] = C.train(resumed, 2)
+    out["end_equal"] = all(torch.equal(a.master, b.master) for a, b in zip(resumed.optimizer.groups, zero.groups))
+    if rank == 0:
+        sd = get_fp32_state_dict_from_zero_checkpoint(root)
+        convert_zero_checkpoint_to_fp32_state_dict(root, os.path.join(root, "fp32"))
+        written = torch.load(os.path.join(root, "fp32", "pytorch_model.bin"), map_location="cpu")
+        out["sd_dtypes"] = {str(v.dtype) for v in sd.values()}
+        out["file_dtypes"] = {str(v.dtype) for v in written.values()}
+        out["upcast_exact"] = all(torch.equal(v, v.bfloat16().float()) for v in written.values())
+        out["same_values"] = all(torch.equal(written[k], sd[k].float()) for k in sd)
+    return out
+
+
+def test_bf16_master_state_bytes_checkpoint_and_zero_to_fp32(tmp_path):
+    r0, r1 = run_ranks(_run, 2, str(tmp_path), timeout=240)
+    assert r0["queries"] == (True, True, True)
+    assert r0["dtypes"] == {"torch.bfloat16"}, r0["dtypes"]
+    n, groups = r0["numel"], r0["groups"]
+    # master + exp_avg + exp_avg_sq in bf16, one fp32 step counter per group
+    assert r0["bytes"]["optimizer_state"] == 3 * 2 * n + 4 * groups, (r0["bytes"], n)
+    assert r0["fp32_bytes"]["optimizer_state"] == 3 * 4 * n + 4 * groups, (r0["fp32_bytes"], n)
+    for r in (r0, r1):
+        assert r["loaded_equal"] and r["end_equal"]
+        assert r["resumed"] == r["full"][2:]  # bit for bit
+    assert r0["full"] == r1["full"]
+    assert r0["sd_dtypes"] == {"torch.float32"} and r0["file_dtypes"] == {"torch.float32"}
+    assert r0["upcast_exact"] and r0["same_values"]
