@@ -72,7 +72,7 @@ def test_bf16_adam_update_equals_deepspeeds_cpu_kernel():
     fp32 kernels differ in the last fp32 bit now and then (DeepSpeed's AVX-512 fused
     multiply-adds), which the bf16 store turns into one bf16 step on a few elements (measured
     after 3 steps: 2 of 4099 parameters, 116 and 28 moments). Held: every element within one
-    bf16 step (2^-8 relative) and at most 5% of them different."""
+    bf16 step (2^-7 relative) and at most 5% of them different."""
     ds_adam = pytest.importorskip("deepspeed.ops.adam")
     from engine.optim import FusedAdamW
 
@@ -94,5 +94,5 @@ def test_bf16_adam_update_equals_deepspeeds_cpu_kernel():
                                                   for k in ("exp_avg", "exp_avg_sq")]
     for a, b in pairs:
         a, b = a.float(), b.float()
-        assert ((a - b).abs() <= b.abs() * 2.0 ** -8).all()
+        assert ((a - b).abs() <= b.abs() * 2.0 ** -7).all()  # one bf16 step (8 significant bits)
         assert (a != b).float().mean() < 0.05
