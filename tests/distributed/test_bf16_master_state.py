@@ -35,8 +35,10 @@ def _run(rank, world, root):
     import torch
 
     from engine.checkpoint import load_checkpoint, save_checkpoint
-    from engine.compat.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
-                                            get_fp32_state_dict_from_zero_checkpoint)
+    from engine.compat.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
 
     eng = C.build(_cfg(BF16))
     zero = eng.optimizer
