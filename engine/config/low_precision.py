@@ -11,8 +11,12 @@ DeepSpeed's rules, mirrored:
   ZeRO-Offload with DeepSpeedCPUAdam (the fp32 moments live on the host): DeepSpeed asserts
   this at ``initialize`` (checked here on CPU: ``bf16_master_wg.json`` of its example fails
   with "Master weights feature requires ZeRO-3 Offload with DeepSpeedCPUAdam").
+  With offload, the optimizer must be DeepSpeed's CPU Adam: the config's Adam/AdamW (here its
+  fused CPU Adam), or a client ``DeepSpeedCPUAdam``; with ``bf16_optimizer_states`` a client one
+  must have ``fp32_optimizer_states=False`` (engine.optim.build.check_bf16_master_client).
 Stricter here: ``bf16.enabled`` must be true (DeepSpeed would keep bf16 masters of an fp32
-model); bf16 masters with ``offload_optimizer`` are not implemented (refused).
+model); the config's Adam with ``adam_w_mode`` false or ``torch_adam`` under offload (torch's
+update on the host, not the CPU Adam kernel) is refused.
 """
 
 from __future__ import annotations
@@ -77,11 +81,34 @@ def check_low_precision_master(cfg: Config) -> None:
     if not b.bf16_optimizer_states and not offload:
         raise ConfigError(f"{_MASTER} = true with {_STATES} = false keeps fp32 Adam moments, which DeepSpeed allows "
                           "only with ZeRO-Offload and DeepSpeedCPUAdam (it asserts \"Master weights feature requires "
-                          f"ZeRO Offload with DeepSpeedCPUAdam\"): set {_STATES} to true (bf16 moments on the device)")
-    if offload:
-        raise ConfigError(f"{_MASTER} = true with zero_optimization.offload_optimizer is not implemented in this "
-                          f"engine: set offload_optimizer.device to \"none\" with {_STATES} = true, or keep fp32 "
-                          f"masters ({_MASTER} = false) with offload")
+                          f"ZeRO Offload with DeepSpeedCPUAdam\"): set {_STATES} to true (bf16 moments on the device), "
+                          "or zero_optimization.offload_optimizer.device to \"cpu\"")
+    opt = cfg.optimizer
+    if opt is not None and opt.type == "Muon":
+        raise ConfigError(f"{_MASTER} = true with optimizer.type \"Muon\" is not implemented (its Newton-Schulz "
+                          "iterations run on the fp32 master matrices): use AdamW or Lion, or fp32 masters")
+    if offload and opt is not None and not _is_cpu_adam(cfg):
+        raise ConfigError(f"{_MASTER} = true with zero_optimization.offload_optimizer needs DeepSpeed's CPU Adam (it "
+                          "asserts \"Master weights feature requires ZeRO Offload with DeepSpeedCPUAdam\"), but "
+                          f"optimizer.type is \"{opt.type}\"{' with torch_adam' if _torch_adam(cfg) else ''}"
+                          f"{' with adam_w_mode false' if _l2_adam(cfg) else ''}: use \"AdamW\" (adam_w_mode true, "
+                          "no torch_adam), or turn offload off")
+
+
+def _torch_adam(cfg: Config) -> bool:
+    return bool(getattr(cfg.optimizer.params, "torch_adam", False)) if cfg.optimizer is not None else False
+
+
+def _l2_adam(cfg: Config) -> bool:
+    return cfg.optimizer is not None and getattr(cfg.optimizer.params, "adam_w_mode", True) is False
+
+
+def _is_cpu_adam(cfg: Config) -> bool:
+    """The config's optimizer is the one DeepSpeed runs as DeepSpeedCPUAdam under offload and the
+    engine as its fused CPU Adam (engine.optim.FusedAdamW): Adam/AdamW in adam_w_mode without
+    torch_adam (Adam with L2 decay runs torch's update here, not the fused kernel)."""
+    return (cfg.optimizer is not None and cfg.optimizer.type in ("Adam", "AdamW")
+            and not _torch_adam(cfg) and not _l2_adam(cfg))
 
 
 def _check_autocast(cfg: Config) -> None:

@@ -95,6 +95,9 @@ class FusedAdamW(torch.optim.Optimizer):
         # param -> low-precision tensor the kernel refreshes after each update; not part of
         # the state dict (it is model memory, not optimizer state).
         self._param_copies: dict[torch.Tensor, torch.Tensor] = {}
+        # dtype of exp_avg / exp_avg_sq: None = the parameter's (fp32 masters: fp32; bf16 masters:
+        # bf16, DeepSpeed's bf16_optimizer_states); fp32 = DeepSpeedCPUAdam(fp32_optimizer_states=True)
+        self.state_dtype: Optional[torch.dtype] = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -125,8 +128,9 @@ class FusedAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            dtype = getattr(self, "state_dtype", None) or p.dtype  # (older pickles lack it)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         return state
 
     def _check_param(self, p: torch.Tensor) -> None:

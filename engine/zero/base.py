@@ -229,7 +229,9 @@ class ZeroOptimizer:
         attach = getattr(self.optimizer, "attach_param_copy", None)
         for g in self.groups:
             dtype = g.buckets[0].dtype
-            if callable(attach) and dtype in (torch.bfloat16, torch.float16) and g.master.numel():
+            # (bf16 masters are the low-precision copy themselves: nothing to attach)
+            if callable(attach) and dtype in (torch.bfloat16, torch.float16) and g.master.numel() \
+                    and g.master.dtype == torch.float32:
                 g.low = host_zeros(g.master.numel(), dtype, self.offload.pin_memory)
                 attach(g.master, g.low)
 

@@ -8,7 +8,11 @@
 2. Checkpoints: save after 2 steps, load into a fresh engine, 2 more steps: losses and
    master shards equal the uninterrupted run's bit for bit (the bf16 masters and moments are
    saved as they are, not rounded through another dtype).
-3. zero_to_fp32 on that checkpoint: ``convert_zero_checkpoint_to_fp32_state_dict`` writes
+3. ZeRO-Offload (DeepSpeed's other valid mode): at ZeRO-1, offloaded bf16 masters with bf16
+   moments train bit for bit as on the device (the same update, on the host); at ZeRO-2 with
+   ``bf16_optimizer_states`` false the host masters are bf16 and the moments fp32 (DeepSpeed's
+   DeepSpeedCPUAdam with fp32_optimizer_states=True).
+4. zero_to_fp32 on that checkpoint: ``convert_zero_checkpoint_to_fp32_state_dict`` writes
    fp32 weights, the bf16 masters upcast exactly (DeepSpeed's converter's default dtype,
    float32); ``get_fp32_state_dict_from_zero_checkpoint`` gives them in bf16, as they are
    saved. Both as DeepSpeed 0.19.8 does (run on 2 CPU ranks with bf16_full.json less
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 
 import _ckpt_common as C
+import pytest
 from harness import run_ranks
 
 BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
@@ -84,3 +89,36 @@ def test_bf16_master_state_bytes_checkpoint_and_zero_to_fp32(tmp_path):
     assert r0["full"] == r1["full"]
     assert r0["sd_dtypes"] == {"torch.bfloat16"} and r0["file_dtypes"] == {"torch.float32"}
     assert r0["upcast_exact"] and r0["same_values"]
+
+
+def _offload(rank, world):
+    import torch
+
+    def cfg(stage, offload, states):
+        bf16 = dict(BF16, bf16_optimizer_states=states)
+        zero = {"stage": stage, "reduce_bucket_size": 3000}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        return C.config(dp=2, zero=stage, layers=2, bf16=bf16, optimizer=ADAMW, zero_optimization=zero)
+
+    on_device = C.train(C.build(cfg(1, False, True)), 3)
+    host = C.build(cfg(1, True, True))
+    offloaded = C.train(host, 3)
+    fp32_moments = C.build(cfg(2, True, False))
+    losses = C.train(fp32_moments, 2)
+    z = fp32_moments.optimizer
+    return dict(on_device=on_device, offloaded=offloaded, losses=losses,
+                host_dtypes={str(t.dtype) for g in host.optimizer.groups for t in (g.master, g.master.grad)},
+                masters={str(g.master.dtype) for g in z.groups},
+                moments={str(v.dtype) for st in z.optimizer.state.values() for k, v in st.items() if k != "step"},
+                finite=all(torch.isfinite(torch.tensor(losses))))
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_bf16_master_state_with_zero_offload():
+    for r in run_ranks(_offload, 2, timeout=240):
+        assert r["offloaded"] == r["on_device"]  # bit for bit
+        assert r["host_dtypes"] == {"torch.bfloat16"}
+        assert r["masters"] == {"torch.bfloat16"} and r["moments"] == {"torch.float32"}
+        assert r["finite"] and r["losses"][1] < r["losses"][0] + 0.5
