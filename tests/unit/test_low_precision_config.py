@@ -39,8 +39,12 @@ def test_bf16_master_state_loads_at_zero_1_to_3_and_round_trips(stage):
      r"needs bf16.enabled = true"),
     (_cfg({"enabled": True, "bf16_master_weights_and_grads": True}),
      r"bf16_optimizer_states = false keeps fp32 Adam moments, which DeepSpeed allows only with ZeRO-Offload"),
-    (_cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}}),
-     r"bf16.bf16_master_weights_and_grads = true with zero_optimization.offload_optimizer is not implemented"),
+    (_cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"}},
+          optimizer={"type": "Lion", "params": {"lr": 1e-3}}),
+     r"with zero_optimization.offload_optimizer needs DeepSpeed's CPU Adam .* optimizer.type is \"Lion\""),
+    (_cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+          optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}), r"\"AdamW\" with torch_adam"),
+    (_cfg(optimizer={"type": "Muon", "params": {"lr": 1e-3}}), r"optimizer.type \"Muon\" is not implemented"),
     (_cfg({"enabled": False}, torch_autocast={"enabled": True}), r"torch_autocast.dtype is not set"),
     (_cfg({"enabled": False}, torch_autocast={"enabled": True, "dtype": "float16"}), r"torch_autocast.dtype \"float16\""),
     (_cfg({"enabled": False}, torch_autocast={"enabled": True, "dtype": "int8"}), r"torch_autocast.dtype"),
@@ -51,6 +55,28 @@ def test_invalid_combinations_are_one_line_errors(cfg, match):
     with pytest.raises(ConfigError, match=match) as e:
         load_config(cfg, world_size=2)
     assert "\n" not in str(e.value)
+
+
+def test_offload_modes_load_and_client_rules():
+    """DeepSpeed's two offload modes load (fp32 moments: bf16_optimizer_states false; bf16
+    moments); a client optimizer must be DeepSpeedCPUAdam, with fp32_optimizer_states=False for
+    bf16 moments (DeepSpeed's asserts)."""
+    from engine.optim.build import check_bf16_master_client
+    from engine.optim.ds_adam import DeepSpeedCPUAdam
+
+    off = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    for states in (False, True):
+        bf16 = dict(MASTER, bf16_optimizer_states=states)
+        cfg = load_config(_cfg(bf16, zero_optimization=off), world_size=2)
+        client_cfg = load_config({k: v for k, v in _cfg(bf16, zero_optimization=off).items() if k != "optimizer"},
+                                 world_size=2)
+        p = [torch.nn.Parameter(torch.zeros(4))]
+        check_bf16_master_client(DeepSpeedCPUAdam(p, fp32_optimizer_states=not states), client_cfg)
+        with pytest.raises(ConfigError, match="needs the client optimizer to be DeepSpeedCPUAdam .* got AdamW"):
+            check_bf16_master_client(torch.optim.AdamW(p), client_cfg)
+        assert cfg.zero.offload_optimizer.enabled
+    with pytest.raises(ConfigError, match="requires DeepSpeedCPUAdam constructed with fp32_optimizer_states=False"):
+        check_bf16_master_client(DeepSpeedCPUAdam(p), client_cfg)
 
 
 def test_safe_module_names_must_import():
