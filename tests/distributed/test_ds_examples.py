@@ -15,7 +15,7 @@ gloo ranks, against real DeepSpeed 0.19.8 running the same scripts:
 | bf16_full | the same, bf16_full.json (bf16 master weights, gradients and Adam moments, torch_autocast) |
 
 Each under torchrun and under the ``deepspeed`` launcher against the golden file with
-ENGINE_EXTENDED_TESTS=1 (12 launches, about 40 s each here); the default suite runs the
+ENGINE_EXTENDED_TESTS=1 (14 launches, about 15-40 s each here); the default suite runs the
 zero_to_fp32 flow live, real DeepSpeed and the engine side by side (about 60 s).
 
 DeepSpeed's records: tests/assets/ds_examples_deepspeed.json (regenerate with the command in
@@ -185,16 +185,6 @@ def test_bf16_step0_difference_is_deepspeeds_zero3_linear():
     want = golden()["bf16_master_weight"]["train"]["0"]["fp32_losses"][0]
     assert ds_style == want
     assert plain != want and abs(plain - want) < BF16_FP32_ATOL
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_bf16_full_unedited_on_the_engine_equals_deepspeed(tmp_path):
-    """The default suite's bf16 master-weights case: bf16_full.json through the alias under
-    torchrun against DeepSpeed's golden record (about 16 s)."""
-    _needs_launcher("torchrun")
-    got = run_scenario("bf16_full", "ours", "torchrun", tmp_path, timeout=scaled(300))
-    _same("bf16_full", got, golden()["bf16_full"])
 
 
 def test_bf16_full_golden_separates_master_dtypes():
