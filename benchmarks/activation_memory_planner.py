@@ -1,5 +1,6 @@
 """The planner's predicted activation peak next to the measured one, for a table of small
-layouts covering every recompute policy and every pipeline schedule.
+layouts covering every recompute policy and every pipeline schedule, and context parallelism
+(ring and Ulysses at CP 2, with and without recompute, and CP 2 with a 1F1B pipeline).
 
 Each row runs the real engine (``engine.initialize`` + ``train_batch``) on CPU gloo ranks:
 one warm-up step (so that lazily made state counts as held before), then one step under the
@@ -10,6 +11,9 @@ high-water mark of the step's forward + backward over what was held at its start
 the saved activations of the micro-batch chunks the schedule's own compute order keeps in
 flight on that rank, plus the transient working set of the forward or backward running at
 the peak. Rows compare every rank (the worst pipeline rank is what the planner ranks by).
+With CP the rows are the same model and micro-batch: each rank holds S/2 tokens of every
+sequence (the CP ranks read the same rows), and the prediction is at those tokens plus the
+CP attention's saved positions (:func:`engine.planner.activations.cp_meta_bytes`).
 
     python benchmarks/activation_memory_planner.py [--out benchmarks/results/activation_peak_planner.json]
     python benchmarks/activation_memory_planner.py --rows 1f1b-none zb-h1-full   # a subset
@@ -62,7 +66,28 @@ ROWS: dict[str, tuple[int, int, bool, int, str, int, int, str]] = {
     "dualpipe-v-none": (1, 1, False, 2, "dualpipe-v", 2, 4, "none"),
     "dualpipe-v-selective": (1, 1, False, 2, "dualpipe-v", 2, 4, "selective"),
     "dualpipe-v-full": (1, 1, False, 2, "dualpipe-v", 2, 4, "full"),
+    "cp2-ring-none": (1, 1, False, 1, "none", 1, 2, "none"),
+    "cp2-ring-selective": (1, 1, False, 1, "none", 1, 2, "selective"),
+    "cp2-ring-full": (1, 1, False, 1, "none", 1, 2, "full"),
+    "cp2-ulysses-none": (1, 1, False, 1, "none", 1, 2, "none"),
+    "cp2-ulysses-full": (1, 1, False, 1, "none", 1, 2, "full"),
+    "cp2-ring-1f1b-none": (1, 1, False, 2, "1f1b", 1, 4, "none"),
 }
+
+# name -> (context_parallel.size, mode) of the rows with context parallelism (the others: 1, "ring")
+ROW_CP: dict[str, tuple[int, str]] = {
+    "cp2-ring-none": (2, "ring"),
+    "cp2-ring-selective": (2, "ring"),
+    "cp2-ring-full": (2, "ring"),
+    "cp2-ulysses-none": (2, "ulysses"),
+    "cp2-ulysses-full": (2, "ulysses"),
+    "cp2-ring-1f1b-none": (2, "ring"),
+}
+
+
+def row_cp(name: str) -> tuple[int, str]:
+    """(context_parallel.size, mode) of row ``name``."""
+    return ROW_CP.get(name, (1, "ring"))
 
 
 def row_config(name: str) -> dict[str, Any]:
@@ -80,6 +105,9 @@ def row_config(name: str) -> dict[str, Any]:
         "pipeline": pipeline,
         "model": dict(MODEL),
     }
+    cp, mode = row_cp(name)
+    if cp > 1:  # CP ranks read the same rows: train_batch_size counts DP replicas only
+        cfg["context_parallel"] = {"size": cp, "mode": mode}
     if POLICIES[policy] is not None:
         cfg["activation_checkpointing"] = dict(POLICIES[policy])  # type: ignore[arg-type]
     return cfg
@@ -110,33 +138,37 @@ def measure(name: str) -> list[dict[str, Any]]:
     from engine.distributed.spawn import spawn
 
     dp, tp, sp, pp, *_ = ROWS[name]
-    return spawn(_measure_rank, dp * tp * pp, (row_config(name),), timeout=900)
+    return spawn(_measure_rank, dp * tp * pp * row_cp(name)[0], (row_config(name),), timeout=900)
 
 
 def predict(name: str) -> list[float]:
     """The planner's activation peak per pipeline rank for row ``name``."""
     from engine.models.config import ModelConfig
-    from engine.planner.activations import ActivationShape, inflight_peaks
+    from engine.planner.activations import ActivationShape, cp_meta_bytes, inflight_peaks
     from engine.planner.cost import stage_shapes
 
     dp, tp, sp, pp, sched, v, m, policy = ROWS[name]
+    cp, mode = row_cp(name)
     model = ModelConfig(**MODEL)
-    a = ActivationShape(MICRO * model.seq_len, tp, sp, 4, policy)
+    a = ActivationShape(MICRO * model.seq_len // cp, tp, sp, 4, policy,
+                        cp_meta_bytes(cp, cp if mode == "ulysses" else 1))
     pieces = [(s.blocks, s.has_head) for s in stage_shapes(model, pp, v)]
     return inflight_peaks(model, a, sched, pp, m, v, pieces)
 
 
 def row_record(name: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
     """One JSON row: the layout, the measured peak of every pipeline rank (the max over its
-    TP/DP ranks), the prediction and their ratio."""
+    TP/CP/DP ranks), the prediction and their ratio."""
     dp, tp, sp, pp, sched, v, m, policy = ROWS[name]
+    cp, mode = row_cp(name)
     by_stage: dict[int, int] = {}
     for r in measured:
-        k = r["rank"] // (dp * tp)  # TP innermost, then DP, then PP (engine.topology)
+        k = r["rank"] // (dp * tp * cp)  # TP innermost, then CP, then DP, then PP (engine.topology)
         by_stage[k] = max(by_stage.get(k, 0), int(r["activation_peak_bytes"]))
     meas = [by_stage[k] for k in range(pp)]
     pred = predict(name)
-    return {"name": name, "dp": dp, "tp": tp, "sp": sp, "pp": pp, "schedule": sched, "virtual_stages": v,
+    return {"name": name, "dp": dp, "tp": tp, "sp": sp, "pp": pp, "cp": cp, "cp_mode": mode,
+            "schedule": sched, "virtual_stages": v,
             "num_microbatches": m, "micro_batch": MICRO, "policy": policy, "measured": meas,
             "predicted": [round(x) for x in pred], "ratio": [round(p / q, 4) for p, q in zip(pred, meas)]}
 
@@ -147,12 +179,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default=None, help="write the rows as JSON")
     args = ap.parse_args(argv)
     rows = []
-    print("| row | policy | schedule | measured MB per pipeline rank | predicted MB | predicted/measured |")
-    print("|---|---|---|---|---|---|")
+    print("| row | policy | schedule | CP | measured MB per pipeline rank | predicted MB | predicted/measured |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.rows:
         r = row_record(name, measure(name))
         rows.append(r)
-        print(f"| {name} | {r['policy']} | {r['schedule']} | {' '.join(f'{x / 2**20:.3f}' for x in r['measured'])} | "
+        cp_col = f"{r['cp']} {r['cp_mode']}" if r["cp"] > 1 else "-"
+        print(f"| {name} | {r['policy']} | {r['schedule']} | {cp_col} | {' '.join(f'{x / 2**20:.3f}' for x in r['measured'])} | "
               f"{' '.join(f'{x / 2**20:.3f}' for x in r['predicted'])} | {' '.join(f'{x:.3f}' for x in r['ratio'])} |",
               flush=True)
     if args.out:

@@ -10,6 +10,10 @@ Saved bytes per block come from the one formula, :mod:`engine.models.activation_
   one norm + linear of a block) and the logits, compute dtype, T·V/t; its loss adds an fp32
   temporary of the logits (logits − max), and an fp32 copy of them below fp32, at the end of
   the forward; all of it is released by the head's backward, before the blocks' backward;
+- under context parallelism (C ranks, T = B·S/C tokens per rank), the attention's
+  autograd function saves the int64 positions and document ids of the tokens it attends
+  over, 16·U bytes per token and block (:func:`cp_meta_bytes`; U = C under Ulysses, 1 for
+  the ring); everything else is the formula's at T tokens (measured);
 - a backward's working set, on top of what is held: the gradients inside the MLP it starts
   with (gate, up and product gradients, 3·F·e/t per token) and two residual-stream
   gradients (2·H·e/s); under ``full`` recomputation also one block's recomputed activations
@@ -44,7 +48,7 @@ from engine.models.config import DEFAULT_SELECTIVE, ModelConfig
 from engine.pipeline.actions import ActionKind, virtual_stage
 from engine.pipeline.schedule import compute_order, placement_of
 
-__all__ = ["RECOMPUTE_POLICIES", "ActivationShape", "policy_config", "piece_saved_bytes", "inflight_peaks",
+__all__ = ["RECOMPUTE_POLICIES", "CP_META_BYTES", "cp_meta_bytes", "ActivationShape", "policy_config", "piece_saved_bytes", "inflight_peaks",
            "recompute_forward_fraction", "policy_modules"]
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -65,16 +69,33 @@ def recompute_forward_fraction(policy: str) -> float:
     return 1.0 if policy == "full" else 0.0
 
 
+CP_META_BYTES = 16  # int64 global position + document id per token (engine.context_parallel.attention)
+
+
+def cp_meta_bytes(cp: int, ulysses_size: int) -> int:
+    """Bytes per local token and block the context-parallel attention keeps for backward
+    beyond the formula's: the ring's autograd function saves the positions and document ids
+    (B, 2, U·S/C) int64 of the tokens it attends over (the rank's own S/C in ring mode, the
+    Ulysses group's U·S/C after the all-gather), 16·U per local token, not split by TP.
+    Its q, k, v (own copies), output and lse take the place of SDPA's saved tensors byte for
+    byte (measured: benchmarks/activation_memory_planner.py's cp2 rows, per-block slope
+    5,624 B/token ring and 5,640 Ulysses at U 2 against the formula's 5,608). 0 without CP."""
+    return CP_META_BYTES * ulysses_size if cp > 1 else 0
+
+
 @dataclass(frozen=True)
 class ActivationShape:
     """What the bytes depend on: tokens of one micro-batch on this rank (B·S/cp), TP degree,
-    sequence parallelism, compute-dtype bytes and the policy."""
+    sequence parallelism, compute-dtype bytes and the policy; ``cp_meta``: the
+    context-parallel attention's extra saved bytes per token and block
+    (:func:`cp_meta_bytes`, 0 without CP)."""
 
     tokens: int
     tp: int
     sp: bool
     elem: int
     policy: str
+    cp_meta: int = 0
 
     @property
     def s(self) -> int:
@@ -92,7 +113,8 @@ def block_bytes(model: ModelConfig, a: ActivationShape, blocks: int) -> float:
         return 0.0
     per = policy_saved_bytes(BlockDims.of(model), a.tokens, elem=a.elem, granularity=a.policy,
                              modules=policy_modules(a.policy), layers=blocks, tp=a.tp, sp=a.sp)
-    return per * blocks
+    meta = 0 if a.policy == "full" else a.tokens * a.cp_meta  # a checkpointed block reruns its attention
+    return (per + meta) * blocks
 
 
 def head_saved_bytes(model: ModelConfig, a: ActivationShape) -> float:
@@ -114,11 +136,12 @@ def backward_working_bytes(model: ModelConfig, a: ActivationShape, blocks: int) 
     h, f, t = model.hidden_size, model.ffn_size, a.tokens
     grads = t * a.elem * (2 * f / a.tp + 2 * h / a.s)
     dims = BlockDims.of(model)
-    none = block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp)
+    none = block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp) + t * a.cp_meta
     if a.policy == "full":
         return grads + none
     if a.policy == "selective":
-        return grads + none - block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp, modules=DEFAULT_SELECTIVE)
+        return grads + none - t * a.cp_meta - block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp,
+                                                                  modules=DEFAULT_SELECTIVE)
     return grads
 
 
