@@ -30,8 +30,8 @@ from engine.models.config import ModelConfig
 from engine.pipeline.stages import reference_layer_params
 from engine.planner.activations import RECOMPUTE_POLICIES
 from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
-from engine.planner.cost import CP_MODES
 from engine.planner.cluster import CLUSTERS, MODELS, Cluster, GiB, cluster_preset, model_preset
+from engine.planner.cost import CP_MODES
 from engine.planner.search import DEFAULT_SCHEDULES, format_plans, plan
 from engine.planner.write import config_text, layout_config
 

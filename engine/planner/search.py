@@ -15,7 +15,7 @@ and mode (``cp_modes``: ``ring``, ``ulysses``), with ``dp*tp*pp*cp`` = the devic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from engine.errors import ConfigError
 from engine.models.config import ModelConfig
@@ -65,7 +65,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, *,
+def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, *,  # noqa: PLR0913 (one per dimension)
                       micro_batches: Sequence[int] = (1, 2, 4, 8), zero_stages: Sequence[int] = (0, 1, 2, 3),
                       schedules: Sequence[str] = DEFAULT_SCHEDULES, recompute: Sequence[str] = RECOMPUTE_POLICIES,
                       tp_sizes: Optional[Sequence[int]] = None, pp_sizes: Optional[Sequence[int]] = None,
@@ -86,19 +86,22 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, *
         if cluster.world_size % cp:
             continue  # no layout of this cluster has that degree
         for mode in (cp_modes if cp > 1 else ("ring",)):
-            yield from _layouts_at_cp(model, cluster, global_batch, cp, mode, micro_batches, zero_stages, schedules,
-                                      recompute, tp_sizes, pp_sizes, balanced_stages)
+            yield from _layouts_at_cp(model, cluster, global_batch, (cp, mode), dict(
+                micro_batches=micro_batches, zero_stages=zero_stages, schedules=schedules, recompute=recompute,
+                tp_sizes=tp_sizes, pp_sizes=pp_sizes, balanced_stages=balanced_stages))
 
 
-def _layouts_at_cp(model: ModelConfig, cluster: Cluster, global_batch: int, cp: int, cp_mode: str,
-                   micro_batches: Sequence[int], zero_stages: Sequence[int], schedules: Sequence[str],
-                   recompute: Sequence[str], tp_sizes: Optional[Sequence[int]], pp_sizes: Optional[Sequence[int]],
-                   balanced_stages: bool) -> Iterable[tuple[Layout, list[str]]]:
-    """:func:`enumerate_layouts` at one context-parallel degree and mode."""
+def _layouts_at_cp(model: ModelConfig, cluster: Cluster, global_batch: int, cp_layout: tuple[int, str],
+                   opts: dict[str, Any]) -> Iterable[tuple[Layout, list[str]]]:
+    """:func:`enumerate_layouts` at one context-parallel (degree, mode); ``opts``: its other
+    keyword arguments."""
+    cp, cp_mode = cp_layout
+    micro_batches, zero_stages, schedules = opts["micro_batches"], opts["zero_stages"], opts["schedules"]
+    recompute, balanced_stages = opts["recompute"], opts["balanced_stages"]
     world = cluster.world_size // cp  # the ranks of one CP index: dp * tp * pp
-    tps = tp_sizes or [t for t in divisors(world) if t <= max(cluster.gpus_per_node, 1) * 2]
+    tps = opts["tp_sizes"] or [t for t in divisors(world) if t <= max(cluster.gpus_per_node, 1) * 2]
     for tp in tps:
-        for pp in (pp_sizes or divisors(world // tp) if world % tp == 0 else []):
+        for pp in (opts["pp_sizes"] or divisors(world // tp) if world % tp == 0 else []):
             if (world // tp) % pp:
                 continue
             dp = world // (tp * pp)
