@@ -13,7 +13,7 @@ flight on that rank, plus the transient working set of the forward or backward r
 the peak. Rows compare every rank (the worst pipeline rank is what the planner ranks by).
 With CP the rows are the same model and micro-batch: each rank holds S/2 tokens of every
 sequence (the CP ranks read the same rows), and the prediction is at those tokens plus the
-CP attention's saved positions (:func:`engine.planner.activations.cp_meta_bytes`).
+CP attention's own saved tensors (:func:`engine.planner.activations.cp_block_bytes_per_token`).
 
     python benchmarks/activation_memory_planner.py [--out benchmarks/results/activation_peak_planner.json]
     python benchmarks/activation_memory_planner.py --rows 1f1b-none zb-h1-full   # a subset
@@ -144,14 +144,14 @@ def measure(name: str) -> list[dict[str, Any]]:
 def predict(name: str) -> list[float]:
     """The planner's activation peak per pipeline rank for row ``name``."""
     from engine.models.config import ModelConfig
-    from engine.planner.activations import ActivationShape, cp_meta_bytes, inflight_peaks
+    from engine.planner.activations import ActivationShape, cp_block_bytes_per_token, inflight_peaks
     from engine.planner.cost import stage_shapes
 
     dp, tp, sp, pp, sched, v, m, policy = ROWS[name]
     cp, mode = row_cp(name)
     model = ModelConfig(**MODEL)
     a = ActivationShape(MICRO * model.seq_len // cp, tp, sp, 4, policy,
-                        cp_meta_bytes(cp, cp if mode == "ulysses" else 1))
+                        cp_block_bytes_per_token(model, cp, cp if mode == "ulysses" else 1, tp, 4))
     pieces = [(s.blocks, s.has_head) for s in stage_shapes(model, pp, v)]
     return inflight_peaks(model, a, sched, pp, m, v, pieces)
 

@@ -48,7 +48,7 @@ from engine.pipeline.stages import reference_layer_params
 from engine.planner.activations import (
     RECOMPUTE_POLICIES,
     ActivationShape,
-    cp_meta_bytes,
+    cp_block_bytes_per_token,
     inflight_peaks,
     policy_modules,
     recompute_forward_fraction,
@@ -210,16 +210,16 @@ def _block_matmul_params(model: ModelConfig) -> int:
 
 
 def activation_bytes_per_token(model: ModelConfig, tp: int, param_bytes: float = 2.0,
-                               recompute: str = "none", cp_meta: int = 0) -> float:
+                               recompute: str = "none", cp_extra: float = 0.0) -> float:
     """Saved activations of ONE block per token under a recompute policy, TP ``tp`` with
     sequence parallelism when tp > 1: :func:`engine.models.activation_memory.block_bytes_per_token`
-    (the per-block constant, the fp32 norm weight copies, left out); ``cp_meta``: the
-    context-parallel attention's positions and document ids
-    (:func:`engine.planner.activations.cp_meta_bytes`)."""
+    (the per-block constant, the fp32 norm weight copies, left out); ``cp_extra``: what
+    context parallelism adds per token and block
+    (:func:`engine.planner.activations.cp_block_bytes_per_token`)."""
     if recompute == "full":  # one block per unit: its input, on the residual stream
         return param_bytes * model.hidden_size / (tp if tp > 1 else 1)
     return block_bytes_per_token(BlockDims.of(model), elem=param_bytes, tp=tp, sp=tp > 1,
-                                 modules=policy_modules(recompute))[0] + cp_meta
+                                 modules=policy_modules(recompute))[0] + cp_extra
 
 
 def _tokens(model: ModelConfig, layout: Layout) -> int:
@@ -227,8 +227,8 @@ def _tokens(model: ModelConfig, layout: Layout) -> int:
     return layout.micro_batch * model.seq_len // layout.cp
 
 
-def _cp_meta(layout: Layout) -> int:
-    return cp_meta_bytes(layout.cp, layout.ulysses_size)
+def _cp_extra(model: ModelConfig, layout: Layout, param_bytes: float) -> float:
+    return cp_block_bytes_per_token(model, layout.cp, layout.ulysses_size, layout.tp, int(param_bytes))
 
 
 def activation_peaks(model: ModelConfig, layout: Layout, param_bytes: float = 2.0) -> list[float]:
@@ -240,7 +240,7 @@ def activation_peaks(model: ModelConfig, layout: Layout, param_bytes: float = 2.
     if sched != "gpipe":
         m = _sim_length(sched, layout.pp, m, layout.virtual_stages)
     a = ActivationShape(_tokens(model, layout), layout.tp, layout.tp > 1, int(param_bytes), layout.recompute,
-                        _cp_meta(layout))
+                        _cp_extra(model, layout, param_bytes))
     pieces = [(s.blocks, s.has_head) for s in stage_shapes(model, layout.pp, layout.virtual_stages)]
     return inflight_peaks(model, a, sched, layout.pp, m, layout.virtual_stages, pieces)
 
@@ -295,7 +295,8 @@ def memory_lower_bound(model: ModelConfig, layout: Layout, cluster: Cluster, *, 
     under every schedule here (one chunk each with interleaving)."""
     shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
     tokens = _tokens(model, layout)
-    act = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute, _cp_meta(layout))
+    act = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute,
+                                     _cp_extra(model, layout, param_bytes))
     first = shapes[0].blocks * min(layout.pp, layout.num_microbatches) * tokens * act
     return max(model_states_bytes(model, layout, param_bytes=param_bytes), sum(
         _rank_states(model, layout, shapes, 0, param_bytes)) + first) + cluster.reserved_bytes
