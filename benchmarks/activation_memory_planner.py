@@ -90,6 +90,18 @@ def row_cp(name: str) -> tuple[int, str]:
     return ROW_CP.get(name, (1, "ring"))
 
 
+# The CP term per block (engine.planner.activations.cp_block_bytes_per_token), measured as the
+# slope of the activation peak between 2 and 6 layers at CP 2: name -> (row, model overrides, bf16)
+CP_SLOPES: dict[str, tuple[str, dict[str, int], bool]] = {
+    "ring-kv2-fp32": ("cp2-ring-none", {}, False),
+    "ring-kv4-fp32": ("cp2-ring-none", {"num_kv_heads": 4}, False),
+    "ring-kv2-bf16": ("cp2-ring-none", {}, True),
+    "ulysses-kv2-fp32": ("cp2-ulysses-none", {}, False),
+    "ulysses-kv1-fp32": ("cp2-ulysses-none", {"num_kv_heads": 1}, False),
+}
+SLOPE_LAYERS = (2, 6)
+
+
 def row_config(name: str) -> dict[str, Any]:
     dp, tp, sp, pp, sched, v, m, policy = ROWS[name]
     pipeline: dict[str, Any] = {"stages": pp, "partition": "blocks"}  # the pieces the planner models
@@ -156,6 +168,44 @@ def predict(name: str) -> list[float]:
     return inflight_peaks(model, a, sched, pp, m, v, pieces)
 
 
+def slope_config(name: str, layers: int) -> dict[str, Any]:
+    row, over, bf16 = CP_SLOPES[name]
+    cfg = row_config(row)
+    cfg["model"].update(over, num_layers=layers)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def measure_slope(name: str) -> float:
+    """Measured bytes one block adds per local token: the difference of the activation peak
+    between SLOPE_LAYERS layers (the max over the ranks) over the blocks and tokens."""
+    from engine.distributed.spawn import spawn
+
+    row = CP_SLOPES[name][0]
+    cp = row_cp(row)[0]
+    peaks = [max(int(r["activation_peak_bytes"]) for r in spawn(_measure_rank, cp, (slope_config(name, n),),
+                                                                  timeout=900)) for n in SLOPE_LAYERS]
+    lo, hi = SLOPE_LAYERS
+    return (peaks[1] - peaks[0]) / (hi - lo) / (MICRO * MODEL["seq_len"] // cp)
+
+
+def predict_slope(name: str) -> tuple[float, float]:
+    """(formula, CP term) per local token and block: the documented block formula
+    (engine.models.activation_memory, its per-block constant over the tokens included) plus
+    :func:`engine.planner.activations.cp_block_bytes_per_token`."""
+    from engine.models.activation_memory import BlockDims, block_saved_bytes
+    from engine.models.config import ModelConfig
+    from engine.planner.activations import cp_block_bytes_per_token
+
+    row, over, bf16 = CP_SLOPES[name]
+    cp, mode = row_cp(row)
+    model = ModelConfig(**dict(MODEL, **over))
+    elem, tokens = 2 if bf16 else 4, MICRO * model.seq_len // cp
+    extra = cp_block_bytes_per_token(model, cp, cp if mode == "ulysses" else 1, 1, elem)
+    return block_saved_bytes(BlockDims.of(model), tokens, elem=elem) / tokens + extra, extra
+
+
 def row_record(name: str, measured: list[dict[str, Any]]) -> dict[str, Any]:
     """One JSON row: the layout, the measured peak of every pipeline rank (the max over its
     TP/CP/DP ranks), the prediction and their ratio."""
@@ -177,6 +227,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--out", default=None, help="write the rows as JSON")
+    ap.add_argument("--slopes", nargs="*", default=list(CP_SLOPES), choices=list(CP_SLOPES),
+                    help="the CP per-block slopes to measure (default all; none: --slopes)")
     args = ap.parse_args(argv)
     rows = []
     print("| row | policy | schedule | CP | measured MB per pipeline rank | predicted MB | predicted/measured |")
@@ -188,10 +240,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {name} | {r['policy']} | {r['schedule']} | {cp_col} | {' '.join(f'{x / 2**20:.3f}' for x in r['measured'])} | "
               f"{' '.join(f'{x / 2**20:.3f}' for x in r['predicted'])} | {' '.join(f'{x:.3f}' for x in r['ratio'])} |",
               flush=True)
+    slopes = []
+    if args.slopes:
+        print("\n| CP slope | measured B/token/block | formula + CP term | CP term |\n|---|---|---|---|")
+    for name in args.slopes:
+        meas = measure_slope(name)
+        pred, extra = predict_slope(name)
+        slopes.append({"name": name, "measured": meas, "predicted": round(pred, 3), "cp_term": extra})
+        print(f"| {name} | {meas:.1f} | {pred:.1f} | {extra:+.0f} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": MODEL, "micro_batch": MICRO, "dtype": "float32", "device": "cpu (gloo ranks)",
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "cp_slopes": slopes}, f, indent=1)
     return 0
 
 

@@ -55,6 +55,22 @@ def test_predicted_activation_peak_within_10_percent_of_measured():
             assert abs(p - m) <= 0.10 * m, (r["name"], k, p, m)
 
 
+def test_cp_block_term_equals_the_measured_per_block_slopes():
+    """Context parallelism's per-block bytes (engine.planner.activations.cp_block_bytes_per_token:
+    positions, rotary tables at the shard's positions, the ring's own v and fp32 output, Ulysses'
+    KV repetition) on top of the block formula against the measured slope of the activation
+    peak over layers: ring and Ulysses, KV heads 1, 2 and 4, fp32 and bf16. Exact counts; 0.5
+    byte per token of slack for the float division."""
+    from benchmarks.activation_memory_planner import CP_SLOPES, predict_slope
+
+    slopes = _data()["cp_slopes"]
+    assert {r["name"] for r in slopes} == set(CP_SLOPES)
+    assert len({r["cp_term"] for r in slopes}) == len(slopes)  # the cases tell the terms apart
+    for r in slopes:
+        pred, _ = predict_slope(r["name"])
+        assert abs(pred - r["measured"]) <= 0.5, (r, pred)
+
+
 def test_the_layout_peak_uses_the_same_activation_term():
     """cost.peak_estimate's activation bytes are activations.inflight_peaks' for the layout."""
     from engine.models.config import ModelConfig
