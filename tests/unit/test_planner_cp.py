@@ -110,6 +110,20 @@ def test_write_config_round_trip_with_cp(tmp_path):
     assert "context_parallel" not in layout_config(TINY, replace(lay, cp=1, dp=4))
 
 
+def test_cli_searches_cp_and_writes_a_loadable_config(tmp_path, capsys):
+    from engine.planner.__main__ import main
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--layers", "2", "--hidden", "64", "--heads", "8", "--kv-heads", "2", "--vocab", "256",
+               "--seq", "128", "--cluster", "h100", "--nodes", "1", "--gpus-per-node", "4", "--global-batch", "8",
+               "--micro-batches", "1", "--zero", "1", "--cp", "2", "4", "--cp-modes", "ring", "ulysses",
+               "--write-config", str(out)])
+    assert rc == 0 and "CP comm" in capsys.readouterr().out
+    conf = load_config(str(out), world_size=4)
+    assert conf.cp in (2, 4) and conf.dp * conf.tp * conf.pp * conf.cp == 4
+    assert layout_of_config(conf).cp == conf.cp
+
+
 @pytest.mark.timeout(300)
 def test_written_cp_config_runs_and_its_peak_matches_the_plan():
     """The ring layout the planner writes runs on 2 gloo ranks; its measured activation peak is
