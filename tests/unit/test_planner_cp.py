@@ -82,6 +82,22 @@ def test_cp_time_model_ring_hides_behind_attention_ulysses_does_not():
     assert t8.compute_s == pytest.approx(t1.compute_s / 8, rel=1e-9)
 
 
+@pytest.mark.parametrize("mode,kv,cp", [("ring", 2, 2), ("ring", 2, 4), ("ulysses", 2, 2), ("ulysses", 1, 4)])
+def test_cp_comm_bytes_are_the_engines_documented_volume(mode, kv, cp):
+    """At 1 byte/s, no latency and no overlap the seconds are the bytes each rank sends, which
+    must be docs/context_parallel.md's table (benchmarks/context_parallel.py formula_bytes, which
+    equals the bytes the engine hands to isend / all-to-all / all-gather in every mode of
+    benchmarks/results/context_parallel_cpu.md)."""
+    from benchmarks.context_parallel import formula_bytes
+
+    cluster = replace(cluster_preset("h100", nodes=1), intra_node_bw=1.0, latency_s=0.0, comm_overlap=0.0)
+    model = replace(TINY, num_kv_heads=kv, seq_len=256)
+    lay = Layout(dp=1, tp=1, pp=1, micro_batch=2, num_microbatches=1, zero_stage=0, cp=cp, cp_mode=mode)
+    f, b = cp_comm_seconds(model, lay, cluster, param_bytes=4.0)
+    u = cp if mode == "ulysses" else 1
+    assert f + b == pytest.approx(formula_bytes(2, 256, 8, kv, 8, cp, u, elem=4))
+
+
 def test_search_at_cp_gives_right_world_sizes_and_default_is_unchanged():
     cluster = replace(cluster_preset("h100", nodes=1), memory_bytes=1e15)
     model = replace(TINY, seq_len=256)
