@@ -1,6 +1,8 @@
 """DeepSpeed's engine queries and its manual-accumulation methods, as a mixin of
 :class:`engine.engine.Engine` (kept apart so the engine's own file holds its step logic):
-``fp16_enabled()``, ``bfloat16_enabled()``, ``zero_optimization_stage()``,
+``fp16_enabled()``, ``bfloat16_enabled()``, ``bf16_master_weights_and_gradients()``,
+``bf16_optimizer_states()``, ``torch_autocast_enabled()`` / ``_dtype()`` /
+``_lower_precision_safe_modules()``, ``zero_optimization_stage()``,
 ``zero_gather_16bit_weights_on_model_save()``, ``world_size`` answer from the config;
 ``_zero3_consolidated_16bit_state_dict()`` gathers the model's weights on rank 0 (accelerate's
 ``get_state_dict`` and so HF Trainer's ``save_model`` at ZeRO-3); ``set_gradient_accumulation_boundary`` sets the boundary by hand, as
@@ -16,6 +18,7 @@ import torch.nn as nn
 
 from engine.config import Config
 from engine.moe.context import NO_EP
+from engine.precision.autocast import autocast_dtype, lower_precision_safe_classes
 from engine.topology import Role
 from engine.weights16 import consolidated_state_dict
 
@@ -34,6 +37,25 @@ class DeepSpeedQueries:
 
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.bf16.bf16_optimizer_states
+
+    def fp16_master_weights_and_gradients(self) -> bool:
+        return False  # fp16.fp16_master_weights_and_grads is refused by the config
+
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        return autocast_dtype(self.config.torch_autocast)
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The dotted class names (DeepSpeed's default list when unset)."""
+        return [f"{c.__module__}.{c.__name__}" for c in lower_precision_safe_classes(self.config.torch_autocast)]
 
     def zero_optimization_stage(self) -> int:
         return self.config.zero.stage

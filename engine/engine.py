@@ -44,6 +44,7 @@ from engine.moe.stats import MoEStepGroups, moe_layers, moe_step_end
 from engine.moe.wiring import moe_step_groups
 from engine.monitor import EVAL_LOSS, LOSS_SCALE, LR, TRAIN_LOSS, Event, Monitor
 from engine.parts import LossFn, ModelParts
+from engine.precision.autocast import autocast_forward, lower_precision_safe_classes
 from engine.precision.fp8 import Fp8LinearState, fp8_states, update_fp8_scales
 from engine.timers import PhaseTimers
 from engine.topology import Role
@@ -150,6 +151,8 @@ class Engine(DeepSpeedQueries, nn.Module):
         self.loss_fn = parts.loss_fn if pipeline is None else None
         self.dist_env = dist_env
         self.device = device
+        if config.torch_autocast.enabled:  # DeepSpeed's init_autocast_params: the names must import
+            lower_precision_safe_classes(config.torch_autocast)
         self.training_dataloader = training_dataloader
         self.monitor = monitor  # rank 0 writes; None: no monitor section
         self._step_losses = []
@@ -302,7 +305,8 @@ class Engine(DeepSpeedQueries, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_no_pipeline("forward")
-        with self.timers.phase("forward"), self._forward_rule():
+        with self.timers.phase("forward"), self._forward_rule(), autocast_forward(self.config.torch_autocast,
+                                                                                  self.device.type):
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:

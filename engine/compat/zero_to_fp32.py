@@ -1,7 +1,8 @@
 """DeepSpeed's ``deepspeed.utils.zero_to_fp32`` over this engine's checkpoints (any ZeRO
 stage, DP / TP / PP layout): the full fp32 master weights, by DeepSpeed's function names.
 
-- :func:`get_fp32_state_dict_from_zero_checkpoint` ``(checkpoint_dir, tag=None)`` -> ``{name: fp32 tensor}``;
+- :func:`get_fp32_state_dict_from_zero_checkpoint` ``(checkpoint_dir, tag=None)`` -> ``{name: fp32 tensor}``
+  (bf16 for bf16 master weights, as DeepSpeed's);
 - :func:`convert_zero_checkpoint_to_fp32_state_dict` ``(checkpoint_dir, output_dir,
   safe_serialization=False, tag=None)``: writes ``pytorch_model.bin`` (or
   ``model.safetensors``) into ``output_dir``, streamed one parameter at a time
@@ -45,19 +46,27 @@ __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None,
                                              exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter once, whole, in fp32; a tied alias (a pipeline copy of a tied weight)
-    shares its source's tensor, as in the model's own ``state_dict``."""
+    """Every parameter once, whole, in its master dtype (fp32; bf16 from a checkpoint with
+    ``bf16.bf16_master_weights_and_grads``, as DeepSpeed 0.19.8 gives them: checked by running
+    it; :func:`convert_zero_checkpoint_to_fp32_state_dict` writes fp32 either way); a tied
+    alias (a pipeline copy of a tied weight) shares its source's tensor, as in the model's own
+    ``state_dict``."""
     if lazy_mode:
         raise ValueError("lazy_mode is not supported: the state dict is built whole (engine.checkpoint.consolidate "
                          "streams to a file without holding it)")
     path = resolve_checkpoint(checkpoint_dir, tag)
-    out = {name: full["master"].to(torch.float32) for name, _, full in iter_full_params(path, ("master",))}
+    out = {name: _master_dtype(full["master"]) for name, _, full in iter_full_params(path, ("master",))}
     if not exclude_frozen_parameters:
         out.update(iter_frozen_params(path))
     for alias, source in read_metadata(path).get("aliases", {}).items():
         if source in out:
             out[alias] = out[source]
     return out
+
+
+def _master_dtype(t: torch.Tensor) -> torch.Tensor:
+    """fp32, or bf16 as saved (bf16 masters); anything else (an old checkpoint's) to fp32."""
+    return t if t.dtype == torch.bfloat16 else t.to(torch.float32)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: str, max_shard_size: str = "5GB",

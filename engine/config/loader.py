@@ -15,6 +15,7 @@ from engine.config.context_parallel import check_context_parallel, parse_context
 from engine.config.expert_parallel import check_expert_parallel, parse_expert_parallel
 from engine.config.ignored import IGNORED_KEYS, ignored_keys_in
 from engine.config.limits import check_batch_limits
+from engine.config.low_precision import check_low_precision_master, parse_torch_autocast
 from engine.config.monitor import parse_monitor
 from engine.config.optim import parse_optimizer, parse_scheduler
 from engine.config.reader import Section, read_json_file
@@ -111,7 +112,6 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
     context_parallel = parse_context_parallel(top)
     topology = _topology(world_size, tensor_parallel.autotp_size, pipeline.stages, context_parallel.size)
     _check_data_parallel_size(top, topology)
-    _check_torch_autocast(top)
     if model is not None:
         model.check_parallel(topology.tp, topology.pp)
     check_context_parallel(context_parallel, model, topology.tp, tensor_parallel.sequence_parallel)
@@ -131,6 +131,7 @@ def load_config(path_or_dict: Union[str, "os.PathLike[str]", Mapping[str, Any]],
         data=parse_data(top),
         fp16=parse_fp16(top),
         bf16=parse_bf16(top),
+        torch_autocast=parse_torch_autocast(top),
         fp8=parse_fp8(top),
         data_types=parse_data_types(top),
         zero=parse_zero(top, None if model is None else model.hidden_size),
@@ -187,16 +188,6 @@ def _check_data_parallel_size(top: Section, topology: Topology) -> None:
         raise ConfigError(f"data_parallel_size = {dp} but the data-parallel size is {topology.dp} = world size "
                           f"{topology.world_size} / (tensor_parallel.autotp_size {topology.tp} * pipeline.stages "
                           f"{topology.pp}){cp}: set it to {topology.dp}, or remove it (it is derived)")
-
-
-def _check_torch_autocast(top: Section) -> None:
-    """DeepSpeed's ``torch_autocast`` section: accepted disabled (its default: nothing to
-    do); enabled is refused, mixed precision here being the bf16 / fp16 sections."""
-    s = top.sub("torch_autocast", ("enabled", "dtype", "lower_precision_safe_modules"), fixed={
-        "enabled": (False, "torch.autocast mixed precision is not implemented; use the bf16 or fp16 section, "
-                           "which keeps fp32 master weights and runs the model in that dtype")})
-    s.optional_str("dtype")
-    s.str_list("lower_precision_safe_modules")
 
 
 def _batch_value(name: str, v: Any) -> Optional[int]:
@@ -264,6 +255,7 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError("zero_optimization.offload_optimizer with optimizer.type \"Muon\" is not implemented: Muon's "
                           "Newton-Schulz iterations run on whole matrices gathered across the DP shards on the "
                           "accelerator, not on the host; use AdamW or Lion with offload, or set the device to \"none\"")
+    check_low_precision_master(cfg)
     accum = cfg.data_types.grad_accum_dtype
     if accum not in (None, "fp32", cfg.precision):
         allowed = "\"fp32\"" + ("" if cfg.precision == "fp32" else f" or \"{cfg.precision}\"")

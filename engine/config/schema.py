@@ -18,7 +18,7 @@ __all__ = [
     "AdamParams", "LionParams", "MuonParams", "OptimizerConfig",
     "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "CosineParams", "WSDParams",
     "SchedulerParams", "SchedulerConfig",
-    "FP16Config", "BF16Config", "FP8Config", "DataTypesConfig", "OffloadConfig", "ZeroConfig", "ActivationCheckpointingConfig",
+    "FP16Config", "BF16Config", "TorchAutocastConfig", "FP8Config", "DataTypesConfig", "OffloadConfig", "ZeroConfig", "ActivationCheckpointingConfig",
     "PipelineConfig", "AutoTPLayerSpecConfig", "AutoTPPartitionConfig",
     "TensorParallelConfig", "ContextParallelConfig", "ExpertParallelConfig", "CheckpointConfig", "DataConfig", "Config",
 ]
@@ -178,6 +178,22 @@ class FP16Config(_Section):
 class BF16Config(_Section):
     enabled: bool = False
     check_grad_overflow: bool = True  # skip (and count) steps whose gradients hold inf/NaN
+    # DeepSpeed's low-precision master state (ZeRO 1-3, engine.config.low_precision): the
+    # optimizer's flat master shard and its gradient shard in bf16; the Adam moments too
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+
+@dataclass(frozen=True)
+class TorchAutocastConfig(_Section):
+    """DeepSpeed's ``torch_autocast``: the engine's forward runs under ``torch.autocast`` in
+    ``dtype`` ("bf16" / "fp16"; DeepSpeed's DtypeEnum spellings are accepted);
+    ``lower_precision_safe_modules``: dotted class names whose parameters DeepSpeed reduces
+    in ``dtype`` (None: its default, Linear and Conv1d/2d/3d)."""
+
+    enabled: bool = False
+    dtype: Optional[str] = None
+    lower_precision_safe_modules: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -422,6 +438,7 @@ class Config:
     data: DataConfig = DataConfig()
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = BF16Config()
+    torch_autocast: TorchAutocastConfig = TorchAutocastConfig()
     fp8: FP8Config = FP8Config()
     data_types: DataTypesConfig = DataTypesConfig()
     zero: ZeroConfig = ZeroConfig()
@@ -510,6 +527,7 @@ class Config:
         d.update({
             "fp16": self.fp16.to_dict(),
             "bf16": self.bf16.to_dict(),
+            "torch_autocast": self.torch_autocast.to_dict(),
             "fp8": self.fp8.to_dict(),
             "data_types": self.data_types.to_dict(),
             "zero_optimization": self.zero.to_dict(),

@@ -70,11 +70,13 @@ _PRECISION_AUTO = (" (it depends on the device, and loading a config is device-i
 def parse_bf16(top: Section) -> BF16Config:
     s = top.sub("bf16", _names(BF16Config), fixed={
         "immediate_grad_update": (False, "gradients are applied once per optimizer step"),
-        "bf16_master_weights_and_grads": (False, "master weights and gradients are always kept in fp32"),
-        "bf16_optimizer_states": (False, "optimizer states are always kept in fp32"),
     })
+    # bf16_master_weights_and_grads / bf16_optimizer_states: their rules (ZeRO stage, offload)
+    # are cross-section, engine.config.low_precision.check_low_precision_master
     return BF16Config(enabled=s.bool("enabled", False, auto_hint=_PRECISION_AUTO),
-                      check_grad_overflow=s.bool("check_grad_overflow", True))
+                      check_grad_overflow=s.bool("check_grad_overflow", True),
+                      bf16_master_weights_and_grads=s.bool("bf16_master_weights_and_grads", False),
+                      bf16_optimizer_states=s.bool("bf16_optimizer_states", False))
 
 
 # DeepSpeed's DtypeEnum spellings of the dtypes a gradient may accumulate in

@@ -25,7 +25,7 @@ from engine.distributed.groups import ParallelGroups
 from engine.errors import ConfigError
 from engine.optim.chunked_adam import ChunkedAdam, ChunkedAdamW
 from engine.optim.client import ClientLRScheduler, param_groups_from_client, resolve_client_optimizer
-from engine.optim.ds_adam import check_offload_client
+from engine.optim.ds_adam import DeepSpeedCPUAdam, check_offload_client
 from engine.optim.fused_adamw import FusedAdamW
 from engine.optim.lion import Lion
 from engine.optim.lr_schedules import build_lr_scheduler
@@ -161,6 +161,7 @@ def optimizer_inputs(cfg: Config, params: Any, client: Any = None,
     given = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
     resolved = resolve_client_optimizer(client, given)
     check_offload_client(resolved, cfg.zero.offload_optimizer.enabled, cfg.zero_force_ds_cpu_optimizer)
+    check_bf16_master_client(resolved, cfg)
     if check is not None:
         check(resolved)
     flat = [q for x in given for q in (x["params"] if isinstance(x, dict) else [x])]
@@ -170,7 +171,44 @@ def optimizer_inputs(cfg: Config, params: Any, client: Any = None,
 def precision_policy(cfg: Config) -> PrecisionPolicy:
     check = cfg.bf16.check_grad_overflow if cfg.bf16.enabled else None
     return PrecisionPolicy.from_name(cfg.precision, check_nonfinite=check, grad_accum=cfg.data_types.grad_accum_dtype,
-                                     comm=cfg.communication_data_type)
+                                     comm=cfg.communication_data_type,
+                                     master="bf16" if cfg.bf16.bf16_master_weights_and_grads else "fp32")
+
+
+def check_bf16_master_client(client: torch.optim.Optimizer, cfg: Config) -> None:
+    """DeepSpeed's rules for a client optimizer with ``bf16.bf16_master_weights_and_grads`` under
+    ZeRO-Offload (``_configure_master_weights``): it must be DeepSpeedCPUAdam (whatever
+    ``zero_force_ds_cpu_optimizer`` says), and with ``bf16_optimizer_states`` one constructed with
+    ``fp32_optimizer_states=False``. Raised on every rank before any collective."""
+    b = cfg.bf16
+    if not (b.bf16_master_weights_and_grads and cfg.zero.offload_optimizer.enabled):
+        return
+    if not isinstance(client, DeepSpeedCPUAdam):
+        raise ConfigError(f"bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer needs the "
+                          f"client optimizer to be DeepSpeedCPUAdam (DeepSpeed asserts \"Master weights feature "
+                          f"requires ZeRO Offload with DeepSpeedCPUAdam\"), got {type(client).__name__}: pass "
+                          "engine.compat.deepspeed.ops.adam.DeepSpeedCPUAdam, or the config's optimizer section")
+    if b.bf16_optimizer_states and client.fp32_optimizer_states:
+        raise ConfigError("bf16.bf16_optimizer_states with ZeRO-Offload requires DeepSpeedCPUAdam constructed with "
+                          "fp32_optimizer_states=False so optimizer moments are stored in bf16 (DeepSpeed's rule): "
+                          "pass fp32_optimizer_states=False, or set bf16.bf16_optimizer_states to false")
+
+
+def _with_master_state(cfg: Config, factory: OptimizerFactory) -> OptimizerFactory:
+    """With bf16 master weights under offload, the config's optimizer (DeepSpeed's DeepSpeedCPUAdam
+    there, built with ``fp32_optimizer_states = not bf16_optimizer_states``) keeps fp32 moments
+    unless ``bf16_optimizer_states``; elsewhere the moments follow the masters' dtype."""
+    b = cfg.bf16
+    if not (b.bf16_master_weights_and_grads and cfg.zero.offload_optimizer.enabled and cfg.optimizer is not None):
+        return factory
+
+    def make(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        opt = factory(groups)
+        assert isinstance(opt, FusedAdamW)  # engine.config.low_precision admits only the CPU Adam here
+        opt.state_dtype = None if b.bf16_optimizer_states else torch.float32
+        return opt
+
+    return make
 
 
 def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, *,
@@ -181,6 +219,7 @@ def build_engine_optimizer(cfg: Config, params: Any, factory: OptimizerFactory, 
     (:func:`engine.optim.muon_assign.split_muon_groups`, names taken from ``module``); with
     no optimizer section (a client optimizer, ``factory``), ``params`` are used as given."""
     policy = precision_policy(cfg)
+    factory = _with_master_state(cfg, factory)
     if cfg.optimizer is not None and isinstance(cfg.optimizer.params, MuonParams):  # None: a client optimizer
         params = _muon_groups_everywhere(cfg.optimizer.params, params, module)
     f = cfg.fp16

@@ -34,11 +34,11 @@ class DeepSpeedCPUAdam(FusedAdamW):
                  amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
         if amsgrad:
             raise RuntimeError("DeepSpeedCPUAdam does not support the AMSGrad variant.")
-        if not fp32_optimizer_states:
-            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False) is not implemented: the optimizer "
-                             "state is always fp32 here; remove the argument")
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          bias_correction=bias_correction, adam_w_mode=adamw_mode)
+        # DeepSpeed's meaning: fp32 moments (True), or moments in the parameters' dtype (False:
+        # bf16 moments of bf16 master weights, its bf16_optimizer_states under offload)
+        self.state_dtype = torch.float32 if fp32_optimizer_states else None
         self.adamw_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states
 

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # device types whose missing kernel was reported (once per process)
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOW_CHUNK = 1 << 20  # elements per fp32 temporary in the bf16-parameter update
 _COPY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -57,7 +58,8 @@ class FusedAdamW(torch.optim.Optimizer):
     ignored (the kernel already handles lists). ``maximize=True`` is supported. Extra:
     ``bias_correction`` (default True, as in torch) turns Adam's bias correction off;
     ``adam_w_mode=False`` gives Adam with L2 weight decay (torch.optim.Adam's update).
-    Parameters must be float32 (master weights); gradients may be fp32, bf16 or fp16.
+    Parameters must be float32 (master weights), or bfloat16 (DeepSpeed's bf16 master weights:
+    updated in fp32 and rounded, :meth:`_step_low`); gradients may be fp32, bf16 or fp16.
     """
 
     # torch.optim.AdamW's signature, argument for argument (a drop-in replacement), plus bias_correction
@@ -93,6 +95,9 @@ class FusedAdamW(torch.optim.Optimizer):
         # param -> low-precision tensor the kernel refreshes after each update; not part of
         # the state dict (it is model memory, not optimizer state).
         self._param_copies: dict[torch.Tensor, torch.Tensor] = {}
+        # dtype of exp_avg / exp_avg_sq: None = the parameter's (fp32 masters: fp32; bf16 masters:
+        # bf16, DeepSpeed's bf16_optimizer_states); fp32 = DeepSpeedCPUAdam(fp32_optimizer_states=True)
+        self.state_dtype: Optional[torch.dtype] = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -123,17 +128,19 @@ class FusedAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            dtype = getattr(self, "state_dtype", None) or p.dtype  # (older pickles lack it)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         return state
 
     def _check_param(self, p: torch.Tensor) -> None:
         assert p.grad is not None  # step() checks only parameters that have a gradient
         if p.grad.is_sparse:
             raise RuntimeError("FusedAdamW does not support sparse gradients; use torch.optim.SparseAdam")
-        if p.dtype != torch.float32:
-            raise TypeError(f"FusedAdamW needs float32 parameters (master weights), got {p.dtype}; keep fp32 "
-                            "masters in the optimizer and attach the low-precision weights with attach_param_copy")
+        if p.dtype not in (torch.float32, torch.bfloat16) or (p.dtype != torch.float32 and p in self._param_copies):
+            raise TypeError(f"FusedAdamW needs float32 parameters (master weights) or bfloat16 ones (DeepSpeed's "
+                            f"bf16 master weights, no attached copy), got {p.dtype}; keep fp32 masters in the "
+                            "optimizer and attach the low-precision weights with attach_param_copy")
         if p.grad.dtype not in _GRAD_DTYPES:
             raise TypeError(f"FusedAdamW: gradient dtype {p.grad.dtype} is not float32/bfloat16/float16")
 
@@ -158,7 +165,7 @@ class FusedAdamW(torch.optim.Optimizer):
             for p, st, step in zip(params, states, step_values):
                 copy = self._param_copies.get(p) if self._param_copies else None
                 contiguous = p.is_contiguous() and p.grad.is_contiguous()  # states follow p's layout
-                key = (p.device, p.grad.dtype, None if copy is None else copy.dtype, step, contiguous)
+                key = (p.device, (p.dtype, p.grad.dtype), None if copy is None else copy.dtype, step, contiguous)
                 b = buckets[key]
                 b[0].append(p)
                 b[1].append(p.grad)
@@ -171,6 +178,9 @@ class FusedAdamW(torch.optim.Optimizer):
             # Adam's update with no decoupled decay (the kernel's decay factor is then exactly 1)
             l2 = 0.0 if group.get("adam_w_mode", True) else float(group["weight_decay"])
             for (device, _, copy_dtype, step, contiguous), (ps, gs, ms, vs, cs) in buckets.items():
+                if ps[0].dtype != torch.float32:  # bf16 masters (the key's grad dtype is theirs)
+                    self._step_low(ps, gs, ms, vs, group, step, l2)
+                    continue
                 if l2:
                     gs = [g.add(p, alpha=l2) if g.dtype == p.dtype else g.float().add_(p, alpha=l2)
                           for g, p in zip(gs, ps)]
@@ -180,3 +190,25 @@ class FusedAdamW(torch.optim.Optimizer):
                 adamw_step(ps, gs, ms, vs, hp, param_copies=cs if copy_dtype is not None else None,
                            use_kernel=contiguous and fused_adamw_available(device))
         return loss
+
+    def _step_low(self, ps: list, gs: list, ms: list, vs: list, group: dict[str, Any], step: float,  # noqa: PLR0913
+                  l2: float) -> None:
+        """The update of bf16 parameters (DeepSpeed's bf16 master weights): as DeepSpeed's CPU
+        Adam kernel does it, each element loaded to fp32 (parameter, gradient and the moments,
+        bf16 or fp32), updated in fp32 and stored back rounded to nearest even; here through
+        fp32 temporaries of at most ``_LOW_CHUNK`` elements per tensor at a time."""
+        beta1, beta2 = group["betas"]
+        hp = AdamWHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=0.0 if l2 else group["weight_decay"], step=step,
+                        bias_correction=group["bias_correction"], maximize=group["maximize"])
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            flat = [t.view(-1) for t in (p, g, m, v)]
+            for lo in range(0, p.numel(), _LOW_CHUNK):
+                p_, g_, m_, v_ = (t[lo:lo + _LOW_CHUNK] for t in flat)
+                p32, g32, m32, v32 = (t.float() for t in (p_, g_, m_, v_))  # copies when not fp32
+                if l2:
+                    g32 = g32.add(p32, alpha=l2)
+                adamw_step([p32], [g32], [m32], [v32], hp, use_kernel=fused_adamw_available(p.device))
+                for low, hi in ((p_, p32), (m_, m32), (v_, v32)):
+                    if low.data_ptr() != hi.data_ptr():
+                        low.copy_(hi)  # round to nearest even (bf16), as DeepSpeed's store

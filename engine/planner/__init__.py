@@ -1,5 +1,6 @@
 """The parallelism planner: for a model, a cluster and a global batch, enumerate the
-(dp, tp, pp, micro-batch, ZeRO stage, schedule, recomputation) layouts, predict memory per
+(dp, tp, pp, micro-batch, ZeRO stage, schedule, recomputation, and when asked the
+context-parallel degree and mode) layouts, predict memory per
 device and step time, reject what does not fit (with the reasons) and rank the rest.
 
     from engine.planner import plan, cluster_preset, model_preset, format_plans

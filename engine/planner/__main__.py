@@ -6,6 +6,8 @@
         --inter-bw-gbs 45 --global-batch 1024
     python -m engine.planner plan --model llama3-8b --cluster h100 --nodes 1 --global-batch 64 \\
         --write-config my-8b.json
+    python -m engine.planner plan --model llama3-8b --seq 65536 --cluster h100 --nodes 2 --global-batch 32 \\
+        --cp 1 2 4 8 --cp-modes ring ulysses
     python -m engine.planner calibrate benchmarks/results/data/2026-11-21_cpu-2core/throughput_*.json
 
 ``plan`` prints the ranked table (best first) and the first rejected layouts with their
@@ -29,6 +31,7 @@ from engine.pipeline.stages import reference_layer_params
 from engine.planner.activations import RECOMPUTE_POLICIES
 from engine.planner.calibrate import check_runs, fit_efficiency, measured_cluster, median_runs
 from engine.planner.cluster import CLUSTERS, MODELS, Cluster, GiB, cluster_preset, model_preset
+from engine.planner.cost import CP_MODES
 from engine.planner.search import DEFAULT_SCHEDULES, format_plans, plan
 from engine.planner.write import config_text, layout_config
 
@@ -110,6 +113,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--recompute", nargs="+", default=list(RECOMPUTE_POLICIES), choices=list(RECOMPUTE_POLICIES),
                    help="activation recompute policies to search (activation_checkpointing granularity)")
     b.add_argument("--no-recompute", action="store_true", help="only --recompute none")
+    b.add_argument("--cp", type=int, nargs="+", default=[1], metavar="C",
+                   help="context-parallel degrees to search (context_parallel.size; default 1: none)")
+    b.add_argument("--cp-modes", nargs="+", default=["ring"], choices=list(CP_MODES),
+                   help="context_parallel modes to search with --cp > 1 (default ring)")
     b.add_argument("--unbalanced", action="store_true", help="also pipeline degrees that do not divide the layers")
     b.add_argument("--bytes", type=float, default=2.0, help="compute-dtype bytes (2 = bf16)")
     b.add_argument("--top", type=int, default=15)
@@ -133,7 +140,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch = args.global_batch_tokens // model.seq_len
     plans = plan(model, cluster, batch, param_bytes=args.bytes, micro_batches=args.micro_batches,
                  zero_stages=args.zero, schedules=args.schedules,
-                 recompute=("none",) if args.no_recompute else tuple(args.recompute), balanced_stages=not args.unbalanced)
+                 recompute=("none",) if args.no_recompute else tuple(args.recompute), balanced_stages=not args.unbalanced,
+                 cp_sizes=tuple(args.cp), cp_modes=tuple(args.cp_modes))
     n_params = sum(reference_layer_params(model)) - (model.vocab_size * model.hidden_size if model.tie_embeddings else 0)
     print(f"model: {n_params / 1e9:.1f}B parameters, {model.num_layers} layers, hidden {model.hidden_size}, "
           f"{model.num_heads} heads ({model.num_kv_heads} kv), ffn {model.ffn_hidden_size}, vocab "

@@ -10,6 +10,10 @@ Saved bytes per block come from the one formula, :mod:`engine.models.activation_
   one norm + linear of a block) and the logits, compute dtype, T·V/t; its loss adds an fp32
   temporary of the logits (logits − max), and an fp32 copy of them below fp32, at the end of
   the forward; all of it is released by the head's backward, before the blocks' backward;
+- under context parallelism (C ranks, T = B·S/C tokens per rank) each block's bytes are the
+  formula's at T tokens plus :func:`cp_block_bytes_per_token` (the CP attention's saved
+  tensors against SDPA's: positions, rotary tables at the shard's positions, its own v, its
+  fp32 output; measured);
 - a backward's working set, on top of what is held: the gradients inside the MLP it starts
   with (gate, up and product gradients, 3·F·e/t per token) and two residual-stream
   gradients (2·H·e/s); under ``full`` recomputation also one block's recomputed activations
@@ -36,6 +40,7 @@ block per unit) — the ``activation_checkpointing`` configs :func:`policy_confi
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -44,7 +49,7 @@ from engine.models.config import DEFAULT_SELECTIVE, ModelConfig
 from engine.pipeline.actions import ActionKind, virtual_stage
 from engine.pipeline.schedule import compute_order, placement_of
 
-__all__ = ["RECOMPUTE_POLICIES", "ActivationShape", "policy_config", "piece_saved_bytes", "inflight_peaks",
+__all__ = ["RECOMPUTE_POLICIES", "CP_META_BYTES", "cp_block_bytes_per_token", "ActivationShape", "policy_config", "piece_saved_bytes", "inflight_peaks",
            "recompute_forward_fraction", "policy_modules"]
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -65,16 +70,55 @@ def recompute_forward_fraction(policy: str) -> float:
     return 1.0 if policy == "full" else 0.0
 
 
+CP_META_BYTES = 16  # int64 global position + document id per token (engine.context_parallel.attention)
+
+
+def cp_block_bytes_per_token(model: ModelConfig, cp: int, ulysses_size: int, tp: int, elem: int) -> float:
+    """What one block keeps for backward per local token under context parallelism beyond
+    the formula's (docs/activation_memory.md, "Context parallelism"; may be negative; 0
+    without CP). The CP attention (engine.context_parallel.ring, one autograd function)
+    replaces SDPA's saved tensors:
+
+    - it saves its own v (a copy: the model's v is a view of the fused q/k/v output), so the
+      fused output e(a + 2g)/t is no longer pinned, and nothing keeps a second rotated k:
+      −g·e/t net of q, k, v;
+    - its output in the compute dtype of the merge (fp32, fp64 for fp64), (4 − e)·a/t more
+      than SDPA's below fp32, and the output projection's input is a copy (the transpose of
+      its (B, heads, S/C, d) output is not a view of the projection's layout): that copy takes
+      the place of the fused q/k/v output's a·e/t;
+    - the int64 positions and document ids of the tokens it attends over, (B, 2, U·S/C):
+      16·U (U = C under Ulysses, 1 for the ring; not split by TP);
+    - the rotary cos/sin gathered at the shard's global positions, (B, S/C, d) fp32 each,
+      saved by the rotation's products: 8·d (not split by TP);
+    - under Ulysses with KV heads per TP rank not divisible by U, k and v repeated to
+      lcm(kv, U) heads before the all-to-all: 2·(g' − g)·e/t.
+
+    Measured per block (slope over 2 and 6 layers, CP 2, hidden 64, 8 heads, d 8): ring kv 2
+    fp32 +16 B/token, kv 4 −48, bf16 +178 (formula 176: the fp32 norm-weight constant over
+    the token counts), Ulysses kv 2 +32, kv 1 +128 (lcm repetition) - each the derivation's."""
+    if cp == 1:
+        return 0.0
+    d, u = model.head_dim, ulysses_size
+    kv_t = max(1, model.kv_heads // tp)
+    g, a = kv_t * d, model.num_heads // tp * d
+    cd = 8 if elem == 8 else 4
+    kv_rep = (math.lcm(kv_t, u) - kv_t) * d if u > 1 and kv_t % u else 0
+    return CP_META_BYTES * u + 8 * d - g * elem + a * (cd - elem) + 2 * kv_rep * elem
+
+
 @dataclass(frozen=True)
 class ActivationShape:
     """What the bytes depend on: tokens of one micro-batch on this rank (B·S/cp), TP degree,
-    sequence parallelism, compute-dtype bytes and the policy."""
+    sequence parallelism, compute-dtype bytes and the policy; ``cp_extra``: what a block
+    keeps per token under context parallelism beyond the formula
+    (:func:`cp_block_bytes_per_token`, 0 without CP)."""
 
     tokens: int
     tp: int
     sp: bool
     elem: int
     policy: str
+    cp_extra: float = 0.0
 
     @property
     def s(self) -> int:
@@ -92,7 +136,8 @@ def block_bytes(model: ModelConfig, a: ActivationShape, blocks: int) -> float:
         return 0.0
     per = policy_saved_bytes(BlockDims.of(model), a.tokens, elem=a.elem, granularity=a.policy,
                              modules=policy_modules(a.policy), layers=blocks, tp=a.tp, sp=a.sp)
-    return per * blocks
+    meta = 0 if a.policy == "full" else a.tokens * a.cp_extra  # a checkpointed block reruns its attention
+    return (per + meta) * blocks
 
 
 def head_saved_bytes(model: ModelConfig, a: ActivationShape) -> float:
@@ -114,11 +159,12 @@ def backward_working_bytes(model: ModelConfig, a: ActivationShape, blocks: int) 
     h, f, t = model.hidden_size, model.ffn_size, a.tokens
     grads = t * a.elem * (2 * f / a.tp + 2 * h / a.s)
     dims = BlockDims.of(model)
-    none = block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp)
+    none = block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp) + t * a.cp_extra
     if a.policy == "full":
         return grads + none
     if a.policy == "selective":
-        return grads + none - block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp, modules=DEFAULT_SELECTIVE)
+        return grads + none - t * a.cp_extra - block_saved_bytes(dims, t, elem=a.elem, tp=a.tp, sp=a.sp,
+                                                                  modules=DEFAULT_SELECTIVE)
     return grads
 
 

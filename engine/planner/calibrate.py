@@ -42,7 +42,8 @@ def run_layout(run: Mapping[str, Any]) -> tuple[ModelConfig, Layout, float]:
         layout = Layout(dp=int(lay["dp"]), tp=int(lay["tp"]), pp=pp, micro_batch=int(run["micro_batch"]),
                         num_microbatches=int(run["grad_accum"]), zero_stage=int(run["zero_stage"]),
                         schedule=schedule if pp > 1 else "none",
-                        virtual_stages=2 if schedule == "interleaved-1f1b" else 1)
+                        virtual_stages=2 if schedule == "interleaved-1f1b" else 1,
+                        cp=int(lay.get("cp", 1)), cp_mode=str(lay.get("cp_mode", "ring")))  # records without CP: 1
         return model, layout, PARAM_BYTES[run["precision"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"not a benchmarks/throughput.py record ({exc!r}): rerun it with --json") from exc

@@ -33,6 +33,7 @@ optimizer step (memory-bound: ~34 bytes per local master element).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -47,6 +48,7 @@ from engine.pipeline.stages import reference_layer_params
 from engine.planner.activations import (
     RECOMPUTE_POLICIES,
     ActivationShape,
+    cp_block_bytes_per_token,
     inflight_peaks,
     policy_modules,
     recompute_forward_fraction,
@@ -57,8 +59,9 @@ from engine.zero.memory import zero_state_bytes as engine_state_bytes
 __all__ = ["Layout", "MemoryEstimate", "TimeEstimate", "StageShape", "stage_shapes", "memory_estimate",
            "time_estimate", "pipeline_makespan", "activation_bytes_per_token", "activation_peaks", "check_layout", "model_states_bytes", "zero_state_bytes", "peak_estimate", "layout_peak_bytes",
            "memory_lower_bound",
-           "ADAM_STEP_BYTES"]
+           "ADAM_STEP_BYTES", "CP_MODES", "cp_comm_seconds"]
 
+CP_MODES = ("ring", "ulysses")  # the context_parallel modes the planner models
 ADAM_STEP_BYTES = 34.0  # per master element: read grad, master, m, v; write master, m, v, param; norm pass
 SIM_MICROBATCH_MIN = 8  # pipelines longer than max(p + 2, this) are simulated at that length and extrapolated
 
@@ -80,19 +83,39 @@ class Layout:
     schedule: str = "none"
     virtual_stages: int = 1
     recompute: str = "none"
+    cp: int = 1
+    cp_mode: str = "ring"
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"Layout.recompute={self.recompute!r}: use one of {RECOMPUTE_POLICIES} "
                              "(an activation_checkpointing granularity)")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"Layout.cp={self.cp!r}: the context-parallel degree (context_parallel.size) is an "
+                             "integer >= 1")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"Layout.cp_mode={self.cp_mode!r}: the planner models context_parallel.mode "
+                             f"{' or '.join(repr(m) for m in CP_MODES)} (not \"hybrid\")")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks that reduce and (ZeRO) partition gradients and optimizer state: the
+        engine's grad role spans ``cp x dp`` (engine.topology.ROLE_AXES)."""
+        return self.dp * self.cp
+
+    @property
+    def ulysses_size(self) -> int:
+        """The all-to-all degree U: C under Ulysses, 1 for the ring (and without CP)."""
+        return self.cp if self.cp_mode == "ulysses" and self.cp > 1 else 1
 
     def describe(self) -> str:
         sched = self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else "")
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} {sched} mb{self.micro_batch}x{self.num_microbatches} "
+        cp = f" cp{self.cp}({self.cp_mode})" if self.cp > 1 else ""
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp}{cp} {sched} mb{self.micro_batch}x{self.num_microbatches} "
                 f"ZeRO-{self.zero_stage}" + (f" recompute={self.recompute}" if self.recompute != "none" else ""))
 
 
@@ -133,6 +156,7 @@ class TimeEstimate:
     tokens_per_s: float
     mfu: float
     notes: tuple[str, ...] = field(default=())
+    cp_comm_s: float = 0.0  # context-parallel communication on the critical path (cp_comm_seconds)
 
 
 @dataclass(frozen=True)
@@ -186,14 +210,25 @@ def _block_matmul_params(model: ModelConfig) -> int:
 
 
 def activation_bytes_per_token(model: ModelConfig, tp: int, param_bytes: float = 2.0,
-                               recompute: str = "none") -> float:
+                               recompute: str = "none", cp_extra: float = 0.0) -> float:
     """Saved activations of ONE block per token under a recompute policy, TP ``tp`` with
     sequence parallelism when tp > 1: :func:`engine.models.activation_memory.block_bytes_per_token`
-    (the per-block constant, the fp32 norm weight copies, left out)."""
+    (the per-block constant, the fp32 norm weight copies, left out); ``cp_extra``: what
+    context parallelism adds per token and block
+    (:func:`engine.planner.activations.cp_block_bytes_per_token`)."""
     if recompute == "full":  # one block per unit: its input, on the residual stream
         return param_bytes * model.hidden_size / (tp if tp > 1 else 1)
     return block_bytes_per_token(BlockDims.of(model), elem=param_bytes, tp=tp, sp=tp > 1,
-                                 modules=policy_modules(recompute))[0]
+                                 modules=policy_modules(recompute))[0] + cp_extra
+
+
+def _tokens(model: ModelConfig, layout: Layout) -> int:
+    """Tokens of one micro-batch on one rank: B·S/cp (each CP rank holds S/cp of every sequence)."""
+    return layout.micro_batch * model.seq_len // layout.cp
+
+
+def _cp_extra(model: ModelConfig, layout: Layout, param_bytes: float) -> float:
+    return cp_block_bytes_per_token(model, layout.cp, layout.ulysses_size, layout.tp, int(param_bytes))
 
 
 def activation_peaks(model: ModelConfig, layout: Layout, param_bytes: float = 2.0) -> list[float]:
@@ -204,8 +239,8 @@ def activation_peaks(model: ModelConfig, layout: Layout, param_bytes: float = 2.
     m = layout.num_microbatches
     if sched != "gpipe":
         m = _sim_length(sched, layout.pp, m, layout.virtual_stages)
-    a = ActivationShape(layout.micro_batch * model.seq_len, layout.tp, layout.tp > 1, int(param_bytes),
-                        layout.recompute)
+    a = ActivationShape(_tokens(model, layout), layout.tp, layout.tp > 1, int(param_bytes), layout.recompute,
+                        _cp_extra(model, layout, param_bytes))
     pieces = [(s.blocks, s.has_head) for s in stage_shapes(model, layout.pp, layout.virtual_stages)]
     return inflight_peaks(model, a, sched, layout.pp, m, layout.virtual_stages, pieces)
 
@@ -218,12 +253,17 @@ def _ring(bytes_: float, n: int, bw: float, latency: float, factor: float) -> fl
 
 
 def _dp_bandwidth(layout: Layout, cluster: Cluster) -> float:
-    return cluster.intra_node_bw if layout.tp * layout.dp <= cluster.gpus_per_node else cluster.inter_node_bw
+    """The gradient group (cp x dp, ranks laid out tp, cp, dp, pp innermost first)."""
+    return cluster.intra_node_bw if layout.tp * layout.grad_ranks <= cluster.gpus_per_node else cluster.inter_node_bw
+
+
+def _cp_bandwidth(layout: Layout, cluster: Cluster) -> float:
+    """A CP group: its ranks are tp apart inside one data replica."""
+    return cluster.intra_node_bw if layout.tp * layout.cp <= cluster.gpus_per_node else cluster.inter_node_bw
 
 
 def _pp_bandwidth(layout: Layout, cluster: Cluster) -> float:
-    return cluster.intra_node_bw if layout.tp * layout.dp * layout.pp <= cluster.gpus_per_node \
-        else cluster.inter_node_bw
+    return cluster.intra_node_bw if layout.world_size <= cluster.gpus_per_node else cluster.inter_node_bw
 
 
 def zero_state_bytes(numel: float, stage: int, dp: int, param_bytes: float = 2.0, *,
@@ -238,7 +278,7 @@ def _rank_states(model: ModelConfig, layout: Layout, shapes: list[StageShape], r
                  param_bytes: float) -> tuple[float, float, float]:
     """(params, grads, optimizer state) bytes of pipeline rank ``rank``."""
     n_params = _rank_params(model, _rank_pieces(layout, shapes, rank)) / layout.tp
-    st = zero_state_bytes(n_params, layout.zero_stage, layout.dp, param_bytes,
+    st = zero_state_bytes(n_params, layout.zero_stage, layout.grad_ranks, param_bytes,
                           accumulating=layout.num_microbatches > 1 or layout.pp > 1)
     return st["params"], st["grads"], st["optimizer_state"]
 
@@ -254,8 +294,9 @@ def memory_lower_bound(model: ModelConfig, layout: Layout, cluster: Cluster, *, 
     rank holds at least ``min(pp, micro-batches)`` micro-batches of its blocks' activations
     under every schedule here (one chunk each with interleaving)."""
     shapes = stage_shapes(model, layout.pp, layout.virtual_stages)
-    tokens = layout.micro_batch * model.seq_len
-    act = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute)
+    tokens = _tokens(model, layout)
+    act = activation_bytes_per_token(model, layout.tp, param_bytes, layout.recompute,
+                                     _cp_extra(model, layout, param_bytes))
     first = shapes[0].blocks * min(layout.pp, layout.num_microbatches) * tokens * act
     return max(model_states_bytes(model, layout, param_bytes=param_bytes), sum(
         _rank_states(model, layout, shapes, 0, param_bytes)) + first) + cluster.reserved_bytes
@@ -286,10 +327,58 @@ def memory_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, par
     return best
 
 
+def cp_comm_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes: float = 2.0
+                    ) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's context-parallel communication on the
+    critical path, per micro-batch (0 without CP). Per rank, B micro-batch rows, T = B·S/C
+    local tokens, g = kv_heads·d / t and a = heads·d / t per TP rank, e bytes:
+
+    - ring (engine.context_parallel.ring): C−1 hops forward, each one K/V block (2·T·g·e)
+      and its positions/document ids (16·T); backward C−1 K/V hops and C fp32 dK/dV
+      accumulator hops (2·T·g·4). Each hop is posted before the block it overlaps is
+      computed, so the hops hide behind the attention's own FLOPs (forward 4·T·S·a, backward
+      twice that; the causal head-tail shards give every rank the same share) up to the
+      cluster's ``comm_overlap``; what is left is exposed;
+    - Ulysses (engine.context_parallel.ulysses): four all-to-alls forward (q, k, v, o) and
+      four backward (dO, dq, dk, dv), each sending (U−1)/U of its tensor (k, v repeated to
+      lcm(kv heads, U) when U does not divide them), plus the positions' all-gather; on
+      the critical path (the attention waits for them).
+
+    The CP group's ranks are tp apart in one data replica: intra-node while tp·cp fits a node."""
+    c = layout.cp
+    if c == 1:
+        return 0.0, 0.0
+    t, e = layout.tp, param_bytes
+    tokens = _tokens(model, layout)
+    bw, lat = _cp_bandwidth(layout, cluster), cluster.latency_s
+    d = model.head_dim
+    a, kv = model.num_heads // t, max(1, model.kv_heads // t)
+    if layout.cp_mode == "ring":
+        rate = cluster.peak_flops * cluster.compute_efficiency
+        attn_f = 4 * tokens * model.seq_len * a * d / rate  # this rank's share of the causal attention
+        kv_hop = (2 * tokens * kv * d * e + 16 * tokens) / bw + lat
+        acc_hop = 2 * tokens * kv * d * 4 / bw + lat
+        hidden_f = cluster.comm_overlap * attn_f * (c - 1) / c  # no transfer behind the last block
+        fwd = max(0.0, (c - 1) * kv_hop - hidden_f)
+        bwd = max(0.0, (c - 1) * kv_hop + c * acc_hop - cluster.comm_overlap * 2 * attn_f)
+        return fwd, bwd
+    u = layout.ulysses_size
+    kv_u = kv if kv % u == 0 else math.lcm(kv, u)
+    frac = (u - 1) / u
+
+    def a2a(width: int) -> float:  # one all-to-all of a (T, width·d) tensor
+        return frac * tokens * width * d * e / bw + (u - 1) * lat
+
+    fwd = 2 * a2a(a) + 2 * a2a(kv_u) + (u - 1) * (16 * tokens / bw + lat)  # q, o; k, v; positions
+    return fwd, 2 * a2a(a) + 2 * a2a(kv_u)
+
+
 def _piece_costs(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes: float) -> list[tuple]:
-    """Per pipeline piece: (forward s, backward s, compute s, tp comm s, zero3 exposed s)."""
+    """Per pipeline piece: (forward s, backward s, compute s, tp comm s, zero3 exposed s,
+    cp comm s). Every rank computes its B·S/cp tokens (the head-tail shards balance the
+    causal attention exactly, so the attention FLOPs split by cp as well)."""
     h, s, tp = model.hidden_size, model.seq_len, layout.tp
-    tokens = layout.micro_batch * s
+    tokens = _tokens(model, layout)
     rate = cluster.peak_flops * cluster.compute_efficiency
     f_block = 2 * _block_matmul_params(model) + 4 * s * h  # forward FLOPs per token per block
     f_head = 2 * model.vocab_size * h
@@ -303,6 +392,7 @@ def _piece_costs(model: ModelConfig, layout: Layout, cluster: Cluster, param_byt
         freed = (activation_bytes_per_token(model, tp, param_bytes) -
                  activation_bytes_per_token(model, tp, param_bytes, "selective"))
         rewrite = 2 * freed / cluster.hbm_bw
+    cp_f_block, cp_b_block = cp_comm_seconds(model, layout, cluster, param_bytes)
     out = []
     for piece in stage_shapes(model, layout.pp, layout.virtual_stages):
         fwd_flops = tokens * (piece.blocks * f_block + (f_head if piece.has_head else 0)) / tp
@@ -311,13 +401,16 @@ def _piece_costs(model: ModelConfig, layout: Layout, cluster: Cluster, param_byt
         c_b = 2 * c_f + rerun * piece.blocks * tokens * f_block / tp / rate + piece.blocks * tokens * rewrite
         tp_f = piece.blocks * tp_fwd_block + (tp_fwd_block / 2 if piece.has_embedding else 0.0)
         tp_b = tp_f + rerun * piece.blocks * tp_fwd_block
+        cp_f = piece.blocks * cp_f_block
+        cp_b = piece.blocks * (cp_b_block + rerun * cp_f_block)  # a recomputed attention communicates again
         z3_f = z3_b = 0.0
-        if layout.zero_stage == 3 and layout.dp > 1:  # gathered in forward and again in backward
-            g = _ring(piece.params / tp * param_bytes, layout.dp, _dp_bandwidth(layout, cluster),
+        if layout.zero_stage == 3 and layout.grad_ranks > 1:  # gathered in forward and again in backward
+            g = _ring(piece.params / tp * param_bytes, layout.grad_ranks, _dp_bandwidth(layout, cluster),
                       cluster.latency_s, 1.0)
             z3_f = max(0.0, g - cluster.comm_overlap * c_f)
             z3_b = max(0.0, g - cluster.comm_overlap * c_b)
-        out.append((c_f + tp_f + z3_f, c_b + tp_b + z3_b, c_f + c_b, tp_f + tp_b, z3_f + z3_b))
+        out.append((c_f + tp_f + z3_f + cp_f, c_b + tp_b + z3_b + cp_b, c_f + c_b, tp_f + tp_b, z3_f + z3_b,
+                    cp_f + cp_b))
     return out
 
 
@@ -376,8 +469,8 @@ def _simulate(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes:
 
 
 def _p2p_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, param_bytes: float) -> float:
-    """One activation (or its gradient) across a stage boundary: (micro, S/tp, H)."""
-    bytes_ = layout.micro_batch * model.seq_len * model.hidden_size * param_bytes / layout.tp
+    """One activation (or its gradient) across a stage boundary: (micro, S/(cp·tp), H)."""
+    bytes_ = _tokens(model, layout) * model.hidden_size * param_bytes / layout.tp
     return bytes_ / _pp_bandwidth(layout, cluster) + cluster.latency_s
 
 
@@ -414,34 +507,37 @@ def time_estimate(model: ModelConfig, layout: Layout, cluster: Cluster, *, param
     compute = m * sum(c[2] for c in chunks)
     tp_comm = m * sum(c[3] for c in chunks)
     z3 = m * sum(c[4] for c in chunks)
+    cp_comm = m * sum(c[5] for c in chunks)
     pp_comm = (2 * m * _p2p_seconds(model, layout, cluster, param_bytes)) if p > 1 else 0.0
     bubble = max(makespan - busy[worst], 0.0)
     # data-parallel gradient reduction (fp32) and parameter gather (compute dtype)
     shapes = stage_shapes(model, p, v)
     n_local = max(_rank_params(model, _rank_pieces(layout, shapes, r)) for r in range(p)) / layout.tp
     bw = _dp_bandwidth(layout, cluster)
+    n_grad = layout.grad_ranks  # gradients are reduced (and partitioned) over cp x dp
     if layout.zero_stage == 0:
-        dp = _ring(4 * n_local, layout.dp, bw, cluster.latency_s, 2.0)
+        dp = _ring(4 * n_local, n_grad, bw, cluster.latency_s, 2.0)
     else:
-        dp = _ring(4 * n_local, layout.dp, bw, cluster.latency_s, 1.0)
+        dp = _ring(4 * n_local, n_grad, bw, cluster.latency_s, 1.0)
         if layout.zero_stage in (1, 2):
-            dp += _ring(param_bytes * n_local, layout.dp, bw, cluster.latency_s, 1.0)
+            dp += _ring(param_bytes * n_local, n_grad, bw, cluster.latency_s, 1.0)
     last_backward = sum(c[1] for c in chunks)  # the last micro-batch's backward on this rank
     dp_exposed = max(0.0, dp - cluster.comm_overlap * last_backward)
-    master = n_local / (layout.dp if layout.zero_stage >= 1 else 1)
+    master = n_local / (n_grad if layout.zero_stage >= 1 else 1)
     optimizer = ADAM_STEP_BYTES * master / cluster.hbm_bw
     step = makespan + dp_exposed + optimizer
     tokens = layout.dp * m * layout.micro_batch * model.seq_len
     tps = tokens / step
     mfu = flops_per_token(model) * tps / (cluster.peak_flops * layout.world_size)
-    return TimeEstimate(step, compute, tp_comm, pp_comm, z3, bubble, bubble_frac, dp_exposed, optimizer, tps, mfu)
+    return TimeEstimate(step, compute, tp_comm, pp_comm, z3, bubble, bubble_frac, dp_exposed, optimizer, tps, mfu,
+                        cp_comm_s=cp_comm)
 
 
 def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[str]:
     """Structural reasons this layout cannot run (empty: it can)."""
     why = []
     if layout.world_size != cluster.world_size:
-        why.append(f"dp*tp*pp = {layout.world_size} but the cluster has {cluster.world_size} devices")
+        why.append(f"dp*tp*pp*cp = {layout.world_size} but the cluster has {cluster.world_size} devices")
     if layout.tp > cluster.gpus_per_node:
         why.append(f"tp={layout.tp} > {cluster.gpus_per_node} devices per node (TP must stay inside a node)")
     try:
@@ -462,6 +558,15 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster) -> list[s
                 why.append(str(exc))
     if layout.tp > 1 and model.seq_len % layout.tp:
         why.append(f"sequence parallelism needs seq_len ({model.seq_len}) divisible by tp={layout.tp}")
+    if layout.cp > 1:  # the engine's own check of the context_parallel section against the model
+        from engine.config.context_parallel import check_context_parallel
+        from engine.config.schema import ContextParallelConfig
+
+        try:
+            check_context_parallel(ContextParallelConfig(layout.cp, layout.cp_mode, layout.ulysses_size), model,
+                                   layout.tp, layout.tp > 1)
+        except ConfigError as exc:
+            why.append(str(exc).split(":")[0])
     return why
 
 
@@ -509,7 +614,7 @@ def peak_estimate(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
         # through its own fp32 copy (bf16/fp16; engine.zero.base): only buckets of several
         # parameters use the pool; at stage 3 those hold just the small persistent ones (the norms)
         pooled = min(pooled, (2 * model.num_layers + 1) * h if layout.zero_stage == 3 else int(numel))
-        out = zero_peak_formula(int(numel), layout.zero_stage, layout.dp, param_bytes=int(param_bytes),
+        out = zero_peak_formula(int(numel), layout.zero_stage, layout.grad_ranks, param_bytes=int(param_bytes),
                                 bucket_numel=pooled,
                                 accumulating=layout.num_microbatches > 1 or layout.pp > 1,
                                 largest_param_numel=largest,

@@ -1,7 +1,8 @@
 """A planned layout as a DeepSpeed-format config that ``launch/train.py`` runs.
 
 ``layout_config(model, layout)`` maps each field of a :class:`~engine.planner.cost.Layout`
-onto the config keys the engine reads: ``dp`` follows from the world size (world / (tp·pp)),
+onto the config keys the engine reads: ``dp`` follows from the world size (world / (tp·pp·cp)),
+``cp``/``cp_mode`` -> ``context_parallel.size`` / ``mode`` (no section when cp is 1),
 ``tp`` -> ``tensor_parallel.autotp_size`` (with sequence parallelism, which the cost model
 assumes for TP > 1), ``pp``/``schedule``/``virtual_stages`` -> ``pipeline``, the micro-batch
 and the number of micro-batches -> ``train_micro_batch_size_per_gpu`` /
@@ -20,7 +21,7 @@ from engine.errors import ConfigError
 from engine.models.config import DEFAULT_SELECTIVE, ModelConfig
 from engine.models.recompute import policy_from_config
 from engine.planner.activations import policy_config
-from engine.planner.cost import Layout
+from engine.planner.cost import CP_MODES, Layout
 
 __all__ = ["layout_config", "layout_of_config", "config_text"]
 
@@ -53,6 +54,8 @@ def layout_config(model: ModelConfig, layout: Layout, *, param_bytes: float = 2.
     section = policy_config(layout.recompute)
     if section is not None:
         cfg["activation_checkpointing"] = section
+    if layout.cp > 1:  # the CP ranks of a replica read the same rows: the batch keys count dp alone
+        cfg["context_parallel"] = {"size": layout.cp, "mode": layout.cp_mode}
     return cfg
 
 
@@ -70,7 +73,18 @@ def layout_of_config(cfg: Any) -> Layout:
                   num_microbatches=cfg.gradient_accumulation_steps, zero_stage=cfg.zero.stage,
                   schedule=pipe.schedule if cfg.pp > 1 else "none",
                   virtual_stages=pipe.virtual_stages if cfg.pp > 1 else 1,
-                  recompute=_policy_of(cfg))
+                  recompute=_policy_of(cfg), cp=cfg.cp, cp_mode=_cp_mode_of(cfg))
+
+
+def _cp_mode_of(cfg: Any) -> str:
+    """The config's context_parallel mode; an error for hybrid, which the planner does not model."""
+    if cfg.cp == 1:
+        return "ring"
+    mode: str = cfg.context_parallel.mode
+    if mode not in CP_MODES:
+        raise ConfigError(f"context_parallel.mode \"{mode}\": the planner models \"ring\" and \"ulysses\"; rank "
+                          "the config with one of them")
+    return mode
 
 
 def _policy_of(cfg: Any) -> str:

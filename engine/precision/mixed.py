@@ -28,7 +28,9 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """``compute_dtype`` for parameters, activations and the gradients autograd produces;
-    ``master_dtype`` for master weights, reduced gradients and optimizer state;
+    ``master_dtype`` for master weights, reduced gradients and optimizer state (fp32; bf16 with
+    DeepSpeed's ``bf16.bf16_master_weights_and_grads``: the flat master shard, its gradient
+    shard and, as ``bf16_optimizer_states`` requires then, the Adam moments);
     ``check_nonfinite``: skip (and count) steps whose gradients hold inf/NaN anywhere;
     ``grad_accum_dtype``: DeepSpeed's ``data_types.grad_accum_dtype``, the dtype of a FULL
     gradient accumulated over micro-batches (ZeRO-1's; stage 0's is the fp32 master gradient and
@@ -46,8 +48,10 @@ class PrecisionPolicy:
     def __post_init__(self) -> None:
         if self.compute_dtype not in _DTYPES.values():
             raise ConfigError(f"compute dtype must be one of fp32/bf16/fp16, got {self.compute_dtype}")
-        if self.master_dtype != torch.float32:
-            raise ConfigError(f"master weights and optimizer state are kept in fp32, got {self.master_dtype}")
+        if self.master_dtype not in (torch.float32, self.compute_dtype) or self.master_dtype == torch.float16:
+            # bf16 masters (DeepSpeed's bf16.bf16_master_weights_and_grads) of a bf16 model only
+            raise ConfigError(f"master weights of a {self.compute_dtype} model are kept in fp32 (or bf16 with "
+                              f"bf16.bf16_master_weights_and_grads), got {self.master_dtype}")
         if self.grad_accum_dtype not in (None, torch.float32, self.compute_dtype):
             raise ConfigError(f"data_types.grad_accum_dtype {self.grad_accum_dtype} with compute dtype "
                               f"{self.compute_dtype}: gradients accumulate in fp32 or in the compute dtype; "
@@ -66,10 +70,11 @@ class PrecisionPolicy:
 
     @classmethod
     def from_name(cls, name: str, check_nonfinite: Optional[bool] = None,
-                  grad_accum: Optional[str] = None, comm: str = "fp32") -> "PrecisionPolicy":
-        """From ``"fp32"`` / ``"bf16"`` / ``"fp16"`` (and ``grad_accum``, ``comm``, the same names)."""
-        for n in (name, grad_accum, comm):
+                  grad_accum: Optional[str] = None, comm: str = "fp32", master: str = "fp32") -> "PrecisionPolicy":
+        """From ``"fp32"`` / ``"bf16"`` / ``"fp16"`` (and ``grad_accum``, ``comm``, ``master``, the same names)."""
+        for n in (name, grad_accum, comm, master):
             if n is not None and n not in _DTYPES:
                 raise ConfigError(f"precision {n!r} is not one of {sorted(_DTYPES)}")
         return cls(compute_dtype=_DTYPES[name], check_nonfinite=check_nonfinite,
-                   grad_accum_dtype=None if grad_accum is None else _DTYPES[grad_accum], comm_dtype=_DTYPES[comm])
+                   grad_accum_dtype=None if grad_accum is None else _DTYPES[grad_accum], comm_dtype=_DTYPES[comm],
+                   master_dtype=_DTYPES[master])

@@ -197,7 +197,7 @@ class ZeroOptimizer:
                 buckets.append(FlatBucket(chunk, layout, shard_index, index=len(self.buckets) + len(buckets)))
             options = {k: v for k, v in user_groups[key.param_group].items() if k != "params"}
             group = FlatGroup(key, buckets, options, self._device, reduce_group, offload=offload.optimizer,
-                              pin_memory=offload.pin_memory)
+                              pin_memory=offload.pin_memory, master_dtype=self.precision.master_dtype)
             self.groups.append(group)
             self.buckets.extend(buckets)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -229,7 +229,9 @@ class ZeroOptimizer:
         attach = getattr(self.optimizer, "attach_param_copy", None)
         for g in self.groups:
             dtype = g.buckets[0].dtype
-            if callable(attach) and dtype in (torch.bfloat16, torch.float16) and g.master.numel():
+            # (bf16 masters are the low-precision copy themselves: nothing to attach)
+            if callable(attach) and dtype in (torch.bfloat16, torch.float16) and g.master.numel() \
+                    and g.master.dtype == torch.float32:
                 g.low = host_zeros(g.master.numel(), dtype, self.offload.pin_memory)
                 attach(g.master, g.low)
 

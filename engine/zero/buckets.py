@@ -54,8 +54,8 @@ class FlatBucket:
         self.comm_dtype = torch.float32
         self._upcast: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (fp32 target, low result)
         # set by the group (FlatGroup) right after the buckets are built:
-        self.shard_master: torch.Tensor  # (shard,) fp32 view into the group master
-        self.shard_grad: torch.Tensor  # (shard,) fp32 view into the group's (device) master gradient
+        self.shard_master: torch.Tensor  # (shard,) view into the group master (fp32, or bf16)
+        self.shard_grad: torch.Tensor  # (shard,) view into the group's (device) master gradient
         self.master_offset = 0  # where shard_master starts in the group's master
         self.group: Optional["FlatGroup"] = None
         # ZeRO-3 only: this rank's chunk in the compute dtype (what the all-gather sends),
@@ -156,9 +156,10 @@ class FlatBucket:
             self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         target = (self.shard_grad if out is None else out) if sharded else self.grad_acc
         src, dst = self.grad_acc, target
-        if self.comm_dtype != self.grad_acc.dtype:
-            # (padded,) cast copy in the communication dtype; the result is copied into the
-            # fp32 target when the reduction completes (wait)
+        if self.comm_dtype != self.grad_acc.dtype or (sharded and target.dtype != self.comm_dtype):
+            # (padded,) cast copy in the communication dtype, or (shard,) a receive buffer in it
+            # for a bf16 master-gradient shard; the result is copied (rounded) into the target
+            # when the reduction completes (wait)
             src = self.grad_acc.to(self.comm_dtype)
             dst = src if not sharded else torch.empty(target.numel(), dtype=self.comm_dtype, device=self.device)
             self._upcast = (target, dst)
@@ -258,20 +259,22 @@ class FlatGroup:
     ``master.grad`` before the host step. Without offload :attr:`grad` IS ``master.grad``."""
 
     def __init__(self, key: GroupKey, buckets: Sequence[FlatBucket], options: dict[str, Any],  # noqa: PLR0913
-                 device: torch.device, reduce_group: AxisGroup, *, offload: bool = False, pin_memory: bool = False):
+                 device: torch.device, reduce_group: AxisGroup, *, offload: bool = False, pin_memory: bool = False,
+                 master_dtype: torch.dtype = torch.float32):
         self.key = key
         self.reduce_group = reduce_group
         self.buckets = list(buckets)
         self.options = dict(options)
         self.offload = bool(offload)
         total = sum(b.layout.shard_numel for b in self.buckets)
-        # (sum of bucket shard sizes,) fp32: what the inner optimizer steps on
+        # (sum of bucket shard sizes,) master_dtype (fp32; bf16 with DeepSpeed's
+        # bf16_master_weights_and_grads, the gradient shard too): what the inner optimizer steps on
         if self.offload:
-            self.master = torch.nn.Parameter(host_zeros(total, torch.float32, pin_memory))
-            self.master.grad = host_zeros(total, torch.float32, pin_memory)
-            self.grad = torch.zeros(total, dtype=torch.float32, device=device)
+            self.master = torch.nn.Parameter(host_zeros(total, master_dtype, pin_memory))
+            self.master.grad = host_zeros(total, master_dtype, pin_memory)
+            self.grad = torch.zeros(total, dtype=master_dtype, device=device)
         else:
-            self.master = torch.nn.Parameter(torch.zeros(total, dtype=torch.float32, device=device))
+            self.master = torch.nn.Parameter(torch.zeros(total, dtype=master_dtype, device=device))
             self.master.grad = torch.zeros_like(self.master)
             self.grad = self.master.grad
         # offload with a bf16/fp16 model: the host (shard,) low-precision copy the fused CPU

@@ -45,6 +45,11 @@ SCENARIOS: dict[str, list[tuple[str, str, list[str]]]] = {
     "autotp": [("train", "autotp_training.py", ["--autotp_size", "2", "--zero_stage", "1"])],
     "bf16_master_weight": [("train", "bf16_master_weight_train.py",
                             ["--deepspeed_config", "{ex}/bf16_configs/baseline.json"])],
+    # the same example with bf16 master weights, gradients and Adam moments under torch_autocast
+    # (its bf16_full.json); its bf16_master_wg.json (bf16 masters, fp32 moments) is refused by
+    # DeepSpeed without ZeRO-Offload and by the engine alike (test_ds_examples.py)
+    "bf16_full": [("train", "bf16_master_weight_train.py",
+                   ["--deepspeed_config", "{ex}/bf16_configs/bf16_full.json"])],
 }
 
 

@@ -2,7 +2,7 @@
 the CPU accelerator (no CUDA call), ProcessTopology and DeepSpeed's two layouts (rank for
 rank equal to DeepSpeed's and to the engine's Topology), RepeatingLoader, log_dist's rank
 rule, set_random_seed / move_to_device, DeepSpeedConfig, the config keys
-``data_parallel_size`` / ``torch_autocast``, and the launcher entry's argument handling."""
+``data_parallel_size`` / ``torch_autocast`` (enabled: tests/unit/test_low_precision_config.py), and the launcher entry's argument handling."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def test_data_parallel_size_and_disabled_torch_autocast_load():
     assert cfg.dp == 2
     with pytest.raises(ConfigError, match=r"data_parallel_size = 4 but the data-parallel size is 2"):
         load_config({"train_batch_size": 8, "data_parallel_size": 4}, world_size=2)
-    with pytest.raises(ConfigError, match=r"torch_autocast.enabled = true is not supported .*bf16 or fp16"):
+    with pytest.raises(ConfigError, match=r"torch_autocast.dtype is not set: .* set it to \"bfloat16\""):
         load_config({"train_batch_size": 8, "torch_autocast": {"enabled": True}}, world_size=2)
     with pytest.raises(ConfigError, match="unknown key torch_autocast.enable "):
         load_config({"train_batch_size": 8, "torch_autocast": {"enable": False}}, world_size=2)

@@ -32,19 +32,43 @@ def test_the_table_covers_every_policy_and_schedule():
     assert {r["schedule"] for r in rows if r["pp"] > 1} == set(SCHEDULES)
     assert any(r["tp"] > 1 and r["sp"] for r in rows)
     assert all(len(r["measured"]) == r["pp"] for r in rows)
+    # context parallelism: ring and Ulysses, with and without recompute, and with a pipeline
+    cp = [r for r in rows if r["cp"] > 1]
+    assert {r["cp_mode"] for r in cp} == {"ring", "ulysses"}
+    for mode in ("ring", "ulysses"):
+        assert {"none", "full"} <= {r["policy"] for r in cp if r["cp_mode"] == mode}
+    assert any(r["pp"] > 1 for r in cp)
 
 
 def test_predicted_activation_peak_within_10_percent_of_measured():
-    from benchmarks.activation_memory_planner import MICRO, MODEL, ROWS, predict
+    from benchmarks.activation_memory_planner import MICRO, MODEL, ROWS, predict, row_cp
 
     data = _data()
     assert data["model"] == MODEL and data["micro_batch"] == MICRO
+    assert {r["name"] for r in data["rows"]} == set(ROWS)
     for r in data["rows"]:
         assert ROWS[r["name"]] == (r["dp"], r["tp"], r["sp"], r["pp"], r["schedule"], r["virtual_stages"],
                                    r["num_microbatches"], r["policy"])
+        assert row_cp(r["name"]) == (r["cp"], r["cp_mode"])
         pred = predict(r["name"])
         for k, (p, m) in enumerate(zip(pred, r["measured"])):
             assert abs(p - m) <= 0.10 * m, (r["name"], k, p, m)
+
+
+def test_cp_block_term_equals_the_measured_per_block_slopes():
+    """Context parallelism's per-block bytes (engine.planner.activations.cp_block_bytes_per_token:
+    positions, rotary tables at the shard's positions, the ring's own v and fp32 output, Ulysses'
+    KV repetition) on top of the block formula against the measured slope of the activation
+    peak over layers: ring and Ulysses, KV heads 1, 2 and 4, fp32 and bf16. Exact counts; 0.5
+    byte per token of slack for the float division."""
+    from benchmarks.activation_memory_planner import CP_SLOPES, predict_slope
+
+    slopes = _data()["cp_slopes"]
+    assert {r["name"] for r in slopes} == set(CP_SLOPES)
+    assert len({r["cp_term"] for r in slopes}) == len(slopes)  # the cases tell the terms apart
+    for r in slopes:
+        pred, _ = predict_slope(r["name"])
+        assert abs(pred - r["measured"]) <= 0.5, (r, pred)
 
 
 def test_the_layout_peak_uses_the_same_activation_term():
@@ -95,7 +119,7 @@ def test_a_row_measured_live_still_matches():
 
 @pytest.mark.extended
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["zb-h1-none", "interleaved-full"])
+@pytest.mark.parametrize("name", ["zb-h1-none", "interleaved-full", "cp2-ulysses-full"])
 def test_a_pipeline_row_measured_live_still_matches(name):
     from benchmarks.activation_memory_planner import measure, row_record
 

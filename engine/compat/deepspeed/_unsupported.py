@@ -104,7 +104,8 @@ UNSUPPORTED_MODULES: Mapping[str, str] = {
                     "compressed communication in runtime.fp16.onebit) is " + _NI + ": mixed precision is the bf16 / "
                     "fp16 config sections (engine.precision)",
     "runtime.data_pipeline": "DeepSpeed's data-efficiency pipeline (curriculum learning) is " + _NI,
-    "runtime.torch_autocast": "torch autocast mode is " + _NI + ": use the bf16 / fp16 config sections",
+    "runtime.torch_autocast": "DeepSpeed's autocast internals (init_autocast_params, the comm-dtype attributes) are "
+                              + _NI + ": the torch_autocast config section is (engine.precision.autocast)",
     "runtime.pipe.schedule": "DeepSpeed's pipeline instruction classes are " + _NI + ": the engine's schedules are "
                              "engine.pipeline.schedule, chosen by the config's pipeline.schedule",
     "runtime.hybrid_engine": "the RLHF hybrid engine is " + _NI,
