@@ -16,32 +16,37 @@ whenever a rank is free it takes, in this priority,
 
 1. the ready ``I`` (``B`` on stage 0) of the oldest micro-batch (chunk 1 first): gradients
    flow back without delay;
-2. a ready chunk-1 ``F`` (it leads to the loss, so to the next ``I``); else the next chunk-0
+2. with the option ``eager_loss_w``, on rank 0 the pending ``W`` of the loss chunk (chunk 1):
+   what it keeps is the logits' gradient, vocabulary-sized per token;
+3. a ready chunk-1 ``F`` (it leads to the loss, so to the next ``I``); else the next chunk-0
    ``F`` while the rank's chunk activations (held, plus the chunk-1 forwards still owed to
-   micro-batches already in chunk 0) stay within ``2p``;
-3. the oldest pending ``W``.
+   micro-batches already in chunk 0) stay within a cap;
+4. the oldest pending ``W``.
 
 So warm-up is forwards on chunk 0 then chunk 1, and the steady state interleaves F, I and W.
 Each admitted chunk-0 forward may be followed by its chunk-1 forward before a ``W`` frees a
 slot, so a rank holds at most ``cap + 1`` chunk activations. :func:`zb_v_orders` runs the
-scheduler with every cap from ``2p`` down to ``p`` and with stage 0 planned whole or split
-(the original uniform-cost plan, its ``I`` then made the ``B``), then seeded randomised runs
-(a rank sometimes takes a pending ``W`` before a forward it could run), and keeps a plan holding
-at most ``2p`` chunk activations (``p`` stages, as 1F1B's rank 0) first, then the shortest
-makespan under the default cost table, then the smallest peak. The makespan's lower bound is
+scheduler with every cap from ``2p`` down to ``p``, with stage 0 planned whole or split (the
+original uniform-cost plan, its ``I`` then made the ``B``) and the loss chunk's ``W`` deferred
+or eager, then seeded randomised runs (a rank sometimes takes a pending ``W`` before a forward
+it could run), and keeps a plan within the memory budget first (at most ``2p`` chunk
+activations held, ``p`` stages as 1F1B's rank 0, and a modelled peak, :func:`_memory_peak`,
+of at most ``2p`` chunks plus one input pass's working memory), then the shortest makespan
+under the default cost table, then the smallest modelled peak. The makespan's lower bound is
 ``6m + p - 1`` chunk-forward times (rank ``p - 1`` must wait ``p - 1`` forwards at the start:
 the bubble of :func:`engine.pipeline.simulate.bubble_formula`, derived in docs/training.md);
-the kept plan reaches it at p = 4, m = 8 (peaks 7, 8, 8, 8) and for most ``m`` at p = 2, 3, 4,
-one unit above it for a few (p = 2, m = 5 and 16; tests/unit/test_vshape.py and
-benchmarks/results/). The order is only a list per rank: the simulator checks it (and the
-communication placed around it) under any cost model.
+the kept plan reaches it at p = 4, m = 4, 5, 8, 9; at p = 2 the budget costs one unit for every
+m (the plans on the bound keep the loss chunk's ``W`` pending while rank 0 holds 2p chunks),
+at p = 3 and for larger m at p = 4 a few (tests/unit/test_vshape.py and
+benchmarks/results/zb-v_memory_cpu-2core_2026-11-27b.md). The order is only a list per rank:
+the simulator checks it (and the communication placed around it) under any cost model.
 """
 
 from __future__ import annotations
 
 import functools
 import random
-from typing import Optional
+from typing import Optional, Sequence
 
 from engine.pipeline.actions import Action, ActionKind, virtual_stage
 from engine.pipeline.simulate import reference_times
@@ -56,8 +61,10 @@ class _Greedy:
     """The state of the list scheduler: what is done (and when it ends), per rank what it holds."""
 
     def __init__(self, p: int, m: int, limit: int, whole_stage0: bool = True,
-                 rng: Optional[random.Random] = None, defer: float = 0.0) -> None:
+                 rng: Optional[random.Random] = None, defer: float = 0.0, eager_loss_w: bool = False) -> None:
         self.p, self.m, self.limit, self.whole_stage0 = p, m, limit, whole_stage0
+        # the loss chunk's W (rank 0, chunk 1) right after its I: it holds the head's logits gradient
+        self.eager_loss_w = eager_loss_w
         # randomised plans: with probability ``defer`` a rank that could run a forward and has a
         # W pending runs the W first (frees a chunk sooner; see zb_v_orders)
         self.rng, self.defer = rng, defer
@@ -98,6 +105,11 @@ class _Greedy:
 
     def pick(self, r: int, t: int) -> Action | None:
         a = self._input_grad(r, t)
+        if a is None and self.eager_loss_w and r == 0:
+            loss_w = [w for w in self.pending_w[0] if w[1] == 1]
+            if loss_w:
+                self.pending_w[0].remove(loss_w[0])
+                return Action(W, *loss_w[0])
         if a is None:
             a = self._forward(r, t)
             if a is not None and self.pending_w[r] and self.rng is not None and self.rng.random() < self.defer:
@@ -123,12 +135,13 @@ class _Greedy:
 
 
 def _list_schedule(p: int, m: int, limit: int, whole_stage0: bool,
-                   rng: Optional[random.Random] = None, defer: float = 0.0) -> list[list[Action]]:
+                   rng: Optional[random.Random] = None, defer: float = 0.0,
+                   eager_loss_w: bool = False) -> list[list[Action]]:
     """One run of the list scheduler (module docstring). ``whole_stage0=False`` plans stage 0
     as if its backward split like the others (I then W, one unit each) and then makes its
     ``I`` the one ``B`` and drops its ``W``: the original ZB-V plan of uniform costs.
     ``rng``, ``defer``: the randomised variant (:class:`_Greedy`)."""
-    g = _Greedy(p, m, limit, whole_stage0, rng, defer)
+    g = _Greedy(p, m, limit, whole_stage0, rng, defer, eager_loss_w)
     total = 6 * p * m - (m if whole_stage0 else 0)  # F, I, W of 2 chunks x m micro-batches on p ranks
     count, t = 0, 0
     while count < total:
@@ -157,6 +170,39 @@ def _held_peak(order: list[Action]) -> int:
     return peak
 
 
+# The order's memory model, in units of one chunk's forward activation (what a one-block
+# forward saves), measured with the live tracker on the benchmark's model (hidden 128, vocab 512;
+# benchmarks/pipeline_memory.py, benchmarks/results/zb-v_memory_cpu-2core_2026-11-27b.md):
+# after its I a chunk still holds 0.9 of it until its W (the weight pass's inputs beside the
+# output gradients captured for it); an input pass needs 0.75 more while it runs (the gradients
+# it captures, beside the saved tensors it drops only at its end), a whole backward 0.25. The
+# loss chunk (rank 0, chunk 1) saves 1.2 (the head's logits too) and keeps 1.15 until its W (the
+# logits' gradient: vocabulary-sized per token, the largest thing a deferred W holds), its
+# input pass needs 1.0.
+_PENDING_W, _I_WORK, _B_WORK = 0.9, 0.75, 0.25
+_LOSS_F, _LOSS_PENDING_W, _LOSS_I_WORK = 1.2, 1.15, 1.0
+
+
+def _memory_peak(order: Sequence[Action], rank: int) -> float:
+    """Peak of one rank's activation memory along its order under the model above."""
+    held = peak = 0.0
+    for a in order:
+        loss = rank == 0 and a.chunk == 1
+        size, pending = (_LOSS_F, _LOSS_PENDING_W) if loss else (1.0, _PENDING_W)
+        if a.kind is F:
+            held += size
+            peak = max(peak, held)
+        elif a.kind is I:
+            peak = max(peak, held + (_LOSS_I_WORK if loss else _I_WORK))
+            held -= size - pending
+        elif a.kind is W:
+            held -= pending
+        else:
+            peak = max(peak, held + _B_WORK)
+            held -= size
+    return peak
+
+
 _DEFERS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 
 
@@ -165,36 +211,43 @@ def zb_v_orders(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """Every rank's ZB-V compute order (module docstring), indexed by rank.
 
     Candidates: the list scheduler's deterministic plans (stage 0 planned whole or split,
-    chunk cap ``p .. 2p``), then seeded randomised ones (a rank sometimes runs a pending ``W``
-    before a forward it could run; the seed is a function of ``(p, m)``, so every rank and
-    process builds the same order). Kept: a plan holding at most ``2p`` chunk activations
-    (``p`` stages: 1F1B's rank 0) if any, then the shortest makespan under the default cost
-    table, then the smallest peak. The search stops at the first plan within ``2p`` on the
-    lower bound ``6m + p - 1``; the randomised trials are capped (fewer for large ``p m^2``,
-    the cost of one plan)."""
+    chunk cap ``p .. 2p``, the loss chunk's ``W`` deferred or eager), then seeded randomised
+    ones (a rank sometimes runs a pending ``W`` before a forward it could run; the seed is a
+    function of ``(p, m)``, so every rank and process builds the same order). Kept: a plan
+    within the memory budget if any, then the shortest makespan under the default cost table,
+    then the smallest modelled memory. The budget: at most ``2p`` chunk activations held
+    (``p`` stages, 1F1B's rank 0) and a modelled peak (:func:`_memory_peak`) of at most
+    ``2p`` chunk activations plus one input pass's working memory. The search stops at the
+    first plan within the budget on the lower bound ``6m + p - 1``; the randomised trials are
+    capped (fewer for large ``p m^2``, the cost of one plan)."""
     bound = 6 * m + p - 1
-    best: tuple[tuple[bool, float, int], list[list[Action]]] | None = None
+    budget = 2 * p + _I_WORK
+    best: tuple[tuple[bool, float, float], list[list[Action]]] | None = None
 
     def consider(orders: list[list[Action]]) -> bool:
         nonlocal best
         span = max(end for row in reference_times(orders, p, 2, placement="v") for _, end in row)
-        peak = max(_held_peak(o) for o in orders)
-        key = (peak > 2 * p, span, peak)
+        memory = max(_memory_peak(o, r) for r, o in enumerate(orders))
+        over = max(_held_peak(o) for o in orders) > 2 * p or memory > budget + 1e-9
+        key = (over, span, memory)
         if best is None or key < best[0]:
             best = (key, orders)
-        return peak <= 2 * p and span <= bound
+        return not over and span <= bound
 
     done = False
-    for whole in (True, False):
-        for limit in range(2 * p, p - 1, -1):
-            done = consider(_list_schedule(p, m, limit, whole)) or done
-    rng = random.Random(1_000_003 * p + m)
-    trials = 0 if done else min(48, max(4, 400_000 // (p * m * m)))
-    for _ in range(trials):
-        limit = 2 * p if rng.random() < 0.6 else rng.randint(p, 2 * p)
-        defer, whole = rng.choice(_DEFERS), rng.random() < 0.7
-        if consider(_list_schedule(p, m, limit, whole, rng, defer)):
-            break
+    for eager in (False, True):
+        for whole in (True, False):
+            for limit in range(2 * p, p - 1, -1):
+                done = consider(_list_schedule(p, m, limit, whole, eager_loss_w=eager)) or done
+    for eager, seed in ((False, 1_000_003 * p + m), (True, 7_000_003 * p + m)):
+        rng = random.Random(seed)
+        trials = 0 if done else min(48, max(4, 400_000 // (p * m * m)))
+        for _ in range(trials):
+            limit = 2 * p if rng.random() < 0.6 else rng.randint(p, 2 * p)
+            defer, whole = rng.choice(_DEFERS), rng.random() < 0.7
+            if consider(_list_schedule(p, m, limit, whole, rng, defer, eager)):
+                done = True
+                break
     assert best is not None
     return tuple(tuple(o) for o in best[1])
 
