@@ -159,3 +159,20 @@ def test_fp32_moments_of_bf16_parameters_survive_load_state_dict():
     low = DeepSpeedCPUAdam([torch.nn.Parameter(q.detach().clone())], lr=1e-2, fp32_optimizer_states=False)
     low.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert {v.dtype for st in low.state.values() for k, v in st.items() if k != "step"} == {torch.bfloat16}
+
+
+def test_an_outer_autocast_is_switched_off_with_a_warning(caplog):
+    """The section disabled (the default): a script's own torch.autocast around engine(...) no
+    longer applies inside the forward (DeepSpeed's autocast_if_enabled), which is said once."""
+    from engine.config.schema import TorchAutocastConfig
+    from engine.precision import autocast as ac
+
+    ac._WARNED.discard("cpu")
+    with caplog.at_level("WARNING", logger="engine.precision.autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with ac.autocast_forward(TorchAutocastConfig(), "cpu"):
+                inside = torch.is_autocast_enabled("cpu")
+            with ac.autocast_forward(TorchAutocastConfig(), "cpu"):
+                pass
+    assert not inside
+    assert sum("torch_autocast section is not" in r.getMessage() for r in caplog.records) == 1
