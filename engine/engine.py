@@ -427,11 +427,17 @@ class Engine(DeepSpeedQueries, nn.Module):
         Every tensor is moved to the engine's device first."""
         mb = mb.to(self.device)
         loss_fn = loss_fn or self.loss_fn
+        # the module's call runs in forward()'s torch_autocast region (a loss_fn outside it, as
+        # a DeepSpeed script computes its loss outside engine(...))
+        region = autocast_forward(self.config.torch_autocast, self.device.type)
         if loss_fn is not None:
             inputs, targets = mb.split()
             extra = {k: mb.kwargs[k] for k in SEQUENCE_KWARGS if k in mb.kwargs}  # doc_ids; CP's positions
-            return loss_fn(self.module(inputs, **extra), targets)
-        return self.module(*mb.args, **mb.kwargs)
+            with region:
+                out = self.module(inputs, **extra)
+            return loss_fn(out, targets)
+        with region:
+            return self.module(*mb.args, **mb.kwargs)
 
     def train_batch(self, data_iter: Optional[Iterator[Any]] = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches from

@@ -25,15 +25,13 @@ from typing import Optional
 
 from engine.config.reader import Section
 from engine.config.schema import Config, TorchAutocastConfig
+from engine.config.sections import DTYPE_NAMES
 from engine.errors import ConfigError
 
 __all__ = ["parse_torch_autocast", "check_low_precision_master", "AUTOCAST_DTYPES"]
 
-# DeepSpeed's DtypeEnum spellings of the autocast dtypes -> this engine's names
-AUTOCAST_DTYPES = {
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "torch.float16": "fp16", "half": "fp16",
-}
+# DeepSpeed's DtypeEnum spellings of the autocast dtypes (the 16-bit ones) -> this engine's names
+AUTOCAST_DTYPES = {k: v for k, v in DTYPE_NAMES.items() if v != "fp32"}
 _MASTER = "bf16.bf16_master_weights_and_grads"
 _STATES = "bf16.bf16_optimizer_states"
 

@@ -33,7 +33,7 @@ from engine.models.config import RECOMPUTE_MODULES, ModelConfig
 __all__ = [
     "parse_fp16", "parse_bf16", "parse_fp8", "parse_data_types", "parse_zero", "parse_activation_checkpointing",
     "parse_pipeline", "parse_tensor_parallel", "parse_checkpoint", "parse_data", "parse_model",
-    "PIPELINE_SCHEDULES",
+    "PIPELINE_SCHEDULES", "DTYPE_NAMES",
     "PARTITION_METHODS",
 ]
 
@@ -79,8 +79,9 @@ def parse_bf16(top: Section) -> BF16Config:
                       bf16_optimizer_states=s.bool("bf16_optimizer_states", False))
 
 
-# DeepSpeed's DtypeEnum spellings of the dtypes a gradient may accumulate in
-_DTYPE_NAMES = {
+# DeepSpeed's DtypeEnum spellings of the floating dtypes -> this engine's names (the dtypes a
+# gradient may accumulate in; engine.config.low_precision's autocast dtypes are the 16-bit ones)
+DTYPE_NAMES = {
     "fp32": "fp32", "float32": "fp32", "torch.float32": "fp32", "float": "fp32",
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "torch.float16": "fp16", "half": "fp16",
@@ -91,8 +92,8 @@ def parse_data_types(top: Section) -> DataTypesConfig:
     s = top.sub("data_types", _names(DataTypesConfig))
     if s.raw("grad_accum_dtype") is None:
         return DataTypesConfig()
-    name = s.choice("grad_accum_dtype", tuple(_DTYPE_NAMES), case_insensitive=True)
-    return DataTypesConfig(grad_accum_dtype=_DTYPE_NAMES[name])
+    name = s.choice("grad_accum_dtype", tuple(DTYPE_NAMES), case_insensitive=True)
+    return DataTypesConfig(grad_accum_dtype=DTYPE_NAMES[name])
 
 
 def parse_fp8(top: Section) -> FP8Config:

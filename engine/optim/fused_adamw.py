@@ -109,6 +109,25 @@ class FusedAdamW(torch.optim.Optimizer):
             if group["amsgrad"]:
                 raise ValueError("the loaded state has amsgrad=True, which FusedAdamW does not implement")
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, except that moments kept in ``state_dtype`` stay in it: torch casts every
+        floating state to its parameter's dtype, which would round the fp32 moments of bf16
+        parameters (DeepSpeedCPUAdam(fp32_optimizer_states=True) over bf16 master weights) to
+        bf16 on every resume. They are taken from the saved values instead."""
+        super().load_state_dict(state_dict)
+        dtype = getattr(self, "state_dtype", None)
+        if dtype is None:
+            return
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(i)
+            if not saved or p.dtype == dtype:
+                continue
+            for k in ("exp_avg", "exp_avg_sq"):
+                if isinstance(saved.get(k), torch.Tensor):
+                    self.state[p][k] = saved[k].to(device=p.device, dtype=dtype, copy=True)
+
     def attach_param_copy(self, param: torch.Tensor, copy: torch.Tensor) -> None:
         """After each update also write ``copy.copy_(param)`` (bf16/fp16), in the same pass."""
         if not any(param is p for g in self.param_groups for p in g["params"]):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from typing import Iterator, Optional
 
 import torch
@@ -22,6 +23,9 @@ import torch
 from engine.config.schema import TorchAutocastConfig
 
 __all__ = ["autocast_forward", "autocast_dtype", "lower_precision_safe_classes", "DEFAULT_SAFE_MODULES"]
+
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # device types whose switched-off outer autocast was reported (once per process)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SAFE_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
@@ -54,6 +58,11 @@ def autocast_forward(cfg: TorchAutocastConfig, device_type: str) -> Iterator[Non
         with torch.autocast(device_type=device_type, dtype=autocast_dtype(cfg), enabled=True):
             yield
     elif outside:
+        if device_type not in _WARNED:  # as DeepSpeed warns: the script's own autocast stops applying here
+            _WARNED.add(device_type)
+            logger.warning("torch.autocast is enabled around the engine's forward but the config's torch_autocast "
+                           "section is not: the forward runs without it (the bf16 / fp16 sections decide the "
+                           "precision); enable torch_autocast in the config to use torch's autocast")
         with torch.autocast(device_type=device_type, enabled=False):
             yield
     else:

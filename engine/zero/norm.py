@@ -18,13 +18,17 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     flat buffers (a layout-dependent 1e-6 that also moved the clipping factor). Norms of
     ``NORM_CHUNK``-element rows (short sums) combined in float64 are as fast and stay exact
     to fp32 rounding; a float64 copy of ``x`` costs ~100x more on CPU. A non-finite element
-    (or an fp32 overflow inside a row) gives a non-finite result."""
+    (or an fp32 overflow inside a row) gives a non-finite result. A bf16/fp16 ``x`` (the
+    gradient shard of bf16 master weights) is summed in fp32 too: without ``dtype`` torch
+    returns each row's norm rounded to bf16 (2^-9 relative per row)."""
     flat = x.reshape(-1)
+    dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
     n = flat.numel()
     body = n - n % NORM_CHUNK
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     if body:
-        total = total + torch.linalg.vector_norm(flat[:body].view(-1, NORM_CHUNK), dim=1).double().square().sum()
+        rows = torch.linalg.vector_norm(flat[:body].view(-1, NORM_CHUNK), dim=1, dtype=dtype)
+        total = total + rows.double().square().sum()
     if body < n:
-        total = total + torch.linalg.vector_norm(flat[body:]).double().square()
+        total = total + torch.linalg.vector_norm(flat[body:], dtype=dtype).double().square()
     return total

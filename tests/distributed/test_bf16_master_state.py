@@ -11,8 +11,9 @@
 3. ZeRO-Offload (DeepSpeed's other valid mode): at ZeRO-1, offloaded bf16 masters with bf16
    moments train bit for bit as on the device (the same update, on the host); at ZeRO-2 with
    ``bf16_optimizer_states`` false the host masters are bf16 and the moments fp32 (DeepSpeed's
-   DeepSpeedCPUAdam with fp32_optimizer_states=True).
-4. zero_to_fp32 on that checkpoint: ``convert_zero_checkpoint_to_fp32_state_dict`` writes
+   DeepSpeedCPUAdam with fp32_optimizer_states=True), and a checkpoint of it resumes with the
+   fp32 moments as saved.
+4. zero_to_fp32 on the checkpoint of 2.: ``convert_zero_checkpoint_to_fp32_state_dict`` writes
    fp32 weights, the bf16 masters upcast exactly (DeepSpeed's converter's default dtype,
    float32); ``get_fp32_state_dict_from_zero_checkpoint`` gives them in bf16, as they are
    saved. Both as DeepSpeed 0.19.8 does (run on 2 CPU ranks with bf16_full.json less
@@ -91,8 +92,10 @@ def test_bf16_master_state_bytes_checkpoint_and_zero_to_fp32(tmp_path):
     assert r0["upcast_exact"] and r0["same_values"]
 
 
-def _offload(rank, world):
+def _offload(rank, world, root):
     import torch
+
+    from engine.checkpoint import load_checkpoint, save_checkpoint
 
     def cfg(stage, offload, states):
         bf16 = dict(BF16, bf16_optimizer_states=states)
@@ -107,7 +110,17 @@ def _offload(rank, world):
     fp32_moments = C.build(cfg(2, True, False))
     losses = C.train(fp32_moments, 2)
     z = fp32_moments.optimizer
-    return dict(on_device=on_device, offloaded=offloaded, losses=losses,
+    save_checkpoint(fp32_moments, root)
+    resumed = C.build(cfg(2, True, False))
+    load_checkpoint(resumed, root)
+
+    def moments(opt):
+        return [v for st in opt.optimizer.state.values() for k, v in sorted(st.items()) if k != "step"]
+
+    # the fp32 moments come back fp32 and bit for bit (not rounded through the bf16 masters' dtype)
+    resumed_equal = all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(moments(resumed.optimizer),
+                                                                                      moments(z)))
+    return dict(on_device=on_device, offloaded=offloaded, losses=losses, resumed_equal=resumed_equal,
                 host_dtypes={str(t.dtype) for g in host.optimizer.groups for t in (g.master, g.master.grad)},
                 masters={str(g.master.dtype) for g in z.groups},
                 moments={str(v.dtype) for st in z.optimizer.state.values() for k, v in st.items() if k != "step"},
@@ -116,9 +129,10 @@ def _offload(rank, world):
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_bf16_master_state_with_zero_offload():
-    for r in run_ranks(_offload, 2, timeout=240):
+def test_bf16_master_state_with_zero_offload(tmp_path):
+    for r in run_ranks(_offload, 2, str(tmp_path), timeout=240):
         assert r["offloaded"] == r["on_device"]  # bit for bit
         assert r["host_dtypes"] == {"torch.bfloat16"}
         assert r["masters"] == {"torch.bfloat16"} and r["moments"] == {"torch.float32"}
         assert r["finite"] and r["losses"][1] < r["losses"][0] + 0.5
+        assert r["resumed_equal"]

@@ -127,3 +127,52 @@ def test_bf16_adam_update_equals_deepspeeds_cpu_kernel():
         # state would differ on most elements
         assert ((a - b).abs() <= 2.0 ** -5 * torch.maximum(b.abs(), b.abs().mean())).all()
         assert (a != b).float().mean() < 0.05
+
+
+def test_fp32_moments_of_bf16_parameters_survive_load_state_dict():
+    """bf16 master weights with fp32 Adam moments (DeepSpeedCPUAdam's default
+    fp32_optimizer_states=True, bf16_optimizer_states false under offload): torch's
+    load_state_dict casts floating state to the parameter's dtype; the moments must come back
+    fp32 and bit for bit, and the next update equal the uninterrupted one."""
+    import copy
+
+    from engine.optim.ds_adam import DeepSpeedCPUAdam
+
+    torch.manual_seed(0)
+    grads = [torch.randn(37).bfloat16() for _ in range(3)]
+    p = torch.nn.Parameter((torch.randn(37) * 0.1).bfloat16())
+    opt = DeepSpeedCPUAdam([p], lr=1e-2, weight_decay=0.1)
+    for g in grads[:2]:
+        p.grad = g.clone()
+        opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    resumed = DeepSpeedCPUAdam([q], lr=1e-2, weight_decay=0.1)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))  # as read from a checkpoint: no shared tensors
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert resumed.state[q][k].dtype == torch.float32
+        assert torch.equal(resumed.state[q][k], opt.state[p][k])
+    p.grad, q.grad = grads[2].clone(), grads[2].clone()
+    opt.step()
+    resumed.step()
+    assert torch.equal(p, q)
+    # bf16 moments (fp32_optimizer_states=False) still load as bf16
+    low = DeepSpeedCPUAdam([torch.nn.Parameter(q.detach().clone())], lr=1e-2, fp32_optimizer_states=False)
+    low.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert {v.dtype for st in low.state.values() for k, v in st.items() if k != "step"} == {torch.bfloat16}
+
+
+def test_an_outer_autocast_is_switched_off_with_a_warning(caplog):
+    """The section disabled (the default): a script's own torch.autocast around engine(...) no
+    longer applies inside the forward (DeepSpeed's autocast_if_enabled), which is said once."""
+    from engine.config.schema import TorchAutocastConfig
+    from engine.precision import autocast as ac
+
+    ac._WARNED.discard("cpu")
+    with caplog.at_level("WARNING", logger="engine.precision.autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with ac.autocast_forward(TorchAutocastConfig(), "cpu"):
+                inside = torch.is_autocast_enabled("cpu")
+            with ac.autocast_forward(TorchAutocastConfig(), "cpu"):
+                pass
+    assert not inside
+    assert sum("torch_autocast section is not" in r.getMessage() for r in caplog.records) == 1

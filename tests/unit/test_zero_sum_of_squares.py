@@ -35,3 +35,13 @@ def test_a_non_finite_element_gives_a_non_finite_sum(bad, where):
     x = torch.ones(NORM_CHUNK * 2 + 7)
     x[where] = bad
     assert not torch.isfinite(sum_of_squares(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradient_shards_are_summed_in_fp32(dtype):
+    """bf16 master gradients (bf16.bf16_master_weights_and_grads): the rows' norms in fp32,
+    not rounded to the input's dtype (which is off by ~1e-4 relative here)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(NORM_CHUNK * 400 + 9, generator=g) * 0.01).to(dtype)
+    want = float(x.double().pow(2).sum())
+    assert float(sum_of_squares(x)) == pytest.approx(want, rel=1e-6, abs=0.0)
