@@ -74,31 +74,54 @@ class _Greedy:
         self.held = [0] * p  # chunk activations held (forward done, weight grad not yet)
         self.next_f0 = [0] * p  # next micro-batch of chunk 0 (fed in order)
         self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (mb, chunk), oldest first
+        self.stages = [(virtual_stage(r, 0, p, "v"), virtual_stage(r, 1, p, "v")) for r in range(p)]
+        self.low_i = [[0, 0] for _ in range(p)]  # per rank and chunk: micro-batches below have run I
+        self.low_f1 = [0] * p  # per rank: micro-batches below have run chunk 1's forward
 
     def ready(self, kind: ActionKind, mb: int, stage: int, t: int) -> bool:
         end = self.done.get((kind, mb, stage))
         return end is not None and end <= t
 
     def _input_grad(self, r: int, t: int) -> Action | None:
-        last = 2 * self.p - 1
-        for mb in range(self.m):
+        """The first (micro-batch, then chunk 1 before chunk 0) input pass rank ``r`` can run
+        at ``t``. Micro-batches below ``low_i[r][c]`` have had theirs (skipped: the search
+        calls this O(m p) times per plan), and a chunk's forwards end in micro-batch order
+        on its rank, so past the first forward not yet ended none of that chunk is ready."""
+        last, low, stages = 2 * self.p - 1, self.low_i[r], self.stages[r]
+        for c in (0, 1):
+            while low[c] < self.m and (I, low[c], stages[c]) in self.done:
+                low[c] += 1
+        open_ = [True, True]
+        for mb in range(min(low), self.m):
             for c in (1, 0):
-                k = virtual_stage(r, c, self.p, "v")
-                if (I, mb, k) in self.done or not self.ready(F, mb, k, t):
+                if not open_[c] or mb < low[c]:
+                    continue
+                k = stages[c]
+                if (I, mb, k) in self.done:
+                    continue
+                if not self.ready(F, mb, k, t):
+                    open_[c] = False
                     continue
                 if k == last or self.ready(I, mb, k + 1, t):
                     return Action(B if k == 0 and self.whole_stage0 else I, mb, c)
+            if not (open_[0] or open_[1]):
+                break
         return None
 
     def _forward(self, r: int, t: int) -> Action | None:
-        k1 = virtual_stage(r, 1, self.p, "v")
-        for mb in range(self.m):
-            if (F, mb, k1) not in self.done and self.ready(F, mb, k1 - 1, t):
-                return Action(F, mb, 1)
-        mb, k0 = self.next_f0[r], virtual_stage(r, 0, self.p, "v")
+        k0, k1 = self.stages[r]
+        # chunk 1's forwards run in micro-batch order (their inputs end in that order on the
+        # rank before), so the first not yet run is the only candidate
+        low = self.low_f1[r]
+        while low < self.m and (F, low, k1) in self.done:
+            low += 1
+        self.low_f1[r] = low
+        if low < self.m and self.ready(F, low, k1 - 1, t):
+            return Action(F, low, 1)
+        mb = self.next_f0[r]
         # room is reserved for the chunk-1 forwards still to come of the micro-batches already in
         # chunk 0 (never gated, they lead to the loss)
-        reserved = self.held[r] + sum(1 for j in range(mb) if (F, j, k1) not in self.done)
+        reserved = self.held[r] + sum(1 for j in range(low, mb) if (F, j, k1) not in self.done)
         if mb < self.m and reserved + 1 <= self.limit and (k0 == 0 or self.ready(F, mb, k0 - 1, t)):
             return Action(F, mb, 0)
         return None
