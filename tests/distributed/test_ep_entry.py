@@ -1,6 +1,5 @@
-"""Expert parallelism through launch/train.py itself, run as subprocesses (one per rank, started
-as srun would, without a launcher process to start; plain ``python`` for one), against the
-same MoE model trained by one process.
+"""Expert parallelism through launch/train.py itself, run as a subprocess (torchrun for several
+ranks, plain ``python`` for one), against the same MoE model trained by one process.
 
 The tiny reference GPT (2 layers, hidden 32, seq 16) with an MoE MLP in every block (4
 experts, top-2, the sequence-wise auxiliary loss at coefficient 0.1 and a z-loss, so the
@@ -40,13 +39,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import sysconfig
 
 import pytest
 from harness import scaled
 
-from engine.distributed.spawn import start_script
+from engine.distributed.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -94,16 +94,12 @@ def launch(tmp, cfg: dict, world: int, steps: int = STEPS, extra: tuple[str, ...
     with open(path, "w") as f:
         json.dump(cfg, f)
     out = os.path.join(tmp, "out")
-    procs = start_script([sys.executable, TRAIN, "--config", path, "--steps", str(steps), "--output", out,
-                          "--sample-tokens", "0", *extra], world, env=_env(), cwd=str(tmp))
-    try:
-        done = [p.communicate(timeout=scaled(400)) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (stdout, stderr) in zip(procs, done):
-        assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    runner = [sys.executable] if world == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
+    proc = subprocess.run(runner + [TRAIN, "--config", path, "--steps", str(steps), "--output", out,
+                                    "--sample-tokens", "0", *extra],
+                          cwd=str(tmp), env=_env(), capture_output=True, text=True, timeout=scaled(400))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
