@@ -248,6 +248,17 @@ def _collect(procs: Sequence[Any], results: Any, nprocs: int, timeout: float) ->
     return outputs
 
 
+def process_context(method: StartMethod = "forkserver") -> Any:
+    """The ``multiprocessing`` context ranks start from: a ForkServerContext whose server has
+    imported ``PRELOAD`` (and pytest, under pytest), or a SpawnContext. Also for tests that
+    start a plain process to kill it (no rank, no result queue)."""
+    ctx: Any = mp.get_context(method)
+    if method == "forkserver":
+        # takes effect when the server first starts; pytest too under pytest (test modules import it)
+        ctx.set_forkserver_preload(list(PRELOAD) + (["pytest"] if "pytest" in sys.modules else []))
+    return ctx
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None,
           *, rendezvous: Rendezvous = "gloo", timeout: float = 120.0, collective_timeout: Optional[float] = None,
           threads: Optional[int] = 1, env: Optional[Mapping[str, str]] = None,
@@ -276,10 +287,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), kwargs:
     forked = method == "forkserver"
     child = _Child(rendezvous, nprocs, store.port, collective_timeout, threads, dict(env or {}),
                    dict(os.environ) if forked else None)
-    ctx: Any = mp.get_context(method)  # a ForkServerContext or a SpawnContext
-    if forked:
-        # takes effect when the server first starts; pytest too under pytest (test modules import it)
-        ctx.set_forkserver_preload(list(PRELOAD) + (["pytest"] if "pytest" in sys.modules else []))
+    ctx = process_context(method)
     results = ctx.Queue()
     procs = [ctx.Process(target=_child_main, name=f"rank{r}", daemon=True,
                          args=(_ParentStdio() if forked else None, fn, r, results, tuple(args),

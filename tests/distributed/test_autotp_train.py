@@ -143,9 +143,17 @@ def test_autotp_tp2_dp2_zero123():
     _check(results, bf16_cases=[cases[-1]])
 
 
+TP4_CASES = [("llama", 4, 1, 2, "instance"), ("qwen2", 4, 2, 1, "config"), ("gpt2", 4, 2, 1, "config", True)]
+
+
+@pytest.mark.slow
+def test_autotp_tp4_zero12():
+    """TP 4 with 2 KV heads: Llama's k/v projections are replicated (one KV head per rank); on
+    4 ranks (DP 1: ZeRO x DP is the TP 2 x DP 2 test's; TP 4 x DP 2 is the extended one's)."""
+    _check(run_ranks(_cases_worker, 4, TP4_CASES, timeout=300))
+
+
+@pytest.mark.extended
 @pytest.mark.slow  # 8 ranks: ~56 CPU-seconds (~30 s on 2 cores)
 def test_autotp_tp4_dp2_zero12():
-    # TP 4 with 2 KV heads: Llama's k/v projections are replicated (one KV head per rank)
-    cases = [("llama", 4, 1, 2, "instance"), ("qwen2", 4, 2, 1, "config"), ("gpt2", 4, 2, 1, "config", True)]
-    results = run_ranks(_cases_worker, 8, cases, timeout=300)
-    _check(results)
+    _check(run_ranks(_cases_worker, 8, TP4_CASES, timeout=300))

@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import _ckpt_common as C
 import _muon_common as M
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, scaled, start_method
 from test_checkpoint_preemption import config_path  # noqa: F401 - the fixture (tokenized data once)
+
+from engine.distributed.spawn import process_context
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -126,24 +126,35 @@ def test_the_checkpoint_is_the_state_at_the_call_although_training_changes_it(tm
         assert ma[k] == mb[k], k
 
 
-def _wait_for(p: subprocess.Popen, marker: str, deadline: float) -> None:
+def _wait_for(p, marker: str, deadline: float) -> None:
     while not os.path.exists(marker):
-        if p.poll() is not None:
-            raise AssertionError(f"{marker}: the child exited with {p.returncode}: {p.stdout.read().decode()[-3000:]}")
+        if p.exitcode is not None:
+            with open(marker.rsplit(".", 1)[0] + ".log", errors="replace") as f:
+                raise AssertionError(f"{marker}: the child exited with {p.exitcode}: {f.read()[-3000:]}")
         assert time.monotonic() < deadline, f"the child never reached {marker}"
         time.sleep(0.005)
 
 
+def _kill_child(save_dir: str) -> None:
+    """One child of _kill_points, its output in SAVE_DIR.log."""
+    import _ckpt_async_kill_child
+
+    fd = os.open(save_dir + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    _ckpt_async_kill_child.main(save_dir)
+
+
 def _kill_points(root: str, delays: list[float]) -> list[dict]:
     """One child per delay: SIGKILL ``delay`` s after its asynchronous save started (None:
-    once it has committed)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    once it has committed). The children are forked from the harness's fork server (torch and
+    the engine imported once), not fresh interpreters: a SIGKILL ends either the same way."""
+    ctx = process_context(start_method() or "forkserver")
     procs = []
     for i, _ in enumerate(delays):
-        d = os.path.join(root, f"k{i}")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_ckpt_async_kill_child.py"), d],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    out, deadline = [], time.monotonic() + 300
+        procs.append(ctx.Process(target=_kill_child, args=(os.path.join(root, f"k{i}"),), daemon=True))
+        procs[-1].start()
+    out, deadline = [], time.monotonic() + scaled(300)
     try:
         for i, (p, delay) in enumerate(zip(procs, delays)):
             d = os.path.join(root, f"k{i}")
@@ -151,14 +162,15 @@ def _kill_points(root: str, delays: list[float]) -> list[dict]:
             open(d + ".go", "w").close()
             _wait_for(p, d + (".committed" if delay is None else ".started"), deadline)
             time.sleep(delay or 0.0)
-            p.send_signal(signal.SIGKILL)
-            assert p.wait(30) == -signal.SIGKILL
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(scaled(30))
+            assert p.exitcode == -signal.SIGKILL, p.exitcode
             out.append(dict(dir=d, committed=os.path.exists(d + ".committed")))
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-                p.wait()
+                p.join()
     return out
 
 

@@ -3,7 +3,9 @@ checkpoints (one spawn per world size serves both, to keep the suite short).
 
 A. Layouts.
 (dp, tp, pp) in {(2,1,1), (4,1,1), (1,2,1), (1,1,2), (2,2,2)} x ZeRO 0-3 x gradient
-accumulation 1 and 4 (same global batch of 16), 3 steps each, built through
+accumulation 1 and 4 (same global batch of 16), 3 steps each (the default suite runs half of
+these 40: each layout at every stage and both accumulations, each (stage, accumulation) pair
+at some layout; the other half is marked extended), built through
 ``engine.initialize`` from a DeepSpeed-format config (what launch/train.py does; a subset
 also runs through launch/train.py itself in test_muon_train_entry.py). The model has tied
 embeddings (AdamW, summed across pipeline stages) and fused q/k/v and gate/up weights
@@ -51,12 +53,28 @@ LAYOUTS = {2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)], 4: [(4, 1, 1)], 8: [(2, 2, 2)]}
 BF16 = {2: (2, 1, 1, 1, 4), 4: (4, 1, 1, 3, 1), 8: (2, 2, 2, 2, 4)}  # dp, tp, pp, zero, ga
 
 
-def _worker(rank, world, root):
-    out = {("ckpt", world): _checkpoint_part(world, root)}
-    for dp, tp, pp in LAYOUTS.get(world, []):
+def _cases(part: str) -> list[tuple[int, int, int, int, int]]:
+    """(dp, tp, pp, zero, ga) of one part of the matrix: "default" gives every layout each ZeRO
+    stage once and both accumulations (alternating which stage gets which, so that every
+    (stage, accumulation) pair still runs at some layout); "rest" (extended) the other half."""
+    out = []
+    for i, (dp, tp, pp) in enumerate(lay for world in sorted(LAYOUTS) for lay in LAYOUTS[world]):
         for zero in (0, 1, 2, 3):
             for ga in (1, 4):
-                out[(dp, tp, pp, zero, ga, "float32")] = M.run(M.config(dp, tp, pp, zero, ga), STEPS)
+                if ((zero + (ga == 4) + i) % 2 == 0) == (part == "default"):
+                    out.append((dp, tp, pp, zero, ga))
+    return out
+
+
+def _worker(rank, world, root, part="default"):
+    out = {("ckpt", world): _checkpoint_part(world, root) if part == "default" else None}
+    for dp, tp, pp, zero, ga in _cases(part):
+        if dp * tp * pp == world:
+            out[(dp, tp, pp, zero, ga, "float32")] = M.run(M.config(dp, tp, pp, zero, ga), STEPS)
+    if part == "rest":
+        if world == 1:
+            out[(1, 1, 1, 0, 1, "float32")] = M.run(M.config(), STEPS)
+        return out
     if world in BF16:
         dp, tp, pp, zero, ga = BF16[world]
         out[(dp, tp, pp, zero, ga, "bfloat16")] = M.run(M.config(dp, tp, pp, zero, ga, "bfloat16"), STEPS)
@@ -106,14 +124,10 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_every_layout_matches_one_process(runs):
-    refs = {ns: runs[(1, 1, 1, 0, 1, ns)][0] for ns in ("float32", "bfloat16")}
+def _check_layouts(runs, part):
+    refs = {ns: runs[(1, 1, 1, 0, 1, ns)][0] for ns in ("float32", "bfloat16") if (1, 1, 1, 0, 1, ns) in runs}
     assert refs["float32"][-1] < refs["float32"][0] - 0.05, f"the model did not learn: {refs['float32']}"
-    expected = {(dp, tp, pp, z, ga) for layouts in LAYOUTS.values() for dp, tp, pp in layouts
-                for z in range(4) for ga in (1, 4)}
-    assert expected <= {k[:5] for k in runs}
+    assert set(_cases(part)) <= {k[:5] for k in runs}
     for key, value in runs.items():
         if key == "root" or key[0] in ("ckpt", "ckpt_all"):
             continue
@@ -121,6 +135,31 @@ def test_every_layout_matches_one_process(runs):
         rtol = RTOL if ns == "float32" else RTOL_BF16
         assert losses == pytest.approx(refs[ns], rel=rtol), f"{key}: {losses} vs {refs[ns]}"
         assert calls == M.MATRICES_PER_STEP * STEPS, f"{key}: {calls} Newton-Schulz calls"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_layout_matches_one_process(runs):
+    """Half of the (layout, ZeRO stage, accumulation) matrix: every layout at every stage and
+    both accumulations, every (stage, accumulation) pair at some layout; the other half is
+    test_the_rest_of_the_matrix_matches_one_process (extended)."""
+    both = set(_cases("default")) | set(_cases("rest"))
+    assert len(both) == 40 and not set(_cases("default")) & set(_cases("rest"))
+    for dp, tp, pp in (lay for layouts in LAYOUTS.values() for lay in layouts):
+        mine = [(z, ga) for d, t, p, z, ga in _cases("default") if (d, t, p) == (dp, tp, pp)]
+        assert {z for z, _ in mine} == {0, 1, 2, 3} and {ga for _, ga in mine} == {1, 4}, (dp, tp, pp, mine)
+    assert {c[3:] for c in _cases("default")} == {(z, ga) for z in range(4) for ga in (1, 4)}
+    _check_layouts(runs, "default")
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_rest_of_the_matrix_matches_one_process(tmp_path):
+    runs = {}
+    for world in (8, 4, 2, 1):
+        runs.update(run_ranks(_worker, world, str(tmp_path), "rest", timeout=400)[0])
+    _check_layouts(runs, "rest")
 
 
 def _states(path: str) -> dict:

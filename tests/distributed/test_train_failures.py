@@ -100,16 +100,33 @@ def _wait_for_steps(procs, out, steps: int, timeout=120) -> None:
 
 
 # ------------------------------------------------------------------ 1. --load and --save
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """One 8-step run saving at steps 4 and 8: its process, output and checkpoint directory.
+    The --load tests and the corrupt-checkpoint test start from copies of it (one launch)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    ck = tmp / "ck"
+    a = _train(tmp, "--config", _cfg(tmp, cache_dir), "--steps", "8", "--save", str(ck), "--save-interval", "4",
+               "--output", str(tmp / "a"))
+    return a, tmp / "a", ck
+
+
+def _copy_checkpoints(trained, tmp_path):
+    import shutil
+
+    a, _, ck = trained
+    assert a.returncode == 0, a.stderr[-3000:]
+    shutil.copytree(ck, tmp_path / "ck")
+    return tmp_path / "ck"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_load_paths_finetune_and_the_save_guard(tmp_path, cache_dir):
+def test_load_paths_finetune_and_the_save_guard(tmp_path, cache_dir, trained):
     cfg = _cfg(tmp_path, cache_dir)
-    ck, empty = tmp_path / "ck", tmp_path / "empty"
+    ck, empty = _copy_checkpoints(trained, tmp_path), tmp_path / "empty"
     empty.mkdir()
-    a = _train(tmp_path, "--config", cfg, "--steps", "8", "--save", str(ck), "--save-interval", "4",
-               "--output", str(tmp_path / "a"))
-    assert a.returncode == 0, a.stderr[-3000:]
-    ref = _losses(tmp_path / "a")
+    ref = _losses(trained[1])
     # the tag directory a save prints resumes from that tag, bit-exact (same layout)
     b = _train(tmp_path, "--config", cfg, "--steps", "8", "--load", str(ck / "global_step4"), "--save", str(ck),
                "--output", str(tmp_path / "b"))
@@ -242,17 +259,14 @@ def test_a_sigkilled_rank_is_the_only_one_named_killed(tmp_path, cache_dir):
 # ------------------------------------------------------------------ 5. corrupt checkpoint
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_corrupt_checkpoint_is_one_line_per_rank(tmp_path, cache_dir):
-    ck = tmp_path / "ck"
-    a = _train(tmp_path, "--config", _cfg(tmp_path, cache_dir), "--steps", "2", "--save", str(ck), "--output",
-               str(tmp_path / "a"))
-    assert a.returncode == 0, a.stderr[-3000:]
-    shard = next((ck / "global_step2").glob("*.safetensors"))
+def test_corrupt_checkpoint_is_one_line_per_rank(tmp_path, cache_dir, trained):
+    ck = _copy_checkpoints(trained, tmp_path)
+    shard = next((ck / "global_step8").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
     cfg2 = _cfg(tmp_path, cache_dir, "cfg2.json", dp=2, zero=1)
-    results = _finish(_slurm(tmp_path, 2, ["--config", cfg2, "--steps", "4", "--load", str(ck), "--output",
+    results = _finish(_slurm(tmp_path, 2, ["--config", cfg2, "--steps", "10", "--load", str(ck), "--output",
                                            str(tmp_path / "b")]))
     for rank, (code, err) in enumerate(results):
         assert code == 1 and _lines(err) == [err.strip()] and not any(n in err for n in NOISE), err

@@ -128,12 +128,32 @@ def test_signals_after_the_preemption_save_are_ignored_and_every_rank_exits_0(tm
 
 
 # ------------------------------------------------------------------ 3. disk space
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, cache_dir):
+    """One 2-step run with free space simulated at 1,000 bytes, saved at its end (save_interval
+    0): the low-space test reads its warnings, and the resume tests start from copies of its
+    checkpoint and output (one launch instead of three)."""
+    tmp_path = tmp_path_factory.mktemp("saved_run")
+    cfg, out, ck = _cfg(tmp_path, cache_dir), tmp_path / "out", tmp_path / "ck"
+    results = _run2(tmp_path, ["--config", cfg, "--steps", "2", "--save", str(ck), "--save-interval", "0",
+                               "--output", str(out)], env={"ENGINE_TEST_FREE_BYTES": "1000"})
+    return results, out, ck
+
+
+def _copy_saved(saved_run, tmp_path):
+    """This test's own copy of the saved run's output and checkpoint directories."""
+    import shutil
+
+    _, out, ck = saved_run
+    shutil.copytree(out, tmp_path / "out")
+    shutil.copytree(ck, tmp_path / "ck")
+    return tmp_path / "out", tmp_path / "ck"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_low_space_warning_counts_the_whole_checkpoint_at_start_up_and_before_the_save(tmp_path, cache_dir):
-    out, ck = tmp_path / "out", tmp_path / "ck"
-    results = _run2(tmp_path, ["--config", _cfg(tmp_path, cache_dir), "--steps", "2", "--save", str(ck),
-                               "--save-interval", "0", "--output", str(out)], env={"ENGINE_TEST_FREE_BYTES": "1000"})
+def test_low_space_warning_counts_the_whole_checkpoint_at_start_up_and_before_the_save(saved_run):
+    results, _, ck = saved_run
     assert [c for c, _ in results] == [0, 0], results
     err = results[0][1]
     start = err.index("at start-up: --save")
@@ -149,11 +169,9 @@ def test_low_space_warning_counts_the_whole_checkpoint_at_start_up_and_before_th
 # ------------------------------------------------------------------ 4. resume checks
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_changed_model_is_refused_unless_finetune(tmp_path, cache_dir):
-    ck = tmp_path / "ck"
-    a = _run2(tmp_path, ["--config", _cfg(tmp_path, cache_dir), "--steps", "2", "--save", str(ck),
-                         "--output", str(tmp_path / "a")])
-    assert [c for c, _ in a] == [0, 0], a
+def test_a_changed_model_is_refused_unless_finetune(tmp_path, cache_dir, saved_run):
+    assert [c for c, _ in saved_run[0]] == [0, 0], saved_run[0]
+    _, ck = _copy_saved(saved_run, tmp_path)
     heads = _cfg(tmp_path, cache_dir, "heads.json", model={"num_heads": 8})
     b = _run2(tmp_path, ["--config", heads, "--steps", "4", "--load", str(ck), "--save", str(ck), "--output",
                          str(tmp_path / "b")])
@@ -168,10 +186,10 @@ def test_a_changed_model_is_refused_unless_finetune(tmp_path, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_torn_metrics_line_is_dropped_and_a_broken_one_named(tmp_path, cache_dir):
-    cfg, out, ck = _cfg(tmp_path, cache_dir), tmp_path / "out", tmp_path / "ck"
-    a = _run2(tmp_path, ["--config", cfg, "--steps", "2", "--save", str(ck), "--output", str(out)])
-    assert [c for c, _ in a] == [0, 0], a
+def test_a_torn_metrics_line_is_dropped_and_a_broken_one_named(tmp_path, cache_dir, saved_run):
+    assert [c for c, _ in saved_run[0]] == [0, 0], saved_run[0]
+    cfg = _cfg(tmp_path, cache_dir)
+    out, ck = _copy_saved(saved_run, tmp_path)
     metrics = out / "metrics.jsonl"
     good = metrics.read_text()
     metrics.write_text(good + '{"step": 3, "loss": 5.1')  # killed while writing step 3's line
