@@ -355,12 +355,17 @@ def cp_comm_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, param_
     a, kv = model.num_heads // t, max(1, model.kv_heads // t)
     if layout.cp_mode == "ring":
         rate = cluster.peak_flops * cluster.compute_efficiency
-        attn_f = 4 * tokens * model.seq_len * a * d / rate  # this rank's share of the causal attention
+        # this rank's share of the causal attention: its T queries against the S/2 keys a
+        # causal mask leaves on average (QK^T and PV, 2 FLOPs per multiply-add)
+        attn_f = 2 * tokens * model.seq_len * a * d / rate
         kv_hop = (2 * tokens * kv * d * e + 16 * tokens) / bw + lat
         acc_hop = 2 * tokens * kv * d * 4 / bw + lat
-        hidden_f = cluster.comm_overlap * attn_f * (c - 1) / c  # no transfer behind the last block
-        fwd = max(0.0, (c - 1) * kv_hop - hidden_f)
-        bwd = max(0.0, (c - 1) * kv_hop + c * acc_hop - cluster.comm_overlap * 2 * attn_f)
+        behind = (c - 1) / c  # no transfer behind the last block's compute
+        fwd = max(0.0, (c - 1) * kv_hop - cluster.comm_overlap * attn_f * behind)
+        # backward: each K/V hop and the accumulator hop before it hide behind a block's
+        # backward (twice its forward); the last accumulator hop, sent after the last block,
+        # is waited on with nothing left to overlap
+        bwd = max(0.0, (c - 1) * (kv_hop + acc_hop) - cluster.comm_overlap * 2 * attn_f * behind) + acc_hop
         return fwd, bwd
     u = layout.ulysses_size
     kv_u = kv if kv % u == 0 else math.lcm(kv, u)
