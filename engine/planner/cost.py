@@ -336,9 +336,10 @@ def cp_comm_seconds(model: ModelConfig, layout: Layout, cluster: Cluster, param_
     - ring (engine.context_parallel.ring): C−1 hops forward, each one K/V block (2·T·g·e)
       and its positions/document ids (16·T); backward C−1 K/V hops and C fp32 dK/dV
       accumulator hops (2·T·g·4). Each hop is posted before the block it overlaps is
-      computed, so the hops hide behind the attention's own FLOPs (forward 4·T·S·a, backward
-      twice that; the causal head-tail shards give every rank the same share) up to the
-      cluster's ``comm_overlap``; what is left is exposed;
+      computed, so the hops hide behind the attention's own causal FLOPs (forward 2·T·S·a·d,
+      backward twice that; the head-tail shards give every rank the same share) up to the
+      cluster's ``comm_overlap``, except behind the last block; the backward's last dK/dV
+      hop, sent after the last block, is exposed;
     - Ulysses (engine.context_parallel.ulysses): four all-to-alls forward (q, k, v, o) and
       four backward (dO, dq, dk, dv), each sending (U−1)/U of its tensor (k, v repeated to
       lcm(kv heads, U) when U does not divide them), plus the positions' all-gather; on
