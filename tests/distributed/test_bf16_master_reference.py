@@ -9,6 +9,8 @@ The reference (:func:`_reference`), what the engine must compute:
   reduction**: without gradient accumulation once per step; at stages 2/3 with gradient
   accumulation once per micro-batch (each micro-batch's reduce-scatter is added, in fp32,
   into the bf16 gradient shard and rounded again), as DeepSpeed's bf16 gradient partitions;
+  at ZeRO-1 with accumulation each rank first sums its micro-batches in its full accumulator,
+  bf16 by default (``data_types.grad_accum_dtype``: every add rounded), reduced once per step;
 - clipping (``gradient_clipping``) scales the bf16 gradient by min(1, clip / (norm + 1e-6))
   and rounds again (the norm from the bf16 values, summed in float64);
 - AdamW per element in fp32 (master, gradient and moments loaded to fp32), torch.optim.AdamW's
@@ -33,6 +35,8 @@ then ended one bf16 ulp apart at ZeRO 2/3 with accumulation and clipping.)
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import pytest
 import torch
 import torch.nn as nn
@@ -43,6 +47,7 @@ BF16 = torch.bfloat16
 # (stage, gradient accumulation steps, gradient_clipping, moments dtype, offload_optimizer)
 CASES = (
     (1, 1, 0.0, BF16, False),
+    (1, 2, 0.0, BF16, False),  # ZeRO-1's full accumulator in bf16 (grad_accum_dtype's default)
     (2, 2, 0.05, BF16, False),  # clipping active (the gradient norm is ~0.3-1)
     (3, 2, 0.0, BF16, False),
     (1, 1, 0.0, torch.float32, True),  # bf16_optimizer_states false: fp32 moments on the host
@@ -117,35 +122,62 @@ def _engine_rank(rank, world, cases, control):
 
 
 # ------------------------------------------------------------------ the dense reference
+def _rank_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, m: int, ga: int) -> list:
+    """Rank ``rank``'s bf16 gradient of micro-batch ``m`` (the same bf16 forward/backward)."""
+    model.zero_grad(set_to_none=True)
+    _loss(model, *_micro(x, y, rank, m, ga), ga).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _fp32_mean(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The ZeRO reduction: each rank's gradient times 1/dp (exact), summed over the ranks in fp32."""
+    mean = [torch.zeros(g.shape, dtype=torch.float32) for g in per_rank[0]]
+    for grads in per_rank:
+        for acc, g in zip(mean, grads):
+            acc.add_(g.float() * (1.0 / DP))
+    return mean
+
+
+def _master_grad(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ga: int, *,  # noqa: PLR0913
+                 zero1_accum: Optional[torch.dtype] = None, round_per_step: bool = False,
+                 round_recv: bool = False) -> list[torch.Tensor]:
+    """One step's bf16 master gradient. ``zero1_accum``: ZeRO-1 with accumulation, each rank's
+    full accumulator in that dtype (``data_types.grad_accum_dtype``, bf16 by default: every add
+    rounded) reduced once per step; otherwise (stages 2/3, or no accumulation) one reduction
+    per micro-batch, each rounded into the bf16 shard."""
+    if zero1_accum is not None:
+        acc = [[torch.zeros(p.shape, dtype=zero1_accum) for p in model.parameters()] for _ in range(DP)]
+        for m in range(ga):
+            for rank in range(DP):
+                for a, g in zip(acc[rank], _rank_grads(model, x, y, rank, m, ga)):
+                    a.add_(g)
+        return [r.to(BF16) for r in _fp32_mean(acc)]
+    grad: list[torch.Tensor] = []  # bf16 (fp32 while round_per_step accumulates)
+    for m in range(ga):
+        mean = _fp32_mean([[g.clone() for g in _rank_grads(model, x, y, r, m, ga)] for r in range(DP)])
+        if round_per_step:
+            grad = mean if not grad else [g + r for g, r in zip(grad, mean)]
+        elif not grad:
+            grad = [r.to(BF16) for r in mean]  # the first reduction, rounded into the bf16 shard
+        else:  # a later micro-batch's reduction added in fp32 into the bf16 shard, rounded
+            grad = [(g.float() + (r.to(BF16).float() if round_recv else r)).to(BF16) for g, r in zip(grad, mean)]
+    return [g.to(BF16) for g in grad]
+
+
 def _reference(ga: int, clip: float, state_dtype: torch.dtype, *, master_dtype: torch.dtype = BF16,
-               round_per_step: bool = False, round_recv: bool = False) -> list[torch.Tensor]:
+               **grad_kw: Any) -> list[torch.Tensor]:
     """The bf16 parameters after STEPS steps (module docstring). Changes the test shows it
     detects: ``master_dtype`` fp32 (masters kept in fp32, the weights their bf16 copy);
-    ``round_per_step`` (micro-batches summed in fp32, one rounding per step);
-    ``round_recv`` (each micro-batch's reduced gradient rounded to bf16 before it is added into
-    the bf16 gradient: rounded twice)."""
+    ``round_per_step`` (micro-batches summed in fp32, one rounding per step); ``round_recv``
+    (each micro-batch's reduced gradient rounded to bf16 before it is added into the bf16
+    gradient: rounded twice); ``zero1_accum`` fp32 instead of bf16."""
     model = _model()
     params = list(model.parameters())
     master = [p.detach().to(master_dtype) for p in params]
     exp_avg = [torch.zeros(p.shape, dtype=state_dtype) for p in params]
     exp_avg_sq = [torch.zeros(p.shape, dtype=state_dtype) for p in params]
     for step in range(1, STEPS + 1):
-        x, y = _data(step - 1)
-        grad: list[torch.Tensor] = []  # the master gradient: bf16 (fp32 while round_per_step accumulates)
-        for m in range(ga):
-            mean = [torch.zeros(p.shape, dtype=torch.float32) for p in params]  # the fp32 reduction
-            for rank in range(DP):
-                model.zero_grad(set_to_none=True)
-                _loss(model, *_micro(x, y, rank, m, ga), ga).backward()
-                for acc, p in zip(mean, params):
-                    acc.add_(p.grad.float() * (1.0 / DP))  # the hook's 1/dp, exact; fp32 sum over ranks
-            if round_per_step:
-                grad = mean if not grad else [g + r for g, r in zip(grad, mean)]
-            elif not grad:
-                grad = [r.to(BF16) for r in mean]  # the first reduction, rounded into the bf16 shard
-            else:  # a later micro-batch's reduction added in fp32 into the bf16 shard, rounded
-                grad = [(g.float() + (r.to(BF16).float() if round_recv else r)).to(BF16) for g, r in zip(grad, mean)]
-        grad = [g.to(BF16) for g in grad]
+        grad = _master_grad(model, *_data(step - 1), ga, **grad_kw)
         if clip > 0:
             norm = torch.stack([g.double().square().sum() for g in grad]).sum().sqrt()
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
@@ -182,7 +214,8 @@ def engine_results():
 def test_bf16_masters_match_dense_reference(engine_results, case):
     results, _ = engine_results
     stage, ga, clip, state_dtype, _ = case
-    ref = _reference(ga, clip, state_dtype)
+    zero1 = {"zero1_accum": BF16} if stage == 1 and ga > 1 else {}
+    ref = _reference(ga, clip, state_dtype, **zero1)
     for r in results:
         params, dtypes, moments = r[case]
         assert dtypes == {"torch.bfloat16"}, dtypes  # master shard and its gradient
@@ -192,9 +225,11 @@ def test_bf16_masters_match_dense_reference(engine_results, case):
     got = results[0][case][0]
     # the comparison detects a change of the arithmetic (module docstring)
     other_states = torch.float32 if state_dtype == BF16 else BF16
-    assert not _equal(got, _reference(ga, clip, state_dtype, master_dtype=torch.float32)), "fp32 masters"
-    assert not _equal(got, _reference(ga, clip, other_states)), "moments in the other dtype"
-    if ga > 1:
+    assert not _equal(got, _reference(ga, clip, state_dtype, master_dtype=torch.float32, **zero1)), "fp32 masters"
+    assert not _equal(got, _reference(ga, clip, other_states, **zero1)), "moments in the other dtype"
+    if zero1:
+        assert not _equal(got, _reference(ga, clip, state_dtype, zero1_accum=torch.float32)), "fp32 accumulator"
+    elif ga > 1:
         assert not _equal(got, _reference(ga, clip, state_dtype, round_per_step=True)), "one rounding per step"
         assert not _equal(got, _reference(ga, clip, state_dtype, round_recv=True)), "gradient rounded twice"
 
