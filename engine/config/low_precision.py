@@ -16,7 +16,11 @@ DeepSpeed's rules, mirrored:
   must have ``fp32_optimizer_states=False`` (engine.optim.build.check_bf16_master_client).
 Stricter here: ``bf16.enabled`` must be true (DeepSpeed would keep bf16 masters of an fp32
 model); the config's Adam with ``adam_w_mode`` false or ``torch_adam`` under offload (torch's
-update on the host, not the CPU Adam kernel) is refused.
+update on the host, not the CPU Adam kernel) is refused; so are, without offload, those two and
+Lion: the engine's bf16-master update is FusedAdamW's (each element loaded to fp32, updated,
+rounded once to bf16), while torch's Adam/AdamW and Lion would compute on the bf16 tensors
+themselves, rounding every intermediate (refused rather than routed through FusedAdamW's L2
+mode, which has no equivalence test against torch.optim.Adam over bf16 masters yet).
 """
 
 from __future__ import annotations
@@ -85,6 +89,14 @@ def check_low_precision_master(cfg: Config) -> None:
     if opt is not None and opt.type == "Muon":
         raise ConfigError(f"{_MASTER} = true with optimizer.type \"Muon\" is not implemented (its Newton-Schulz "
                           "iterations run on the fp32 master matrices): use AdamW or Lion, or fp32 masters")
+    if not offload and opt is not None and not _is_cpu_adam(cfg):
+        # FusedAdamW updates bf16 masters per element in fp32 (DeepSpeed's kernel arithmetic);
+        # torch's Adam/AdamW (ChunkedAdam/ChunkedAdamW) and Lion would compute in bf16 itself
+        raise ConfigError(f"{_MASTER} = true with optimizer.type \"{opt.type}\""
+                          f"{' with torch_adam' if _torch_adam(cfg) else ''}"
+                          f"{' with adam_w_mode false' if _l2_adam(cfg) else ''} is not implemented (that update "
+                          "would run in bf16 on the bf16 master, not in fp32 per element as DeepSpeed's): use "
+                          "\"AdamW\" (adam_w_mode true, no torch_adam), or fp32 masters")
     if offload and opt is not None and not _is_cpu_adam(cfg):
         raise ConfigError(f"{_MASTER} = true with zero_optimization.offload_optimizer needs DeepSpeed's CPU Adam (it "
                           "asserts \"Master weights feature requires ZeRO Offload with DeepSpeedCPUAdam\"), but "

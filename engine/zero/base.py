@@ -143,6 +143,18 @@ class ZeroOptimizer:
     # MAX_INFLIGHT + 1 full-size accumulators and MAX_INFLIGHT (shard,) receive buffers)
     MAX_INFLIGHT: int = 2
 
+    def _checked_precision(self, precision: PrecisionPolicy) -> PrecisionPolicy:
+        """bf16 masters (DeepSpeed's bf16.bf16_master_weights_and_grads) need sharded state: an
+        unsharded optimizer (stage 0) accumulates every micro-batch's gradient straight into
+        the master gradient, which would round each add to bf16 (the config refuses stage 0;
+        this is the same rule for an optimizer built directly)."""
+        if precision.master_dtype != torch.float32 and not self.shards_optimizer_state:
+            raise ValueError(f"{type(self).__name__} (ZeRO stage {self.stage}) with master_dtype "
+                             f"{precision.master_dtype}: bf16 master weights and gradients need ZeRO stage 1, 2 or "
+                             "3 (stage 0 would accumulate every micro-batch's gradient into the bf16 master "
+                             "gradient); use stage 1-3, or PrecisionPolicy(master_dtype=torch.float32)")
+        return precision
+
     def __init__(self, params: ParamsArg, optimizer_factory: OptimizerFactory,  # noqa: PLR0913 (keyword-only options named as DeepSpeed's zero_optimization keys)
                  groups: Union[ParallelGroups, AxisGroup], *,
                  tied_params: Sequence[torch.nn.Parameter] = (),
@@ -151,13 +163,13 @@ class ZeroOptimizer:
                  reduce_bucket_size: int = 500_000_000, overlap_comm: bool = True, alignment: int = 8,
                  clip_grad: float = 0.0, role_groups: Mapping[Role, AxisGroup] = MappingProxyType({}),
                  offload: OffloadOptions = NO_OFFLOAD):
+        self.precision = self._checked_precision(precision or PrecisionPolicy())
         if not dist.is_initialized():
             raise RuntimeError("ZeRO optimizers need an initialised process group (even for one process: "
                                "engine.distributed.env.init_distributed(), or gloo with world_size=1)")
         self.grad_group, self.tp_group, self.pp_group, self.embedding_group = _mesh(groups, bool(tied_params))
         self.grad_size = comm.group_size(self.grad_group)
         self.grad_rank = comm.group_rank(self.grad_group)
-        self.precision = precision or PrecisionPolicy()
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         if clip_grad < 0:
             raise ValueError(f"gradient_clipping must be >= 0 (0 disables it), got {clip_grad}")
