@@ -54,6 +54,7 @@ from engine.planner.activations import (
     recompute_forward_fraction,
 )
 from engine.planner.cluster import Cluster
+from engine.validate import check_int
 from engine.zero.memory import zero_state_bytes as engine_state_bytes
 
 __all__ = ["Layout", "MemoryEstimate", "TimeEstimate", "StageShape", "stage_shapes", "memory_estimate",
@@ -90,9 +91,8 @@ class Layout:
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"Layout.recompute={self.recompute!r}: use one of {RECOMPUTE_POLICIES} "
                              "(an activation_checkpointing granularity)")
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise ValueError(f"Layout.cp={self.cp!r}: the context-parallel degree (context_parallel.size) is an "
-                             "integer >= 1")
+        check_int("Layout.cp", self.cp, minimum=1, error=ValueError,
+                  fix="the context-parallel degree (context_parallel.size)")
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"Layout.cp_mode={self.cp_mode!r}: the planner models context_parallel.mode "
                              f"{' or '.join(repr(m) for m in CP_MODES)} (not \"hybrid\")")

@@ -35,7 +35,7 @@ def test_layout_cp_validation_world_size_and_describe():
     plain = Layout(dp=2, tp=2, pp=1, micro_batch=1, num_microbatches=4, zero_stage=1)
     assert plain.cp == 1 and plain.world_size == 4 and "cp" not in plain.describe()
     for bad in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="Layout.cp="):
+        with pytest.raises(ValueError, match="Layout.cp must be"):
             Layout(dp=1, tp=1, pp=1, micro_batch=1, num_microbatches=1, zero_stage=0, cp=bad)  # type: ignore
     with pytest.raises(ValueError, match="hybrid"):
         Layout(dp=1, tp=1, pp=1, micro_batch=1, num_microbatches=1, zero_stage=0, cp=2, cp_mode="hybrid")
