@@ -23,6 +23,29 @@ for _name in ("ENGINE_FAILURE_WATCH_GRACE", "ENGINE_FAILURE_GRACE_S"):
     os.environ.setdefault(_name, f"{scaled(5.0):g}")
 
 
+WORKERS_ENV = "ENGINE_TEST_WORKERS"
+_GIB_PER_WORKER = 3  # a worker's fork server plus an 8-rank test's ranks: about 3 GiB at its peak
+_MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """How many workers ``-n auto`` (pytest.ini) starts: ``ENGINE_TEST_WORKERS`` if set, else
+    one per core this process may use, at most 8 and at most one per 3 GiB of memory. Each
+    worker runs whole files (``--dist loadfile``); their multi-rank tests share the cores, which
+    the suite's scaled time limits already allow for (a second copy of the suite beside it)."""
+    raw = os.environ.get(WORKERS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit():
+            raise pytest.UsageError(f"{WORKERS_ENV}={raw!r}: give a whole number of workers (0: no workers)")
+        return int(raw)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):  # not POSIX: no memory bound
+        gib = float(_GIB_PER_WORKER * _MAX_WORKERS)
+    return max(1, min(cores, _MAX_WORKERS, int(gib // _GIB_PER_WORKER)))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """pytest-timeout's per-test limit (pytest.ini: 600 s on a quiet machine) scaled too,
