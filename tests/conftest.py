@@ -59,6 +59,26 @@ def pytest_configure(config):
             config.option.timeout = scaled(float(ini))
 
 
+def _heaviest_files_first(items: list) -> None:
+    """Files with more tests marked slow first, then the other multi-rank files, then the rest,
+    each file's tests together and in their order: the workers (``--dist loadfile``) take files
+    in this order, so the long ones start early and the short ones fill in at the end instead
+    of one worker finishing a long file alone."""
+    def path(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        slow[path(item)] = slow.get(path(item), 0) + ("slow" in item.keywords)
+        first.setdefault(path(item), i)
+
+    def key(item) -> tuple:
+        return (-slow[path(item)], "/distributed/" not in f"/{path(item)}", first[path(item)])
+
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -71,6 +91,7 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=extended)
             items[:] = [item for item in items if "extended" not in item.keywords]
 
+    _heaviest_files_first(items)
     for item in items:  # a test's own @pytest.mark.timeout(N) is a quiet-machine figure too
         mark = item.get_closest_marker("timeout")
         if mark is not None and mark.args and isinstance(mark.args[0], (int, float)):

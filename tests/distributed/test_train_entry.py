@@ -23,6 +23,7 @@ loss by more than 1e-3 from step 2 on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -221,6 +222,23 @@ def test_deepspeed_launcher_gives_the_same_losses_as_torchrun(torchrun_run, tmp_
 
 
 # ------------------------------------------------------------------ 3. Ctrl-C
+@contextlib.contextmanager
+def _sigint_not_ignored():
+    """Processes started inside get SIGINT's default action even when this one ignores it: a
+    suite started in the background of a non-interactive shell (`pytest &` in a script, some
+    CI runners) inherits SIGINT ignored, Python leaves an inherited SIG_IGN alone, and the
+    ranks would never see the Ctrl-C this test sends. A Python handler here is the default
+    action after the child's exec."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("who", ["all", "rank0"])
 def test_ctrl_c_stops_every_rank_promptly(tmp_path, cache_dir, who):
@@ -229,8 +247,9 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, cache_dir, who):
     (the other rank's next collective fails as soon as rank 0's sockets close)."""
     cfg = _write_config(tmp_path, cache_dir, dp=2, zero=1)
     out = tmp_path / "run"
-    procs = start_script([sys.executable, TRAIN, "--config", cfg, "--steps", "100000", "--output", str(out),
-                          "--sample-tokens", "0"], 2, env=_env(), cwd=str(tmp_path))
+    with _sigint_not_ignored():
+        procs = start_script([sys.executable, TRAIN, "--config", cfg, "--steps", "100000", "--output", str(out),
+                              "--sample-tokens", "0"], 2, env=_env(), cwd=str(tmp_path))
     try:
         deadline = time.monotonic() + scaled(120)
         metrics = out / "metrics.jsonl"
