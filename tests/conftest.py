@@ -1,5 +1,7 @@
-"""Shared pytest setup: makes tests/harness.py importable, marks GPU tests, and scales every
-wall-clock limit by ``ENGINE_TEST_TIME_SCALE`` (tests/harness.py: ``scaled``)."""
+"""Shared pytest setup: makes tests/harness.py importable, marks GPU tests, scales every
+wall-clock limit by ``ENGINE_TEST_TIME_SCALE`` (tests/harness.py: ``scaled``), says how many
+parallel workers ``-n auto`` starts (pytest.ini; ``ENGINE_TEST_WORKERS``) and hands them the
+heaviest files first."""
 
 import os
 import sys

@@ -133,6 +133,7 @@ def _check(results, bf16_cases=()):
         assert [c[1][0] for c in r] == [c[1][0] for c in results[0]]
 
 
+@pytest.mark.slow
 def test_autotp_tp2_dp2_zero123():
     # (family, tp, zero stage, grad accumulation, optimizer, activation checkpointing, bf16)
     cases = [("llama", 2, 1, 1, "config"), ("qwen2", 2, 2, 2, "instance", True), ("gpt2", 2, 2, 2, "train_batch"),

@@ -131,6 +131,7 @@ def test_raising_rank_is_named_with_its_error():
                  max_elapsed=scaled(25))
 
 
+@pytest.mark.slow
 def test_hung_rank_is_bounded_by_the_collective_timeout():
     timeout_s, grace_s = scaled(3.0), scaled(1.0)
     results = _launch("hang", 3, kill_after=0, VICTIM=0, TIMEOUT_S=timeout_s, GRACE_S=grace_s)

@@ -72,6 +72,7 @@ def _resume(rank, world, root):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_async_resume_is_bit_identical_at_zero3_pp2_muon_and_fp8(tmp_path):
     res = run_ranks(_resume, 2, str(tmp_path), timeout=380)

@@ -88,7 +88,8 @@ def _queries_on_group(stage, rank, world):
     return out
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.extended), 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.extended),
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_engine_queries_and_local_rank_after_init_distributed(stage):
     res = spawn(_queries, 2, (stage,), rendezvous="env", timeout=scaled(180))
     for rank, r in enumerate(res):

@@ -78,6 +78,7 @@ def _resumes_at(tmp_path, world, zero):
             assert torch.equal(want[name][s], got[name][s]), (name, s)
 
 
+@pytest.mark.slow
 def test_saved_at_dp4_ep4_resumes_at_dp2_ep2(tmp_path):
     _resumes_at(tmp_path, 2, zero=1)
 

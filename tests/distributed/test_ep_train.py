@@ -127,6 +127,7 @@ def test_ep_layouts_train_as_one_process_over_20_steps(cache_dir):
                  LONG_STEPS, ref)
 
 
+@pytest.mark.slow
 def test_ep_composes_with_muon_v_and_interleaved_schedules_and_recompute(cache_dir):
     """EP 2 with Muon (ZeRO 1 and 3), with the zb-v and interleaved-1f1b pipeline schedules
     (4 layers over 2 ranks x 2 chunks) and with full and selective recompute: each the losses

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from harness import scaled
 from test_bringup import WORKER, _launch
 
@@ -55,6 +56,7 @@ def _run_linger(watch_s: float, **extra) -> tuple[list, list[float], bool]:
     return outs, took, victim_alive
 
 
+@pytest.mark.slow
 def test_survivors_of_a_failed_but_lingering_rank_stop_within_seconds():
     outs, took, victim_alive = _run_linger(scaled(20), **FAST)
     host = socket.gethostname()
@@ -68,6 +70,7 @@ def test_survivors_of_a_failed_but_lingering_rank_stop_within_seconds():
         assert f"exiting with code {EXIT_PEER_FAILED}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_without_the_watch_the_survivors_stay_blocked():
     # the control: gloo sees nothing while the failed rank's sockets stay open
     outs, took, _ = _run_linger(5, ENGINE_FAILURE_WATCH=0)  # twice what the watch needs

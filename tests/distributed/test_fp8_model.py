@@ -40,6 +40,7 @@ import subprocess
 import sys
 import sysconfig
 
+import pytest
 import torch
 from harness import run_ranks, scaled
 
@@ -186,6 +187,7 @@ def _engine_runs(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_engine_fp8_run_tracks_bf16():
     results = run_ranks(_engine_runs, 2, timeout=240)
     assert results[0]["dp_scales"] == results[1]["dp_scales"]

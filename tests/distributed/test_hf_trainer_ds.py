@@ -83,6 +83,7 @@ def _golden(case: str) -> dict:
     return json.loads(GOLDEN.read_text())[case]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", [2, 3])
 def test_trainer_through_the_alias_equals_real_deepspeed(tmp_path, zero):

@@ -107,6 +107,7 @@ def test_policies_one_process(cache_dir):
     _check(cache_dir, 1, {}, ["full-block-1", "selective-all"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_policies_tp2_sequence_parallel(cache_dir):
     _check(cache_dir, 2, {"tp": 2, "sp": True}, ["full-uniform-1", "selective-default"])

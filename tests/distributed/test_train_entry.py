@@ -239,6 +239,7 @@ def _sigint_not_ignored():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("who", ["all", "rank0"])
 def test_ctrl_c_stops_every_rank_promptly(tmp_path, cache_dir, who):

@@ -120,6 +120,7 @@ OFFLOADED = [dict(zero=1, offload=True), dict(zero=2, offload=True), dict(zero=3
              dict(zero=3, offload=True, param=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_offload_equals_no_offload_and_one_process(cache_dir, one_process):
     per_rank = run_ranks(_run, 2, [config(cache_dir, **k) for k in LAYOUTS + OFFLOADED], timeout=280)

@@ -229,6 +229,7 @@ def test_documented_command(doc, cmd):
 STD = sysconfig.get_paths()["stdlib"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_start_next_steps(tmp_path):
     """The quick start's train --save / --load --steps N --sample-tokens / engine.plot chain, cheap:

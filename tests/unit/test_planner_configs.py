@@ -40,6 +40,7 @@ def test_write_config_writes_the_top_layout_as_a_loadable_config(tmp_path, capsy
     assert "--pick 100000: there are" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_multinode_config_is_near_the_top_of_the_planners_list():
     """configs/multinode.json (2 nodes x 8 H100, 64 sequences of 4096 per step): the planner's
     #1 (pp2 zb-h1 ZeRO-3, peak ~48 of 80 GiB). It was #2 behind dp16 ZeRO-3 until the planner
