@@ -24,8 +24,9 @@ INSTALL_REQUIRES = ["torch>=2.11", "numpy", "sentencepiece", "tqdm", "safetensor
 EXTRAS = {
     # accelerate: Hugging Face's Trainer runs DeepSpeed through it (tests/distributed/test_hf_trainer_ds.py);
     # >= 1.1 is what transformers 5 requires, < 2 the major release it was tested with (1.15)
-    "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.2", "ninja", "transformers", "accelerate>=1.1.0,<2", "tensorboard",
-             "ruff==0.17.6", "mypy==2.4.1"],
+    # pytest-xdist: pytest.ini runs the files on parallel workers (-n auto --dist loadfile)
+    "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.2", "ninja", "transformers", "accelerate>=1.1.0,<2",
+             "tensorboard", "ruff==0.17.6", "mypy==2.4.1"],
     "deepspeed": ["deepspeed"],
 }
 
