@@ -66,19 +66,12 @@ def _heaviest_files_first(items: list) -> None:
     each file's tests together and in their order: the workers (``--dist loadfile``) take files
     in this order, so the long ones start early and the short ones fill in at the end instead
     of one worker finishing a long file alone."""
-    def path(item) -> str:
-        return item.nodeid.split("::")[0]
-
-    slow: dict[str, int] = {}
-    first: dict[str, int] = {}
+    slow: dict = {}
+    first: dict = {}
     for i, item in enumerate(items):
-        slow[path(item)] = slow.get(path(item), 0) + ("slow" in item.keywords)
-        first.setdefault(path(item), i)
-
-    def key(item) -> tuple:
-        return (-slow[path(item)], "/distributed/" not in f"/{path(item)}", first[path(item)])
-
-    items.sort(key=key)
+        slow[item.path] = slow.get(item.path, 0) + ("slow" in item.keywords)
+        first.setdefault(item.path, i)
+    items.sort(key=lambda it: (-slow[it.path], "distributed" not in it.path.parts, first[it.path]))
 
 
 def pytest_collection_modifyitems(config, items):

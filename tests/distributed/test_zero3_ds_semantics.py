@@ -17,14 +17,14 @@ Exact comparisons: values are copied, never computed differently.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-import time
 
 import pytest
 import torch
 import torch.nn as nn
-from harness import run_ranks, scaled
+from harness import run_ranks, wait_for
 
 V, H = 32, 16
 
@@ -49,17 +49,18 @@ def _cfg(stage: int) -> dict:
 
 
 def _held_after_release(tracker, before: int) -> int:
-    """The tracked bytes above ``before`` once they are back to ``before`` or 5 s (scaled) have
-    passed, collecting garbage meanwhile: the last reference to a gathered bucket can go a moment
-    after the call that released it returned (a collective's finished work object, a cycle), and
-    the suite once read 2 KB still held at the first look."""
-    deadline = time.monotonic() + scaled(5.0)
-    while True:
+    """The tracked bytes above ``before`` once they are back to ``before``, or after 5 s (scaled),
+    collecting garbage meanwhile: the last reference to a gathered bucket can go a moment after
+    the call that released it returned (a collective's finished work object, a cycle), and the
+    suite once read 2 KB still held at the first look. Bytes still held are returned for the
+    caller's assertion to report."""
+    def released() -> bool:
         gc.collect()
-        held = tracker.current - before
-        if held <= 0 or time.monotonic() > deadline:
-            return held
-        time.sleep(0.01)
+        return tracker.current <= before
+
+    with contextlib.suppress(AssertionError):  # still held after the wait: the caller's assertion says how much
+        wait_for(released, 5.0, "the gathered bytes to be freed")
+    return tracker.current - before
 
 
 def _gathered_aliases(rank: int) -> dict:
