@@ -523,8 +523,8 @@ class Engine(DeepSpeedQueries, nn.Module):
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:
         """Release what ties the process groups to this engine (DeepSpeed's ``destroy``): the
-        optimizer's gradient hooks on the parameters (a reference cycle through autograd's
-        C++ hook storage that garbage collection cannot break), the pipeline and the groups.
+        optimizer's gradient hooks on the parameters (held weakly, engine/zero/weak_hook.py;
+        removed so the model carries none), the pipeline and the groups.
         Call it before :func:`engine.distributed.env.shutdown`; the engine cannot train afterwards."""
         if self._async_saver is not None:  # no collectives here: an uncommitted save is abandoned
             self._async_saver.abandon()

@@ -73,6 +73,21 @@ def gloo_worker_threads() -> int:
     return count
 
 
+def _collect_until_settled(passes: int = 4) -> None:
+    """``gc.collect()`` until a pass frees nothing (at most ``passes``).
+
+    One pass is not always enough: freeing a cycle can drop the last C++ reference (an
+    autograd node, a tensor's hooks) that kept another cycle out of the collector's sight,
+    and that one is collectable only on the next pass. Seen with HF's Trainer under ZeRO-3:
+    after one pass the engine's data-parallel group was still alive, after two it was freed.
+    """
+    import gc
+
+    for _ in range(passes):
+        if gc.collect() == 0:
+            return
+
+
 def shutdown(drain: bool = True) -> None:
     """Tear down every process group so the process cannot abort at exit.
 
@@ -82,14 +97,13 @@ def shutdown(drain: bool = True) -> None:
     destructor and calls std::terminate ("terminate called without an active
     exception"). So, while the interpreter is fully alive: (1) barrier every group
     this rank belongs to, in creation order, so every member has finished all work on
-    it; (2) destroy the subgroups then the default group; (3) collect garbage so
-    groups held only by reference cycles are destroyed now, their destructors joining
+    it; (2) destroy the subgroups then the default group; (3) collect garbage (until a
+    pass frees nothing) so groups held only by reference cycles are destroyed now, their destructors joining
     the worker threads. Collective: every rank calls it. After a communication failure
     use ``drain=False`` (``failure_guard`` does): the barriers could only time out, and
     threads that outlive it are expected (the exception in flight holds the groups) and
     not reported, since a failure path leaves through ``os._exit``.
     """
-    import gc
     import weakref
 
     import torch.distributed as dist
@@ -109,7 +123,7 @@ def shutdown(drain: bool = True) -> None:
         group = None  # a local reference would keep the last group (and its threads) alive
     dist.destroy_process_group()
     _release_world_defaults()
-    gc.collect()
+    _collect_until_settled()
     alive = gloo_worker_threads()
     if alive > 0 and not drain:
         # a failure path: the exception being handled still references the broken groups,

@@ -70,6 +70,7 @@ from engine.zero.offload import NO_OFFLOAD, HostStep, OffloadOptions, host_zeros
 from engine.zero.partition import GroupKey, bucketize, build_layout, group_params
 from engine.zero.shard_view import ShardView, build_shard_view
 from engine.zero.step import scale_loss, step_factors, sum_tied_grads
+from engine.zero.weak_hook import WeakMethodHook
 
 __all__ = ["ZeroOptimizer", "OptimizerFactory", "normalize_param_groups"]
 
@@ -286,7 +287,8 @@ class ZeroOptimizer:
     def _register_grad_hooks(self) -> None:
         for b in self.buckets:
             for p in b.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                # weakly: torch keeps this hook where gc cannot see it (engine/zero/weak_hook.py)
+                self._hooks.append(p.register_post_accumulate_grad_hook(WeakMethodHook(self._on_grad)))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

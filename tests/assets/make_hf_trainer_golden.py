@@ -34,6 +34,8 @@ def run(work: str, zero: int, opt: str, port: int, via_alias: bool = False, env:
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    if via_alias and "outlive shutdown()" in proc.stderr:  # the runner's teardown left a group alive
+        raise RuntimeError(f"{' '.join(cmd)}: a process group outlived the teardown:\n{proc.stderr[-3000:]}")
     with open(out) as f:
         return json.load(f)
 

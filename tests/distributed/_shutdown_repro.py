@@ -4,6 +4,8 @@ Not collected by pytest (leading underscore). Two roles:
 
     python tests/distributed/_shutdown_repro.py drive --runs 200 --world 8 --mode none
     python tests/distributed/_shutdown_repro.py work --mode none      # one rank; env from drive
+    python tests/distributed/_shutdown_repro.py drive --alias ...     # workers as user scripts
+                                                                      # under -m engine.compat.deepspeed
 
 ``drive`` launches ``world`` worker processes per run with a torchrun-style environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), waits for them, and counts
@@ -15,6 +17,7 @@ failed otherwise. Modes say how a worker ends:
     destroy   dist.destroy_process_group() straight away
     barrier   dist.barrier(); dist.destroy_process_group()   (the test harness's order)
     fix       engine.distributed.env.shutdown()
+    victim_exit3  one all-reduce, then rank 1 exits 3 and rank 0 returns (a peer that failed)
     *_keep    the same, but the subgroups stay referenced from a module global
 """
 
@@ -43,6 +46,11 @@ def _work(mode: str) -> None:
     else:
         import datetime
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if mode == "victim_exit3":  # rank 1 fails after the first collective; rank 0 returns
+        dist.all_reduce(torch.ones(4))
+        if dist.get_rank() == 1:
+            raise SystemExit(3)
+        return
     keep = _collectives(wait_all=mode == "plain")
     if keep_groups:  # groups outlive main(), as a module-level engine object would
         _KEPT.append(keep)
@@ -138,7 +146,7 @@ def _collectives(wait_all: bool = False) -> list:
 
 
 def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool,
-           gdb_dir: str = "") -> int:
+           gdb_dir: str = "", alias: bool = False) -> int:
     tally: collections.Counter = collections.Counter()
     samples: dict[str, str] = {}
     start = time.monotonic()
@@ -150,6 +158,8 @@ def _drive(runs: int, world: int, mode: str, timeout: float, verbose: bool,
                        LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="repro",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
             cmd = [sys.executable, __file__, "work", "--mode", mode]
+            if alias:  # the worker as a user's script started through the DeepSpeed-alias runner
+                cmd[1:1] = ["-m", "engine.compat.deepspeed"]
             if gdb_dir:  # backtrace of every thread when a rank aborts (diagnosis only)
                 cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "run",
                        "-ex", "thread apply all bt 25", "-ex", "kill",
@@ -268,6 +278,9 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("-v", action="store_true")
     p.add_argument("--gdb-dir", default="", help="run ranks under gdb, keep abort backtraces here")
+    p.add_argument("--sys-exit", action="store_true", help="work: end with sys.exit(0) instead of returning")
+    p.add_argument("--alias", action="store_true",
+                   help="drive: start each worker through python -m engine.compat.deepspeed")
     a = p.parse_args()
     if a.role == "fork":
         return _fork_drive(a.runs, a.world, a.mode, a.timeout, a.v)
@@ -275,8 +288,10 @@ def main() -> int:
         return _harness(a.runs, a.world)
     if a.role == "work":
         _work(a.mode)
+        if a.sys_exit:  # as `sys.exit(main())` ends many scripts
+            sys.exit(0)
         return 0
-    return _drive(a.runs, a.world, a.mode, a.timeout, a.v, a.gdb_dir)
+    return _drive(a.runs, a.world, a.mode, a.timeout, a.v, a.gdb_dir, a.alias)
 
 
 if __name__ == "__main__":

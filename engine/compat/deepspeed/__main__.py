@@ -43,22 +43,61 @@ def main(argv: Sequence[str]) -> None:
         return
     if not rest or (rest[0] == "-m" and len(rest) < 2):
         raise SystemExit(USAGE)
+    if rest[0] != "-m" and not os.path.isfile(rest[0]):
+        raise SystemExit(f"engine.compat.deepspeed: no such script {rest[0]!r}\n{USAGE}")
     from engine.compat.deepspeed import alias
 
     alias()
+    try:
+        _run(launcher_args, rest)
+    except SystemExit as exc:  # sys.exit(main()) at the end of a script: 0 / None is success
+        if exc.code in (None, 0):
+            end_of_script_teardown()
+        raise
+    end_of_script_teardown()
+
+
+def _run(launcher_args: list[str], rest: list[str]) -> None:
+    """Run the script (or ``-m`` module) as ``python SCRIPT ARGS`` would."""
     if rest[0] == "-m":
         module = rest[1]
         sys.argv = [module, *launcher_args, *rest[2:]]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     script = rest[0]
-    if not os.path.isfile(script):
-        raise SystemExit(f"engine.compat.deepspeed: no such script {script!r}\n{USAGE}")
     sys.argv = [script, *launcher_args, *rest[1:]]
     # first on the path, as `python SCRIPT` puts it; the launcher's entry (the cwd, where
     # `engine` may have been found) stays behind it
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+
+
+def end_of_script_teardown() -> None:
+    """Drain and destroy the process groups a script that succeeded left behind.
+
+    DeepSpeed scripts (and HF's Trainer) end without destroying their groups; gloo's worker
+    threads then die during interpreter finalisation, where one that releases its last work
+    item aborts the process ("terminate called without an active exception", exit -6) after
+    the script's work is done: 9 of 20 two-rank runs of a script that waited on all its work,
+    11 of 12 of one that left async work pending (``tests/distributed/_shutdown_repro.py
+    drive --alias``; docs/launching.md, "Shutdown"). Every rank whose script returned calls
+    this, so :func:`~engine.distributed.teardown.shutdown`'s barriers are matched. A peer that
+    failed instead makes the barrier raise: that peer reports its own failure, so this rank
+    only warns and leaves without draining.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the script destroyed its groups itself, or never made any
+    from engine.distributed.teardown import shutdown
+
+    try:
+        shutdown()
+    except Exception as exc:  # noqa: BLE001 - any collective failure of a peer that left
+        sys.stderr.write(f"engine.compat.deepspeed: the script finished, but draining the process "
+                         f"groups failed ({type(exc).__name__}: {exc}); a peer rank left early and "
+                         f"reports its own error\n")
+        shutdown(drain=False)
 
 
 if __name__ == "__main__":
