@@ -27,7 +27,7 @@ from engine.distributed.failures import (
     record_failure,
     register_process,
 )
-from engine.distributed.teardown import bind_world_defaults_early, gloo_worker_threads, shutdown
+from engine.distributed.teardown import bind_world_defaults_early, gloo_worker_threads, install_exit_teardown, shutdown
 from engine.distributed.watch import FailureWatch, WatchSettings, abort_all_groups, poll_interval
 
 __all__ = [
@@ -527,7 +527,8 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
 
     ``timeout_s`` bounds the rendezvous and every collective (pass the same value to
     :meth:`ParallelGroups.build` so subgroups honour it too). Call :func:`shutdown` at the
-    end of the job.
+    end of the job (if a script does not, an ``atexit`` hook does it once every rank has
+    reached its exit: :func:`engine.distributed.teardown.install_exit_teardown`).
     """
     import torch
     import torch.distributed as dist
@@ -558,6 +559,7 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
     dist.init_process_group(be, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout, **extra)
     register_process(store, info.rank)
+    install_exit_teardown()  # for a script that ends without shutdown() (a DeepSpeed loop)
     logger.info("rank %d/%d (%s, local rank %d) on %s with %s, collective timeout %.0fs",
                 info.rank, info.world_size, info.launcher, info.local_rank, dev, be, timeout_s)
     return DistEnv(launch=info, device=dev, backend=be, timeout_s=timeout_s, store=store,

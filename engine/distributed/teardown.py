@@ -2,16 +2,21 @@
 
 :func:`shutdown` drains and destroys every group while the interpreter is fully alive;
 :func:`bind_world_defaults_early` (called by ``init_distributed``) keeps torch from pinning
-the default group in function defaults.
+the default group in function defaults; :func:`install_exit_teardown` runs ``shutdown()`` at
+interpreter exit for a script that never calls it, once every rank is exiting.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import time
+from typing import Any, Mapping, Optional
 
-__all__ = ["shutdown", "gloo_worker_threads", "bind_world_defaults_early"]
+__all__ = ["shutdown", "gloo_worker_threads", "bind_world_defaults_early", "install_exit_teardown",
+           "every_rank_exiting", "exit_wait_s", "EXIT_WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +140,86 @@ def shutdown(drain: bool = True) -> None:
                        "referenced: %s (e.g. by a ParallelGroups object, an optimizer or a Work); "
                        "drop it before the interpreter exits so its threads are joined while "
                        "Python is alive", alive, ", ".join(held) or "one this rank is not a member of")
+
+
+# ------------------------------------------------------------------ at interpreter exit
+EXIT_WAIT_S = 30.0  # how long an exiting rank waits for the others (ENGINE_EXIT_WAIT_S)
+_GAVE_UP = 1 << 40  # added by a rank that stopped waiting: the count can never equal world again
+_exit_hook: list[float] = []
+
+
+def exit_wait_s(environ: Optional[Mapping[str, str]] = None) -> float:
+    """``ENGINE_EXIT_WAIT_S``: seconds an exiting rank waits for every rank to reach its exit
+    before the exit teardown (default :data:`EXIT_WAIT_S`; 0 turns the teardown off)."""
+    raw = (os.environ if environ is None else environ).get("ENGINE_EXIT_WAIT_S", "").strip()
+    if not raw:
+        return EXIT_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"ENGINE_EXIT_WAIT_S={raw!r} is not a number of seconds >= 0 (0 turns the exit "
+                         f"teardown off; unset for {EXIT_WAIT_S:.0f} s)")
+    return value
+
+
+def install_exit_teardown() -> None:
+    """Register (once per process) an ``atexit`` teardown for scripts that end with their
+    groups up: DeepSpeed loops and HF's Trainer never destroy them, and groups left to
+    interpreter finalisation can abort a rank whose work is done (docs/launching.md).
+
+    ``shutdown()``'s barriers are collective, and at exit a rank cannot tell a peer that is
+    exiting too from one still training (a rank that failed and called ``sys.exit(1)``):
+    a barrier against a peer's all-reduce would hang or mismatch. So the hook first checks
+    through the rendezvous store, which no collective uses, that every rank has reached its
+    own exit (:func:`every_rank_exiting`); only then does it drain and destroy. Otherwise
+    (a peer died, or is still busy after ``ENGINE_EXIT_WAIT_S``) it leaves the groups as
+    they are, as before. A process that already called ``shutdown()`` (every entry point of
+    this engine) finds nothing to do. A bad ``ENGINE_EXIT_WAIT_S`` raises here, on every rank.
+    """
+    wait_s = exit_wait_s()
+    if not _exit_hook and wait_s > 0:
+        atexit.register(_teardown_at_exit, wait_s)
+        _exit_hook.append(wait_s)
+
+
+def every_rank_exiting(store: Any, world_size: int, wait_s: float, key: str) -> bool:
+    """Count this rank in at ``key`` and wait up to ``wait_s`` for all ``world_size`` ranks.
+
+    True on every rank or on none: a rank that stops waiting adds :data:`_GAVE_UP`, so a rank
+    arriving (or polling) after that sees more than ``world_size`` and gives up too, while a
+    rank that saw exactly ``world_size`` saw it before anyone gave up.
+    """
+    count = store.add(key, 1)
+    deadline, pause = time.monotonic() + wait_s, 0.01
+    while count != world_size:
+        if count > world_size or time.monotonic() > deadline:
+            if count <= world_size:
+                store.add(key, _GAVE_UP)
+            return False
+        pause = min(2 * pause, 0.5)  # ranks usually arrive together; a large job must not flood the store
+        time.sleep(pause)
+        count = store.add(key, 0)
+    return True
+
+
+def _teardown_at_exit(wait_s: float) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # shut down already (the engine's entry points), or never initialised
+    # an elastic restart reuses the agent's store: the key is this attempt's
+    key = f"engine/exiting/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        ready = every_rank_exiting(dist.distributed_c10d._get_default_store(), dist.get_world_size(), wait_s, key)
+    except Exception:  # noqa: BLE001 - the store left with its host rank: not every rank is here
+        ready = False
+    if not ready:
+        logger.debug("exit teardown skipped: not every rank reached its exit within %.0f s", wait_s)
+        return
+    try:
+        shutdown()
+    except Exception as exc:  # noqa: BLE001 - a peer left between the count and the barriers
+        logger.debug("exit teardown could not drain (%s); destroying without it", exc)
+        shutdown(drain=False)

@@ -18,6 +18,9 @@ failed otherwise. Modes say how a worker ends:
     barrier   dist.barrier(); dist.destroy_process_group()   (the test harness's order)
     fix       engine.distributed.env.shutdown()
     victim_exit3  one all-reduce, then rank 1 exits 3 and rank 0 returns (a peer that failed)
+    victim_exit3_blocked  the same, but rank 0 then waits in an all-reduce rank 1 never joins
+    ds_*      the same, the group made by engine.compat.deepspeed.init_distributed (an
+              import-changed DeepSpeed script: the engine's exit teardown applies)
     *_keep    the same, but the subgroups stay referenced from a module global
 """
 
@@ -43,13 +46,25 @@ def _work(mode: str) -> None:
     if mode == "fix":
         from engine.distributed.env import init_distributed, shutdown
         init_distributed(timeout_s=60.0)
+    elif mode.startswith("ds_"):  # a DeepSpeed script with its import changed to the engine's
+        import atexit
+        import datetime
+
+        # registered before the engine's exit teardown, so it runs after it (atexit is LIFO)
+        atexit.register(lambda: print(f"initialized at exit: {dist.is_initialized()}", flush=True))
+
+        import engine.compat.deepspeed as deepspeed
+        deepspeed.init_distributed("gloo", timeout=datetime.timedelta(seconds=60))
+        mode = mode[len("ds_"):]
     else:
         import datetime
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    if mode == "victim_exit3":  # rank 1 fails after the first collective; rank 0 returns
+    if mode.startswith("victim_exit3"):  # rank 1 fails after the first collective; rank 0 returns
         dist.all_reduce(torch.ones(4))
         if dist.get_rank() == 1:
             raise SystemExit(3)
+        if mode == "victim_exit3_blocked":  # ... or waits for rank 1 in a collective
+            dist.all_reduce(torch.ones(4))
         return
     keep = _collectives(wait_all=mode == "plain")
     if keep_groups:  # groups outlive main(), as a module-level engine object would

@@ -28,6 +28,7 @@ from harness import scaled
 import engine.compat.deepspeed as deepspeed
 from engine.distributed.env import gloo_worker_threads, shutdown
 from engine.distributed.spawn import free_port, spawn
+from engine.distributed.teardown import EXIT_WAIT_S, exit_wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPRO = os.path.join(HERE, "_shutdown_repro.py")
@@ -72,14 +73,15 @@ def test_a_dropped_engine_frees_its_groups(stage):
         assert out == {"optimizer_alive": False, "groups": out["groups"], "groups_alive": 0, "gloo_threads": 0}
 
 
-def _run_alias(mode: str, exit_code: bool) -> list[subprocess.CompletedProcess]:
-    """Both ranks of ``_shutdown_repro.py work --mode MODE`` (a script with no teardown) as
-    user scripts under the runner; ``exit_code``: the script ends with ``sys.exit(0)``."""
+def _run(mode: str, alias: bool = True, exit_code: bool = False, **env_extra: str) -> list[subprocess.CompletedProcess]:
+    """Both ranks of ``_shutdown_repro.py work --mode MODE`` (a script with no teardown of its
+    own), started as torchrun would; ``alias``: through ``python -m engine.compat.deepspeed``;
+    ``exit_code``: the script ends with ``sys.exit(0)`` instead of returning."""
     port, procs = free_port(), []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "engine.compat.deepspeed", REPRO, "work", "--mode", mode]
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env_extra)
+        cmd = [sys.executable, *(["-m", "engine.compat.deepspeed"] if alias else []), REPRO, "work", "--mode", mode]
         if exit_code:
             cmd += ["--sys-exit"]
         procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -95,19 +97,59 @@ def _run_alias(mode: str, exit_code: bool) -> list[subprocess.CompletedProcess]:
     return done
 
 
+def _clean(proc: subprocess.CompletedProcess, what: str) -> None:
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, \
+        f"{what} exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+    assert "outlive shutdown" not in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("exit_code", [False, True], ids=["returns", "sys_exit_0"])
 def test_a_script_without_teardown_exits_cleanly_through_the_runner(exit_code):
     for run in range(2):  # an unprotected run aborted 11 times in 12
-        for rank, proc in enumerate(_run_alias("none", exit_code)):
-            assert proc.returncode == 0 and "terminate called" not in proc.stderr, \
-                f"run {run} rank {rank} exited {proc.returncode}:\n{proc.stderr[-2000:]}"
-            assert "outlive shutdown" not in proc.stderr, proc.stderr[-2000:]
+        for rank, proc in enumerate(_run("none", exit_code=exit_code)):
+            _clean(proc, f"run {run} rank {rank}")
 
 
-def test_a_peer_that_failed_does_not_hang_the_teardown():
+def test_a_peer_that_failed_does_not_hang_the_runners_teardown():
     """Rank 1 exits 3 after a collective; rank 0's script returns, its teardown's barrier
     fails on the departed peer, and rank 0 leaves (with a note) instead of waiting."""
-    rank0, rank1 = _run_alias("victim_exit3", False)
+    rank0, rank1 = _run("victim_exit3", ENGINE_EXIT_WAIT_S="0")  # the runner's teardown alone
     assert rank1.returncode != 0, rank1.stderr[-2000:]
     assert rank0.returncode == 0, rank0.stderr[-2000:]
     assert "draining the process groups failed" in rank0.stderr, rank0.stderr[-2000:]
+
+
+def test_an_import_changed_script_is_torn_down_at_exit():
+    """``import engine.compat.deepspeed as deepspeed``, ``deepspeed.init_distributed()``, async
+    work left pending, no teardown: the engine's atexit hook drains and destroys the groups
+    once both ranks have reached their exit (checked by a hook that runs after it). With
+    ENGINE_EXIT_WAIT_S=0 (the hook off) 3 of 12 such runs aborted."""
+    for rank, proc in enumerate(_run("ds_none", alias=False)):
+        _clean(proc, f"rank {rank}")
+        assert "initialized at exit: False" in proc.stdout, proc.stdout
+    for proc in _run("ds_none", alias=False, ENGINE_EXIT_WAIT_S="0"):  # the switch turns it off
+        assert "initialized at exit: True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_rank_that_fails_while_its_peers_exit_is_torn_down_with_them():
+    """Rank 1 exits 3 after a collective while rank 0 returns: both are exiting, so both
+    drain and destroy; rank 1 keeps its exit code."""
+    rank0, rank1 = _run("ds_victim_exit3", alias=False)
+    assert (rank0.returncode, rank1.returncode) == (0, 3), rank0.stderr[-1500:] + rank1.stderr[-1500:]
+    assert "initialized at exit: False" in rank0.stdout and "initialized at exit: False" in rank1.stdout
+
+
+def test_the_exit_teardown_does_not_wait_for_a_peer_still_in_a_collective():
+    """Rank 1 exits 3 while rank 0 waits for it in an all-reduce: rank 1 gives up after
+    ENGINE_EXIT_WAIT_S and exits 3 without touching the groups (a barrier against rank 0's
+    all-reduce could hang), and rank 0's all-reduce then fails (exit 1), not hangs."""
+    rank0, rank1 = _run("ds_victim_exit3_blocked", alias=False, ENGINE_EXIT_WAIT_S="2")
+    assert (rank0.returncode, rank1.returncode) == (1, 3), rank0.stderr[-1500:] + rank1.stderr[-1500:]
+    assert "initialized at exit: True" in rank1.stdout, rank1.stdout
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "inf", "nan"])
+def test_a_bad_exit_wait_is_refused_at_start(raw):
+    with pytest.raises(ValueError, match="ENGINE_EXIT_WAIT_S"):
+        exit_wait_s({"ENGINE_EXIT_WAIT_S": raw})
+    assert exit_wait_s({}) == EXIT_WAIT_S and exit_wait_s({"ENGINE_EXIT_WAIT_S": "0"}) == 0
