@@ -79,7 +79,8 @@ def gloo_worker_threads() -> int:
 
 
 def _collect_until_settled(passes: int = 4) -> None:
-    """``gc.collect()`` until a pass frees nothing (at most ``passes``).
+    """``gc.collect()`` until no gloo worker thread is left or a pass frees nothing (at most
+    ``passes``; a pass costs ~0.1 s with torch loaded, so it stops as soon as it can).
 
     One pass is not always enough: freeing a cycle can drop the last C++ reference (an
     autograd node, a tensor's hooks) that kept another cycle out of the collector's sight,
@@ -89,7 +90,7 @@ def _collect_until_settled(passes: int = 4) -> None:
     import gc
 
     for _ in range(passes):
-        if gc.collect() == 0:
+        if gc.collect() == 0 or gloo_worker_threads() <= 0:
             return
 
 
@@ -109,6 +110,7 @@ def shutdown(drain: bool = True) -> None:
     threads that outlive it are expected (the exception in flight holds the groups) and
     not reported, since a failure path leaves through ``os._exit``.
     """
+    import gc
     import weakref
 
     import torch.distributed as dist
@@ -128,7 +130,10 @@ def shutdown(drain: bool = True) -> None:
         group = None  # a local reference would keep the last group (and its threads) alive
     dist.destroy_process_group()
     _release_world_defaults()
-    _collect_until_settled()
+    if drain:
+        _collect_until_settled()
+    else:  # a failure path: peers wait to read the store this rank's diagnosis races with
+        gc.collect()
     alive = gloo_worker_threads()
     if alive > 0 and not drain:
         # a failure path: the exception being handled still references the broken groups,
@@ -143,7 +148,7 @@ def shutdown(drain: bool = True) -> None:
 
 
 # ------------------------------------------------------------------ at interpreter exit
-EXIT_WAIT_S = 30.0  # how long an exiting rank waits for the others (ENGINE_EXIT_WAIT_S)
+EXIT_WAIT_S = 10.0  # how long an exiting rank waits for the others (ENGINE_EXIT_WAIT_S)
 _GAVE_UP = 1 << 40  # added by a rank that stopped waiting: the count can never equal world again
 _exit_hook: list[float] = []
 
@@ -175,7 +180,8 @@ def install_exit_teardown() -> None:
     through the rendezvous store, which no collective uses, that every rank has reached its
     own exit (:func:`every_rank_exiting`); only then does it drain and destroy. Otherwise
     (a peer died, or is still busy after ``ENGINE_EXIT_WAIT_S``) it leaves the groups as
-    they are, as before. A process that already called ``shutdown()`` (every entry point of
+    they are, as before. A rank that dies of an uncaught exception leaves at once: its
+    sockets closing is what makes a peer's pending collective fail instead of waiting. A process that already called ``shutdown()`` (every entry point of
     this engine) finds nothing to do. A bad ``ENGINE_EXIT_WAIT_S`` raises here, on every rank.
     """
     wait_s = exit_wait_s()
@@ -209,6 +215,8 @@ def _teardown_at_exit(wait_s: float) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return  # shut down already (the engine's entry points), or never initialised
+    if getattr(sys, "last_value", None) is not None:  # set for an uncaught exception (not SystemExit)
+        return  # its peers may be mid-collective: leave at once, so theirs fail rather than wait
     # an elastic restart reuses the agent's store: the key is this attempt's
     key = f"engine/exiting/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:

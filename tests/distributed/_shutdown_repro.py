@@ -19,6 +19,7 @@ failed otherwise. Modes say how a worker ends:
     fix       engine.distributed.env.shutdown()
     victim_exit3  one all-reduce, then rank 1 exits 3 and rank 0 returns (a peer that failed)
     victim_exit3_blocked  the same, but rank 0 then waits in an all-reduce rank 1 never joins
+    victim_raise_blocked  the same, rank 1 dying of an uncaught ValueError
     ds_*      the same, the group made by engine.compat.deepspeed.init_distributed (an
               import-changed DeepSpeed script: the engine's exit teardown applies)
     *_keep    the same, but the subgroups stay referenced from a module global
@@ -59,11 +60,13 @@ def _work(mode: str) -> None:
     else:
         import datetime
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    if mode.startswith("victim_exit3"):  # rank 1 fails after the first collective; rank 0 returns
+    if mode.startswith("victim_"):  # rank 1 fails after the first collective; rank 0 returns
         dist.all_reduce(torch.ones(4))
         if dist.get_rank() == 1:
+            if mode.startswith("victim_raise"):
+                raise ValueError("bad batch on rank 1")
             raise SystemExit(3)
-        if mode == "victim_exit3_blocked":  # ... or waits for rank 1 in a collective
+        if mode.endswith("_blocked"):  # ... or waits for rank 1 in a collective
             dist.all_reduce(torch.ones(4))
         return
     keep = _collectives(wait_all=mode == "plain")

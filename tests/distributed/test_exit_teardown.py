@@ -148,6 +148,16 @@ def test_the_exit_teardown_does_not_wait_for_a_peer_still_in_a_collective():
     assert "initialized at exit: True" in rank1.stdout, rank1.stdout
 
 
+def test_a_rank_dying_of_an_exception_leaves_at_once():
+    """Rank 1 raises (uncaught) while rank 0 waits for it in an all-reduce: rank 1 skips the
+    exit teardown and leaves at once, so rank 0's all-reduce fails. Were rank 1 to wait for
+    rank 0 at exit (here up to 600 s), both would still be running at the 120 s limit."""
+    rank0, rank1 = _run("ds_victim_raise_blocked", alias=False, ENGINE_EXIT_WAIT_S="600")
+    assert rank1.returncode == 1 and "bad batch on rank 1" in rank1.stderr, rank1.stderr[-1500:]
+    assert rank0.returncode == 1, rank0.stderr[-1500:]
+    assert "initialized at exit: True" in rank1.stdout, rank1.stdout
+
+
 @pytest.mark.parametrize("raw", ["-1", "soon", "inf", "nan"])
 def test_a_bad_exit_wait_is_refused_at_start(raw):
     with pytest.raises(ValueError, match="ENGINE_EXIT_WAIT_S"):
