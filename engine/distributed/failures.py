@@ -81,9 +81,13 @@ def _on_this_host(store, world: int) -> dict[int, tuple[str, bool]]:
     return out
 
 
-def _gone_on_this_host(store, world: int) -> dict[int, str]:
-    """Ranks whose process on this host no longer runs: rank -> 'pid P on host H'."""
-    return {r: why for r, (why, alive) in _on_this_host(store, world).items() if not alive}
+def _gone_silent(store, world: int) -> set[int]:
+    """Ranks whose process on this host no longer runs and that neither checked in nor
+    recorded a failure: the ranks no counter includes. (A rank that recorded its failure
+    and then exited is in ``count/failed`` already; counting it again let the store's host
+    stop waiting for a survivor still reading, which then saw only 'store unreachable'.)"""
+    counted = lambda r: any(store.check([_KEY.format(kind, r)]) for kind in ("checkin", "failed"))  # noqa: E731
+    return {r for r, (_, alive) in _on_this_host(store, world).items() if not alive and not counted(r)}
 
 
 def _check_in(env: DistEnv) -> Optional[Exception]:
@@ -130,7 +134,7 @@ def _diagnose(env: DistEnv, grace_s: float) -> str:
     store, world = env.store, env.world_size
     count = lambda kind, inc=0: store.add(_KEY.format("count", kind), inc)  # noqa: E731
     try:
-        gone = _gone_on_this_host(store, world)
+        gone = _gone_silent(store, world)
         started = time.monotonic()
         deadline = started + grace_s
         while (count("checkin") + count("failed") + len(gone) < world
@@ -167,7 +171,7 @@ def _wait_for_readers(env: DistEnv, grace_s: float) -> None:
     gone: set[int] = set()
     while time.monotonic() < deadline:
         if time.monotonic() >= next_scan:  # dead ranks never read: do not wait for them
-            gone = {r for r in _gone_on_this_host(store, world) if not store.check([_KEY.format("checkin", r)])}
+            gone = _gone_silent(store, world)
             next_scan = time.monotonic() + 0.5
         if count("done") + count("failed") + len(gone) >= world:
             return

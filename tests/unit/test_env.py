@@ -387,6 +387,40 @@ def test_diagnosis_names_raised_dead_and_silent_ranks():
     assert "rank 1" not in msg
 
 
+def test_store_host_waits_for_a_reader_when_the_failed_rank_has_also_exited():
+    """Rank 2 recorded its failure and exited; rank 1 checked in but has not finished reading.
+    The store's host (rank 0) must keep the store up for rank 1: counting rank 2 both as failed
+    and as gone used to end the wait at once, and rank 1 then saw only 'store unreachable'."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from engine.distributed import env as E
+    from engine.distributed import failures as F
+
+    store = dist.HashStore()
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for r, pid in ((0, os.getpid()), (1, os.getpid()), (2, dead.pid)):
+        store.set(f"engine/proc/{r}", f"{host} {pid}")
+    E.record_failure(E.DistEnv(launch=LaunchInfo("torchrun", 2, 2, 3, 3, "h", 1), device=None,
+                               backend="gloo", timeout_s=1.0, store=store), ValueError("bad batch"))
+    host_env = E.DistEnv(launch=LaunchInfo("torchrun", 0, 0, 3, 3, "h", 1), device=None, backend="gloo",
+                         timeout_s=1.0, store=store)
+    assert F._check_in(host_env) is None
+    store.set("engine/checkin/1", "1")  # rank 1: checked in, still diagnosing
+    store.add("engine/count/checkin", 1)
+    store.add("engine/count/done", 1)  # rank 0's own diagnosis is done
+    assert F._gone_silent(store, 3) == set()  # rank 2 is counted as failed, not again as gone
+    start = time.monotonic()
+    F._wait_for_readers(host_env, grace_s=0.6)
+    assert time.monotonic() - start >= 0.5  # it waited for rank 1 (who never finished) until the grace
+
+
 def test_comm_error_classification():
     from engine.distributed.failures import _is_comm_error
 
