@@ -31,6 +31,7 @@ from engine.distributed.spawn import free_port, spawn
 from engine.distributed.teardown import EXIT_WAIT_S, exit_wait_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_GENEROUS = str(scaled(60))  # the exit wait where both ranks do reach their exit: never the limit
 REPRO = os.path.join(HERE, "_shutdown_repro.py")
 
 
@@ -124,7 +125,7 @@ def test_an_import_changed_script_is_torn_down_at_exit():
     work left pending, no teardown: the engine's atexit hook drains and destroys the groups
     once both ranks have reached their exit (checked by a hook that runs after it). With
     ENGINE_EXIT_WAIT_S=0 (the hook off) 3 of 12 such runs aborted."""
-    for rank, proc in enumerate(_run("ds_none", alias=False)):
+    for rank, proc in enumerate(_run("ds_none", alias=False, ENGINE_EXIT_WAIT_S=_GENEROUS)):
         _clean(proc, f"rank {rank}")
         assert "initialized at exit: False" in proc.stdout, proc.stdout
     for proc in _run("ds_none", alias=False, ENGINE_EXIT_WAIT_S="0"):  # the switch turns it off
@@ -134,7 +135,7 @@ def test_an_import_changed_script_is_torn_down_at_exit():
 def test_a_rank_that_fails_while_its_peers_exit_is_torn_down_with_them():
     """Rank 1 exits 3 after a collective while rank 0 returns: both are exiting, so both
     drain and destroy; rank 1 keeps its exit code."""
-    rank0, rank1 = _run("ds_victim_exit3", alias=False)
+    rank0, rank1 = _run("ds_victim_exit3", alias=False, ENGINE_EXIT_WAIT_S=_GENEROUS)
     assert (rank0.returncode, rank1.returncode) == (0, 3), rank0.stderr[-1500:] + rank1.stderr[-1500:]
     assert "initialized at exit: False" in rank0.stdout and "initialized at exit: False" in rank1.stdout
 
