@@ -41,9 +41,14 @@ from engine.context_parallel.groups import build_cp_layout
 from engine.context_parallel.hf import SUPPORTED_MODEL_TYPES, check_hf_model, is_hf_model, prepare_hf_model
 from engine.context_parallel.layout import CPLayout
 from engine.data.ds_loader import deepspeed_loader
-from engine.distributed.env import DistEnv, device_for_initialised_group, init_distributed, launcher_local_rank
+from engine.distributed.env import (
+    DistEnv,
+    arm_exit_teardown,
+    device_for_initialised_group,
+    init_distributed,
+    launcher_local_rank,
+)
 from engine.distributed.groups import ParallelGroups
-from engine.distributed.teardown import install_exit_teardown
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.models import GPT
@@ -191,7 +196,7 @@ def initialize(args: Any = None, model: Union[nn.Module, Sequence[nn.Module], No
         if dist_init_required is False:
             raise RuntimeError("dist_init_required=False but torch.distributed is not initialised")
         dist_env = init_distributed(timeout_s=timeout_s)
-    install_exit_teardown()  # a group made by the caller (accelerate, torch) is torn down at exit too
+    arm_exit_teardown()  # a group made by the caller (accelerate, torch) is torn down at exit too
     world = dist.get_world_size()
     if isinstance(model, PipelineModule):  # DeepSpeed's pipeline API: the module gives the depth
         cfg = pipeline_config(source, model, world)

@@ -27,7 +27,13 @@ from engine.distributed.failures import (
     record_failure,
     register_process,
 )
-from engine.distributed.teardown import bind_world_defaults_early, gloo_worker_threads, install_exit_teardown, shutdown
+from engine.distributed.teardown import (
+    EXIT_WAIT_S,
+    bind_world_defaults_early,
+    gloo_worker_threads,
+    install_exit_teardown,
+    shutdown,
+)
 from engine.distributed.watch import FailureWatch, WatchSettings, abort_all_groups, poll_interval
 
 __all__ = [
@@ -35,7 +41,7 @@ __all__ = [
     "DistEnv", "init_distributed", "launched_by_torch_style_launcher", "launcher_local_rank", "shutdown", "gloo_worker_threads",
     "PeerFailureError", "failure_guard", "record_failure",
     "OpBuildSettings", "op_build_settings", "env_flag",
-    "strict_comm_from_env", "failure_watch_from_env", "free_bytes_override", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
+    "strict_comm_from_env", "failure_watch_from_env", "exit_wait_from_env", "arm_exit_teardown", "free_bytes_override", "nccl_env_defaults", "cuda_index_for", "device_for_initialised_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -469,7 +475,7 @@ def strict_comm_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     return env_flag("ENGINE_STRICT_COMM", False, environ)
 
 
-def _positive_seconds(environ: Mapping[str, str], name: str) -> Optional[float]:
+def _seconds(environ: Mapping[str, str], name: str, allow_zero: bool = False) -> Optional[float]:
     raw = environ.get(name, "").strip()
     if not raw:
         return None
@@ -477,9 +483,25 @@ def _positive_seconds(environ: Mapping[str, str], name: str) -> Optional[float]:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name}={raw!r} is not a positive number of seconds")
+    if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name}={raw!r} is not a {kind} number of seconds")
     return value
+
+
+def exit_wait_from_env(environ: Optional[Mapping[str, str]] = None) -> float:
+    """``ENGINE_EXIT_WAIT_S``: seconds an exiting rank waits for every rank to reach its exit
+    before the exit teardown (default 10; 0 turns the teardown off)."""
+    wait_s = _seconds(os.environ if environ is None else environ, "ENGINE_EXIT_WAIT_S", allow_zero=True)
+    return EXIT_WAIT_S if wait_s is None else wait_s
+
+
+def arm_exit_teardown(environ: Optional[Mapping[str, str]] = None) -> None:
+    """The ``atexit`` teardown for a script that ends without :func:`shutdown`
+    (:func:`engine.distributed.teardown.install_exit_teardown`), with ``ENGINE_EXIT_WAIT_S``
+    and this launch attempt (``TORCHELASTIC_RESTART_COUNT``). A bad value raises on every rank."""
+    environ = os.environ if environ is None else environ
+    install_exit_teardown(exit_wait_from_env(environ), environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def free_bytes_override(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
@@ -502,11 +524,11 @@ def failure_watch_from_env(environ: Optional[Mapping[str, str]] = None) -> Watch
     ``failure_guard`` to hear from the other survivors (default 5; a loaded machine's
     tests raise it)."""
     environ = os.environ if environ is None else environ
-    grace = _positive_seconds(environ, "ENGINE_FAILURE_GRACE_S")
+    grace = _seconds(environ, "ENGINE_FAILURE_GRACE_S")
     if grace is None:
-        grace = _positive_seconds(environ, "ENGINE_FAILURE_WATCH_GRACE")
+        grace = _seconds(environ, "ENGINE_FAILURE_WATCH_GRACE")
     return WatchSettings(enabled=env_flag("ENGINE_FAILURE_WATCH", True, environ),
-                         interval_s=_positive_seconds(environ, "ENGINE_FAILURE_WATCH_INTERVAL"),
+                         interval_s=_seconds(environ, "ENGINE_FAILURE_WATCH_INTERVAL"),
                          grace_s=WatchSettings.grace_s if grace is None else grace)
 
 
@@ -528,7 +550,7 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
     ``timeout_s`` bounds the rendezvous and every collective (pass the same value to
     :meth:`ParallelGroups.build` so subgroups honour it too). Call :func:`shutdown` at the
     end of the job (if a script does not, an ``atexit`` hook does it once every rank has
-    reached its exit: :func:`engine.distributed.teardown.install_exit_teardown`).
+    reached its exit: :func:`arm_exit_teardown`).
     """
     import torch
     import torch.distributed as dist
@@ -559,7 +581,7 @@ def init_distributed(timeout_s: float = 1800.0, backend: Optional[str] = None,
     dist.init_process_group(be, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=timeout, **extra)
     register_process(store, info.rank)
-    install_exit_teardown()  # for a script that ends without shutdown() (a DeepSpeed loop)
+    arm_exit_teardown()  # for a script that ends without shutdown() (a DeepSpeed loop)
     logger.info("rank %d/%d (%s, local rank %d) on %s with %s, collective timeout %.0fs",
                 info.rank, info.world_size, info.launcher, info.local_rank, dev, be, timeout_s)
     return DistEnv(launch=info, device=dev, backend=be, timeout_s=timeout_s, store=store,

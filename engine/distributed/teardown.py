@@ -13,10 +13,10 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-__all__ = ["shutdown", "gloo_worker_threads", "bind_world_defaults_early", "install_exit_teardown",
-           "every_rank_exiting", "exit_wait_s", "EXIT_WAIT_S"]
+__all__ = ["shutdown", "try_shutdown", "gloo_worker_threads", "bind_world_defaults_early", "install_exit_teardown",
+           "every_rank_exiting", "EXIT_WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,9 @@ def shutdown(drain: bool = True) -> None:
     destructor and calls std::terminate ("terminate called without an active
     exception"). So, while the interpreter is fully alive: (1) barrier every group
     this rank belongs to, in creation order, so every member has finished all work on
-    it; (2) destroy the subgroups then the default group; (3) collect garbage (until a
-    pass frees nothing) so groups held only by reference cycles are destroyed now, their destructors joining
-    the worker threads. Collective: every rank calls it. After a communication failure
+    it; (2) destroy the subgroups then the default group; (3) collect garbage so groups
+    held only by reference cycles are destroyed now, their destructors joining the worker
+    threads (again while threads remain and a pass frees something; once after a failure). Collective: every rank calls it. After a communication failure
     use ``drain=False`` (``failure_guard`` does): the barriers could only time out, and
     threads that outlive it are expected (the exception in flight holds the groups) and
     not reported, since a failure path leaves through ``os._exit``.
@@ -153,40 +153,37 @@ _GAVE_UP = 1 << 40  # added by a rank that stopped waiting: the count can never 
 _exit_hook: list[float] = []
 
 
-def exit_wait_s(environ: Optional[Mapping[str, str]] = None) -> float:
-    """``ENGINE_EXIT_WAIT_S``: seconds an exiting rank waits for every rank to reach its exit
-    before the exit teardown (default :data:`EXIT_WAIT_S`; 0 turns the teardown off)."""
-    raw = (os.environ if environ is None else environ).get("ENGINE_EXIT_WAIT_S", "").strip()
-    if not raw:
-        return EXIT_WAIT_S
+def try_shutdown() -> Optional[Exception]:
+    """:func:`shutdown`; if draining fails (a peer left before its barrier), destroy without
+    draining. Returns the drain's error, or None."""
     try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"ENGINE_EXIT_WAIT_S={raw!r} is not a number of seconds >= 0 (0 turns the exit "
-                         f"teardown off; unset for {EXIT_WAIT_S:.0f} s)")
-    return value
+        shutdown()
+    except Exception as exc:  # noqa: BLE001 - any collective failure of a peer that left
+        shutdown(drain=False)
+        return exc
+    return None
 
 
-def install_exit_teardown() -> None:
+def install_exit_teardown(wait_s: float = EXIT_WAIT_S, attempt: str = "0") -> None:
     """Register (once per process) an ``atexit`` teardown for scripts that end with their
     groups up: DeepSpeed loops and HF's Trainer never destroy them, and groups left to
     interpreter finalisation can abort a rank whose work is done (docs/launching.md).
+    ``engine.distributed.env.arm_exit_teardown`` calls it with ``ENGINE_EXIT_WAIT_S`` and the
+    launch attempt (an elastic restart reuses the agent's store, so the count is per attempt).
 
     ``shutdown()``'s barriers are collective, and at exit a rank cannot tell a peer that is
     exiting too from one still training (a rank that failed and called ``sys.exit(1)``):
     a barrier against a peer's all-reduce would hang or mismatch. So the hook first checks
     through the rendezvous store, which no collective uses, that every rank has reached its
     own exit (:func:`every_rank_exiting`); only then does it drain and destroy. Otherwise
-    (a peer died, or is still busy after ``ENGINE_EXIT_WAIT_S``) it leaves the groups as
-    they are, as before. A rank that dies of an uncaught exception leaves at once: its
-    sockets closing is what makes a peer's pending collective fail instead of waiting. A process that already called ``shutdown()`` (every entry point of
-    this engine) finds nothing to do. A bad ``ENGINE_EXIT_WAIT_S`` raises here, on every rank.
+    (a peer died, or is still busy after ``wait_s``) it leaves the groups as they are, as
+    before. A rank that dies of an uncaught exception leaves at once: its sockets closing is
+    what makes a peer's pending collective fail instead of waiting. A process that already
+    called ``shutdown()`` (every entry point of this engine) finds nothing to do.
+    ``wait_s`` 0: no hook.
     """
-    wait_s = exit_wait_s()
     if not _exit_hook and wait_s > 0:
-        atexit.register(_teardown_at_exit, wait_s)
+        atexit.register(_teardown_at_exit, wait_s, f"engine/exiting/{attempt}")
         _exit_hook.append(wait_s)
 
 
@@ -210,15 +207,13 @@ def every_rank_exiting(store: Any, world_size: int, wait_s: float, key: str) -> 
     return True
 
 
-def _teardown_at_exit(wait_s: float) -> None:
+def _teardown_at_exit(wait_s: float, key: str) -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return  # shut down already (the engine's entry points), or never initialised
     if getattr(sys, "last_value", None) is not None:  # set for an uncaught exception (not SystemExit)
         return  # its peers may be mid-collective: leave at once, so theirs fail rather than wait
-    # an elastic restart reuses the agent's store: the key is this attempt's
-    key = f"engine/exiting/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
         ready = every_rank_exiting(dist.distributed_c10d._get_default_store(), dist.get_world_size(), wait_s, key)
     except Exception:  # noqa: BLE001 - the store left with its host rank: not every rank is here
@@ -226,8 +221,6 @@ def _teardown_at_exit(wait_s: float) -> None:
     if not ready:
         logger.debug("exit teardown skipped: not every rank reached its exit within %.0f s", wait_s)
         return
-    try:
-        shutdown()
-    except Exception as exc:  # noqa: BLE001 - a peer left between the count and the barriers
-        logger.debug("exit teardown could not drain (%s); destroying without it", exc)
-        shutdown(drain=False)
+    error = try_shutdown()  # a peer may leave between the count and the barriers
+    if error is not None:
+        logger.debug("exit teardown could not drain (%s); destroyed without it", error)

@@ -26,9 +26,9 @@ import torch.nn as nn
 from harness import scaled
 
 import engine.compat.deepspeed as deepspeed
-from engine.distributed.env import gloo_worker_threads, shutdown
+from engine.distributed.env import arm_exit_teardown, exit_wait_from_env, gloo_worker_threads, shutdown
 from engine.distributed.spawn import free_port, spawn
-from engine.distributed.teardown import EXIT_WAIT_S, exit_wait_s
+from engine.distributed.teardown import EXIT_WAIT_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _GENEROUS = str(scaled(60))  # the exit wait where both ranks do reach their exit: never the limit
@@ -160,7 +160,7 @@ def test_a_rank_dying_of_an_exception_leaves_at_once():
 
 
 @pytest.mark.parametrize("raw", ["-1", "soon", "inf", "nan"])
-def test_a_bad_exit_wait_is_refused_at_start(raw):
-    with pytest.raises(ValueError, match="ENGINE_EXIT_WAIT_S"):
-        exit_wait_s({"ENGINE_EXIT_WAIT_S": raw})
-    assert exit_wait_s({}) == EXIT_WAIT_S and exit_wait_s({"ENGINE_EXIT_WAIT_S": "0"}) == 0
+def test_a_bad_exit_wait_is_refused_when_the_teardown_is_armed(raw):
+    with pytest.raises(ValueError, match="ENGINE_EXIT_WAIT_S='.*' is not a non-negative number of seconds"):
+        arm_exit_teardown({"ENGINE_EXIT_WAIT_S": raw})  # as init_distributed and initialize call it
+    assert exit_wait_from_env({}) == EXIT_WAIT_S and exit_wait_from_env({"ENGINE_EXIT_WAIT_S": "0"}) == 0

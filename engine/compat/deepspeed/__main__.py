@@ -89,15 +89,13 @@ def end_of_script_teardown() -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return  # the script destroyed its groups itself, or never made any
-    from engine.distributed.teardown import shutdown
+    from engine.distributed.teardown import try_shutdown
 
-    try:
-        shutdown()
-    except Exception as exc:  # noqa: BLE001 - any collective failure of a peer that left
+    error = try_shutdown()
+    if error is not None:
         sys.stderr.write(f"engine.compat.deepspeed: the script finished, but draining the process "
-                         f"groups failed ({type(exc).__name__}: {exc}); a peer rank left early and "
+                         f"groups failed ({type(error).__name__}: {error}); a peer rank left early and "
                          f"reports its own error\n")
-        shutdown(drain=False)
 
 
 if __name__ == "__main__":
